@@ -1,0 +1,23 @@
+"""moe_route: GPU kernels for mixture-of-experts layers.
+
+The token path: router top-k → :func:`build_routing_maps` → :func:`expand_rows` → grouped
+GEMMs → :func:`finalize_moe_routing`. Every op has a pure-PyTorch oracle in
+:mod:`moe_route.reference`; :mod:`moe_route.arch` says which implementation runs where.
+"""
+
+__version__ = "0.1.0"
+
+from . import arch, reference
+from .finalize import finalize_moe_routing
+from .maps import RoutingMaps, build_routing_maps
+from .permute import expand_rows
+
+__all__ = [
+    "RoutingMaps",
+    "__version__",
+    "arch",
+    "build_routing_maps",
+    "expand_rows",
+    "finalize_moe_routing",
+    "reference",
+]

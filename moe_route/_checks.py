@@ -1,0 +1,92 @@
+"""Input validation shared by the public functions.
+
+Every public entry point checks what it can from metadata (dtype, shape, device, sizes) before
+anything is launched, and raises ``TypeError`` / ``ValueError`` naming the argument, what it got
+and what it expected. Checks that need the *values* of a device tensor (e.g. ids in range) would
+synchronise with the host, so they run on CPU tensors always and on GPU tensors only when asked
+(``check_ids=True`` or ``MOE_ROUTE_CHECK_IDS=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(name: str, t: object, *, ndim: int | None = None, dtypes=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got {describe(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {describe(t)}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in present.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise ValueError(
+                f"{name} is on {dev} but {first_name} is on {first}: all tensors must share a device"
+            )
+    return first
+
+
+def check_num_experts(num_experts: object) -> int:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    return num_experts
+
+
+def check_topk_ids(topk_ids: object, num_experts: int) -> torch.Tensor:
+    t = check_tensor("topk_ids", topk_ids, ndim=2)
+    if t.dtype.is_floating_point or t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"topk_ids must be int32 or int64 expert ids, got {describe(t)}")
+    T, K = t.shape
+    if K < 1:
+        raise ValueError(f"topk_ids must have at least one slot per token (K >= 1), got {describe(t)}")
+    if K > num_experts:
+        raise ValueError(
+            f"topk_ids has K={K} slots per token but num_experts={num_experts}: expected K <= E"
+        )
+    if T * K >= 2**31:
+        raise ValueError(
+            f"topk_ids has T*K={T * K} expanded rows; the int32 routing maps hold < 2**31"
+        )
+    return t
+
+
+def ids_value_check_wanted(t: torch.Tensor, check_ids: bool | None) -> bool:
+    if check_ids is not None:
+        return check_ids
+    if t.device.type == "cpu":
+        return True
+    return os.environ.get("MOE_ROUTE_CHECK_IDS", "0") not in ("", "0")
+
+
+def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise if any id is outside ``[-1, num_experts)``. Reads values: syncs on a GPU tensor."""
+    if topk_ids.numel() == 0:
+        return
+    bad = (topk_ids < -1) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        value = int(topk_ids[where[0], where[1]])
+        raise ValueError(
+            f"topk_ids[{where[0]}, {where[1]}] = {value} is out of range: expected expert ids in "
+            f"[0, {num_experts}) or -1 for a dropped slot"
+        )

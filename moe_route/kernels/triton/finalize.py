@@ -1,0 +1,89 @@
+"""finalizeMoeRouting, standalone path: unpermute, scale, K-way reduce, add bias.
+
+Program ``(t, c)`` owns columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of output token ``t``. For
+``k = 0..K-1`` (unrolled, so the K row loads are in flight together) it reads the permuted row
+``expanded_source_row_to_expanded_dest_row[k*T + t]`` of ``y_perm``, scales it by
+``topk_weights[t, k]`` and adds it to a float32 accumulator; ``bias`` is added once after the
+sum and the result is rounded once. Dropped slots (``expert_for_source_row == -1``) are masked
+out of both the load and the sum, so nothing they hold (NaN included) reaches the output.
+Every output element has one owner: no atomics, the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# NOTE: 8 KiB of columns per program, as for expand (bench/bench_routing.py --sweep).
+BYTES_PER_PROGRAM = 8192
+
+
+@triton.jit
+def _finalize_kernel(
+    y_ptr,
+    w_ptr,
+    src_to_dest_ptr,
+    expert_for_src_ptr,
+    bias_ptr,
+    out_ptr,
+    T,
+    H,
+    stride_yd,
+    stride_yh,
+    stride_wt,
+    stride_wk,
+    stride_bt,
+    stride_bh,
+    stride_ot,
+    stride_oh,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(K):
+        src = k * T + t
+        routed = tl.load(expert_for_src_ptr + src) >= 0
+        dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
+        w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(tl.float32)
+        row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed, other=0.0)
+        acc += tl.where(routed, w * row.to(tl.float32), 0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def finalize_triton(
+    y_perm: torch.Tensor,
+    topk_weights: torch.Tensor,
+    src_to_dest: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    block_h: int | None = None,
+) -> None:
+    """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated)."""
+    T, K = topk_weights.shape
+    H = out.shape[1]
+    if T == 0 or H == 0:
+        return
+    if block_h is None:
+        block_h = min(triton.next_power_of_2(H), BYTES_PER_PROGRAM // y_perm.element_size())
+    if bias is None:
+        bias_arg, sbt, sbh = out, 0, 0  # never read: HAS_BIAS is False
+    elif bias.dim() == 1:
+        bias_arg, sbt, sbh = bias, 0, bias.stride(0)
+    else:
+        bias_arg, sbt, sbh = bias, bias.stride(0), bias.stride(1)
+    grid = (T, triton.cdiv(H, block_h))
+    _finalize_kernel[grid](
+        y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H,
+        y_perm.stride(0), y_perm.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+        sbt, sbh, out.stride(0), out.stride(1),
+        K=K, HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip

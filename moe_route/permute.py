@@ -1,0 +1,60 @@
+"""Expand (permute) token rows into the expert-grouped order of the routing maps."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from .arch import backend_for
+from .maps import RoutingMaps
+from .reference import expand_rows_reference
+
+
+@torch.library.custom_op("moe_route::expand_rows", mutates_args=())
+def _expand_rows_op(
+    x: torch.Tensor, dest_to_src: torch.Tensor, offsets: torch.Tensor, backend: str
+) -> torch.Tensor:
+    if backend_for(x.device, backend).value == "reference":
+        return expand_rows_reference(x, dest_to_src, offsets)
+    from .kernels.triton.expand import expand_rows_triton
+
+    out = x.new_empty(dest_to_src.numel(), x.shape[1])
+    expand_rows_triton(x, dest_to_src, offsets, out)
+    return out
+
+
+@_expand_rows_op.register_fake
+def _(x, dest_to_src, offsets, backend):
+    return x.new_empty(dest_to_src.numel(), x.shape[1])
+
+
+def check_maps(maps: object, num_tokens: int, device: torch.device, arg: str) -> RoutingMaps:
+    if not isinstance(maps, RoutingMaps):
+        raise TypeError(f"maps must be a RoutingMaps from build_routing_maps, got {type(maps).__name__}")
+    if maps.num_tokens != num_tokens:
+        raise ValueError(
+            f"maps were built for T={maps.num_tokens} tokens but {arg} has {num_tokens} tokens"
+        )
+    if maps.device != device:
+        raise ValueError(f"maps are on {maps.device} but {arg} is on {device}")
+    return maps
+
+
+def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") -> torch.Tensor:
+    """Gather token rows into permuted (expert-grouped) order.
+
+    Args:
+        x: ``[T, H]`` float16/bfloat16/float32/float64, any strides.
+        maps: from :func:`moe_route.build_routing_maps` for the same ``T``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Returns:
+        ``x_perm [T*K, H]`` (contiguous, ``x.dtype``): ``x_perm[d] = x[t]`` for the routed dest
+        row ``d`` of token ``t``; dropped rows (``d >= expert_first_token_offset[E]``) are zero.
+    """
+    _checks.check_tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    check_maps(maps, x.shape[0], x.device, "x")
+    backend_for(x.device, backend)
+    return _expand_rows_op(
+        x, maps.expanded_dest_row_to_expanded_source_row, maps.expert_first_token_offset, backend
+    )
