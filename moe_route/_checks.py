@@ -39,7 +39,7 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     for name, dev in devices.items():
         if dev != first:
             raise ValueError(
-                f"{name} is on {dev} but {first_name} is on {first}: all tensors must share a device"
+                f"{name} is on {dev} but {first_name} is on {first}: expected one device"
             )
     return first
 
@@ -58,8 +58,10 @@ def check_topk_ids(topk_ids: object, num_experts: int) -> torch.Tensor:
         raise TypeError(f"topk_ids must be int32 or int64 expert ids, got {describe(t)}")
     T, K = t.shape
     if K < 1:
-        raise ValueError(f"topk_ids must have at least one slot per token (K >= 1), got {describe(t)}")
-    if K > num_experts:
+        raise ValueError(
+            f"topk_ids must have at least one slot per token (K >= 1), got {describe(t)}"
+        )
+    if num_experts < K:
         raise ValueError(
             f"topk_ids has K={K} slots per token but num_experts={num_experts}: expected K <= E"
         )

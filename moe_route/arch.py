@@ -37,7 +37,7 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_importable() -> tuple[bool, str]:
     try:
         import triton  # noqa: F401
@@ -46,7 +46,7 @@ def _triton_importable() -> tuple[bool, str]:
     return True, ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -70,7 +70,9 @@ def compute_capability(device: torch.device) -> int | None:
 def _env_choice(name: str, allowed: tuple[str, ...]) -> str:
     value = os.environ.get(name, "auto").strip().lower() or "auto"
     if value != "auto" and value not in allowed:
-        raise ValueError(f"environment variable {name}={value!r}: expected 'auto' or one of {allowed}")
+        raise ValueError(
+            f"environment variable {name}={value!r}: expected 'auto' or one of {allowed}"
+        )
     return value
 
 

@@ -72,7 +72,7 @@ def finalize_moe_routing(
     T, K = topk_weights.shape
     H = y_perm.shape[1]
     check_maps(maps, T, topk_weights.device, "topk_weights")
-    if K != maps.top_k:
+    if maps.top_k != K:
         raise ValueError(
             f"topk_weights has K={K} slots per token but maps were built with K={maps.top_k}"
         )
@@ -84,7 +84,7 @@ def finalize_moe_routing(
         _checks.check_tensor("bias", bias, dtypes=_checks.FLOAT_DTYPES)
         if tuple(bias.shape) not in ((H,), (T, H)):
             raise ValueError(
-                f"bias must have shape [H] = [{H}] or [T, H] = [{T}, {H}], got {_checks.describe(bias)}"
+                f"bias must be [H] = [{H}] or [T, H] = [{T}, {H}], got {_checks.describe(bias)}"
             )
     _checks.check_same_device(y_perm=y_perm, topk_weights=topk_weights, bias=bias)
     backend_for(y_perm.device, backend)

@@ -49,7 +49,9 @@ class RoutingMaps:
         ):
             t = getattr(self, name)
             if t.dtype != torch.int32 or tuple(t.shape) != (n,):
-                raise ValueError(f"RoutingMaps.{name}: expected [{n}] int32, got {_checks.describe(t)}")
+                raise ValueError(
+                    f"RoutingMaps.{name}: expected [{n}] int32, got {_checks.describe(t)}"
+                )
         off = self.expert_first_token_offset
         if off.dtype != torch.int64 or tuple(off.shape) != (self.num_experts + 1,):
             raise ValueError(

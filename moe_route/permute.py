@@ -30,7 +30,9 @@ def _(x, dest_to_src, offsets, backend):
 
 def check_maps(maps: object, num_tokens: int, device: torch.device, arg: str) -> RoutingMaps:
     if not isinstance(maps, RoutingMaps):
-        raise TypeError(f"maps must be a RoutingMaps from build_routing_maps, got {type(maps).__name__}")
+        raise TypeError(
+            f"maps must be a RoutingMaps from build_routing_maps, got {type(maps).__name__}"
+        )
     if maps.num_tokens != num_tokens:
         raise ValueError(
             f"maps were built for T={maps.num_tokens} tokens but {arg} has {num_tokens} tokens"

@@ -130,7 +130,7 @@ def expand_rows_backward_reference(
 def split_gate_up(
     z: torch.Tensor, gate_up_layout: str = "concat"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split GEMM1's ``[M, 2I]`` output into gate and up halves (``"concat"`` or ``"interleaved"``)."""
+    """Split GEMM1's ``[M, 2I]`` output into gate and up (``"concat"`` or ``"interleaved"``)."""
     if gate_up_layout == "concat":
         gate, up = z.chunk(2, dim=-1)
     elif gate_up_layout == "interleaved":

@@ -54,7 +54,9 @@ def _finalize_kernel(
         acc += tl.where(routed, w * row.to(tl.float32), 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+    tl.store(
+        out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=in_row
+    )
 
 
 def finalize_triton(

@@ -97,9 +97,7 @@ def _tile_histogram_kernel(
     NUM_BINS: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    i, t, k, valid, routed, expert, bins = _load_bins(
-        ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK
-    )
+    _, t, k, valid, _, expert, bins = _load_bins(ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK)
     tl.store(expert_for_src_ptr + k * T + t, expert, mask=valid)
     counts = tl.histogram(bins, NUM_BINS, mask=valid)
     tl.store(tile_counts_ptr + tile * NUM_BINS + tl.arange(0, NUM_BINS), counts)
@@ -162,9 +160,7 @@ def _tile_place_kernel(
     NUM_BINS: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    i, t, k, valid, routed, expert, bins = _load_bins(
-        ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK
-    )
+    i, _, _, valid, _, _, bins = _load_bins(ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK)
     local = i - tile * BLOCK
     key = tl.sort(tl.where(valid, bins, E + K) * BLOCK + local)
     j = tl.arange(0, BLOCK)
@@ -204,7 +200,7 @@ def routing_maps_triton(
     if tile is None:
         tile = triton.next_power_of_2(N) if N <= ONE_TILE_MAX else TILE
     tile = max(tile, 16)
-    if N <= tile:
+    if tile >= N:
         _routing_maps_one_tile_kernel[(1,)](
             topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets,
             T, K, E, st, sk,
