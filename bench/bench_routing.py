@@ -114,16 +114,17 @@ def _bench_expand_shape(shape, maps, H, dtype, ceil, rows, block_bytes):
     T, N, es = maps.num_tokens, maps.num_expanded_rows, dtype.itemsize
     x = torch.randn(T, H, device="cuda", dtype=dtype)
     d2s = maps.expanded_dest_row_to_expanded_source_row
-    offs = maps.expert_first_token_offset
+    s2d = maps.expanded_source_row_to_expanded_dest_row
+    e4s = maps.expert_for_source_row
     nbytes = T * H * es + N * H * es + N * 4  # read x once, write N rows, read the map
     base = time_cuda(lambda: x.index_select(0, d2s % T))
     rows.append(make_row("expand", shape, "torch gather", base, ceil, nbytes))
     x_perm = torch.full((N, H), float("nan"), device="cuda", dtype=dtype)
     for bb in block_bytes:
         bh = _block_h(bb, dtype)
-        expand_rows_triton(x, d2s, offs, x_perm, block_h=bh)
+        expand_rows_triton(x, s2d, e4s, x_perm, block_h=bh)
         assert torch.equal(x_perm, x.index_select(0, d2s % T)), shape
-        ours = time_cuda(lambda bh=bh: expand_rows_triton(x, d2s, offs, x_perm, block_h=bh))
+        ours = time_cuda(lambda bh=bh: expand_rows_triton(x, s2d, e4s, x_perm, block_h=bh))
         impl = "moe_route" if bb is None else f"block={bb}B"
         speedup = base.median_s / ours.median_s
         rows.append(make_row("expand", shape, impl, ours, ceil, nbytes, x_torch=speedup))

@@ -12,20 +12,25 @@ from .reference import expand_rows_reference
 
 @torch.library.custom_op("moe_route::expand_rows", mutates_args=())
 def _expand_rows_op(
-    x: torch.Tensor, dest_to_src: torch.Tensor, offsets: torch.Tensor, backend: str
+    x: torch.Tensor,
+    src_to_dest: torch.Tensor,
+    dest_to_src: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    offsets: torch.Tensor,
+    backend: str,
 ) -> torch.Tensor:
     if backend_for(x.device, backend).value == "reference":
         return expand_rows_reference(x, dest_to_src, offsets)
     from .kernels.triton.expand import expand_rows_triton
 
-    out = x.new_empty(dest_to_src.numel(), x.shape[1])
-    expand_rows_triton(x, dest_to_src, offsets, out)
+    out = x.new_empty(src_to_dest.numel(), x.shape[1])
+    expand_rows_triton(x, src_to_dest, expert_for_src, out)
     return out
 
 
 @_expand_rows_op.register_fake
-def _(x, dest_to_src, offsets, backend):
-    return x.new_empty(dest_to_src.numel(), x.shape[1])
+def _(x, src_to_dest, dest_to_src, expert_for_src, offsets, backend):
+    return x.new_empty(src_to_dest.numel(), x.shape[1])
 
 
 def check_maps(maps: object, num_tokens: int, device: torch.device, arg: str) -> RoutingMaps:
@@ -58,5 +63,10 @@ def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") ->
     check_maps(maps, x.shape[0], x.device, "x")
     backend_for(x.device, backend)
     return _expand_rows_op(
-        x, maps.expanded_dest_row_to_expanded_source_row, maps.expert_first_token_offset, backend
+        x,
+        maps.expanded_source_row_to_expanded_dest_row,
+        maps.expanded_dest_row_to_expanded_source_row,
+        maps.expert_for_source_row,
+        maps.expert_first_token_offset,
+        backend,
     )

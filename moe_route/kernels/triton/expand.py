@@ -1,7 +1,10 @@
-"""Expand (permute) rows: ``x_perm[d] = x[dest_to_src[d] mod T]``, a row gather.
+"""Expand (permute) rows: ``x_perm[d] = x[t]`` for every dest row ``d`` of token ``t``.
 
-Program ``(d, c)`` copies columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of dest row ``d``. Rows past
-``expert_first_token_offset[E]`` (dropped slots) are written as zeros without reading ``x``.
+Written as a scatter, not a gather: program ``(t, c)`` reads columns
+``[c*BLOCK_H, (c+1)*BLOCK_H)`` of ``x[t]`` once and writes them to the ``K`` dest rows
+``expanded_source_row_to_expanded_dest_row[k*T + t]``, so ``x`` is read exactly once (a gather
+per dest row reads each token ``K`` times). Dest rows of dropped slots are written as zeros.
+Every dest row has exactly one writer (the maps are a permutation): no atomics.
 Loads and stores are 16 bytes wide when the row pitch is a multiple of 16 bytes (Triton
 specialises on pointer and stride divisibility); other ``H`` run the same code unvectorised.
 """
@@ -12,54 +15,57 @@ import torch
 import triton
 import triton.language as tl
 
-# NOTE: 8 KiB of columns per program (H = 4096 in bf16 is one program per row) measured best
-# on an H100 among 2/4/8/16 KiB (bench/bench_routing.py --sweep).
-BYTES_PER_PROGRAM = 8192
+# NOTE: 2 KiB of columns per program beat 4/8/16 KiB on an H200 for both gather and scatter
+# forms at the mixtral and deepseek shapes (bench/bench_routing.py --sweep).
+BYTES_PER_PROGRAM = 2048
 
 
 @triton.jit
 def _expand_rows_kernel(
     x_ptr,
     out_ptr,
-    dest_to_src_ptr,
-    offsets_ptr,
+    src_to_dest_ptr,
+    expert_for_src_ptr,
     T,
     H,
-    E,
     stride_xt,
     stride_xh,
     stride_od,
     stride_oh,
+    K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    d = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = cols < H
-    routed = d < tl.load(offsets_ptr + E)
-    src = tl.load(dest_to_src_ptr + d)
-    t = (src % T).to(tl.int64)
-    row = tl.load(x_ptr + t * stride_xt + cols * stride_xh, mask=in_row & routed, other=0.0)
-    tl.store(out_ptr + d.to(tl.int64) * stride_od + cols * stride_oh, row, mask=in_row)
+    row = tl.load(x_ptr + t * stride_xt + cols * stride_xh, mask=in_row)
+    for k in tl.static_range(K):
+        src = k * T + t
+        routed = tl.load(expert_for_src_ptr + src) >= 0
+        dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
+        tl.store(
+            out_ptr + dest * stride_od + cols * stride_oh, tl.where(routed, row, 0.0), mask=in_row
+        )
 
 
 def expand_rows_triton(
     x: torch.Tensor,
-    dest_to_src: torch.Tensor,
-    offsets: torch.Tensor,
+    src_to_dest: torch.Tensor,
+    expert_for_src: torch.Tensor,
     out: torch.Tensor,
     *,
     block_h: int | None = None,
 ) -> None:
-    """Gather ``x [T, H]`` into ``out [T*K, H]`` (preallocated) in permuted order."""
+    """Scatter ``x [T, H]`` into ``out [T*K, H]`` (preallocated) in permuted order."""
     T, H = x.shape
-    N = out.shape[0]
-    if N == 0 or H == 0:
+    if T == 0 or H == 0:
         return
+    K = out.shape[0] // T
     if block_h is None:
         block_h = min(triton.next_power_of_2(H), BYTES_PER_PROGRAM // x.element_size())
-    grid = (N, triton.cdiv(H, block_h))
+    grid = (T, triton.cdiv(H, block_h))
     _expand_rows_kernel[grid](
-        x, out, dest_to_src, offsets, T, H, offsets.numel() - 1,
+        x, out, src_to_dest, expert_for_src, T, H,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, num_warps=4,
+        K=K, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip

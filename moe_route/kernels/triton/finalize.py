@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-# NOTE: 8 KiB of columns per program, as for expand (bench/bench_routing.py --sweep).
-BYTES_PER_PROGRAM = 8192
+# NOTE: on an H200, 2-4 KiB of columns per program reached 91-98% of the copy bandwidth at
+# the mixtral and deepseek shapes, 8 KiB 83-84% (bench/bench_routing.py --sweep).
+BYTES_PER_PROGRAM = 2048
 
 
 @triton.jit

@@ -8,11 +8,11 @@ the dropped slots after every routed row sorted by ``(k, t)``, which is source-r
 ``s = k*T + t``.
 
 Small problems (one tile, the decode sizes) run :func:`_routing_maps_one_tile_kernel` in a
-single launch: sorting the tile's keys *is* the permutation. Larger ones run three launches:
+single launch: sorting the tile's keys *is* the permutation. Larger ones run three launches,
+each fully parallel:
 
 1. :func:`_tile_histogram_kernel` — program ``p`` counts the bins of tile ``p``;
-2. :func:`_tile_scan_kernel` — one program scans the ``[tiles, bins]`` counts into each tile's
-   base row per bin and the expert offsets;
+2. :func:`_bin_scan_kernel` — program ``q`` scans a group of bins over the tiles;
 3. :func:`_tile_place_kernel` — program ``p`` sorts its tile's keys; the ``j``-th sorted key
    lands at ``base[p, bin] + j``.
 
@@ -26,10 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-# NOTE: sizes picked from a sweep on an H100 (bench/bench_routing.py --sweep): one tile covers
-# the decode sizes in a single launch; larger inputs use 1024-slot tiles.
-ONE_TILE_MAX = 2048
-TILE = 1024
+# NOTE: an in-program sort of n keys costs ~n log² n: on an H200 one 512-key tile took 5 µs,
+# 2048 keys 21 µs, 4096 keys 71 µs (bench/bench_routing.py --sweep). So one launch covers the
+# decode sizes and larger inputs use many small tiles.
+ONE_TILE_MAX = 1024
+TILE = 512
 
 
 @triton.jit
@@ -96,6 +97,7 @@ def _tile_histogram_kernel(
     BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
 ):
+    """Program ``p``: ``tile_counts[p, b]`` = slots of tile ``p`` in bin ``b``."""
     tile = tl.program_id(0)
     _, t, k, valid, _, expert, bins = _load_bins(ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK)
     tl.store(expert_for_src_ptr + k * T + t, expert, mask=valid)
@@ -104,53 +106,41 @@ def _tile_histogram_kernel(
 
 
 @triton.jit
-def _tile_scan_kernel(
+def _bin_scan_kernel(
     tile_counts_ptr,
-    tile_base_ptr,
-    offsets_ptr,
+    tiles_before_ptr,
+    totals_ptr,
     num_tiles,
-    E,
     NUM_BINS: tl.constexpr,
+    BINS: tl.constexpr,
     TILES_PER_STEP: tl.constexpr,
 ):
-    """One program. ``tile_base[p, b]`` = first dest row of bin ``b`` in tile ``p`` minus the
-    number of tile-``p`` slots in bins below ``b``, so that the ``j``-th sorted key of tile
-    ``p`` lands at ``tile_base[p, bin] + j``."""
-    b = tl.arange(0, NUM_BINS)
+    """Program ``q`` owns bins ``[q*BINS, (q+1)*BINS)``: for each, the exclusive prefix over
+    tiles ``tiles_before[p, b]`` and the total ``totals[b]``."""
+    b = tl.program_id(0) * BINS + tl.arange(0, BINS)
     r = tl.arange(0, TILES_PER_STEP)
-    totals = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for start in range(0, num_tiles, TILES_PER_STEP):
-        rows = start + r
-        block = tl.load(
-            tile_counts_ptr + rows[:, None] * NUM_BINS + b[None, :],
-            mask=rows[:, None] < num_tiles,
-            other=0,
-        )
-        totals += tl.sum(block, axis=0)
-    bin_start = tl.cumsum(totals, 0) - totals
-    # Bins E.. are the dropped slots: bin_start[E] is the number of routed rows.
-    tl.store(offsets_ptr + b, bin_start.to(tl.int64), mask=b <= E)
-
-    carry = bin_start
+    carry = tl.zeros([BINS], dtype=tl.int32)
     for start in range(0, num_tiles, TILES_PER_STEP):
         rows = start + r
         in_range = rows[:, None] < num_tiles
-        block = tl.load(
-            tile_counts_ptr + rows[:, None] * NUM_BINS + b[None, :], mask=in_range, other=0
+        where = rows[:, None] * NUM_BINS + b[None, :]
+        block = tl.load(tile_counts_ptr + where, mask=in_range, other=0)
+        tl.store(
+            tiles_before_ptr + where, tl.cumsum(block, 0) - block + carry[None, :], mask=in_range
         )
-        before_in_bin = tl.cumsum(block, 0) - block  # earlier tiles of this step, same bin
-        before_in_tile = tl.cumsum(block, 1) - block  # lower bins, same tile
-        base = carry[None, :] + before_in_bin - before_in_tile
-        tl.store(tile_base_ptr + rows[:, None] * NUM_BINS + b[None, :], base, mask=in_range)
         carry += tl.sum(block, axis=0)
+    tl.store(totals_ptr + b, carry)
 
 
 @triton.jit
 def _tile_place_kernel(
     ids_ptr,
-    tile_base_ptr,
+    tile_counts_ptr,
+    tiles_before_ptr,
+    totals_ptr,
     src_to_dest_ptr,
     dest_to_src_ptr,
+    offsets_ptr,
     T,
     K,
     E,
@@ -159,18 +149,27 @@ def _tile_place_kernel(
     BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
 ):
+    """Program ``p`` sorts its tile's keys; the ``j``-th lands at ``base[bin] + j`` where
+    ``base[b]`` = first dest row of bin ``b`` + slots of ``b`` in earlier tiles − slots of
+    tile ``p`` in bins below ``b`` (those precede it in the sorted tile)."""
     tile = tl.program_id(0)
     i, _, _, valid, _, _, bins = _load_bins(ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK)
+    b = tl.arange(0, NUM_BINS)
+    totals = tl.load(totals_ptr + b)
+    bin_start = tl.cumsum(totals, 0) - totals  # bin_start[E] = routed rows
+    if tile == 0:
+        tl.store(offsets_ptr + b, bin_start.to(tl.int64), mask=b <= E)
+    row = tl.load(tile_counts_ptr + tile * NUM_BINS + b)
+    base = bin_start + tl.load(tiles_before_ptr + tile * NUM_BINS + b) - (tl.cumsum(row, 0) - row)
+
     local = i - tile * BLOCK
-    key = tl.sort(tl.where(valid, bins, E + K) * BLOCK + local)
+    key = tl.sort(tl.where(valid, bins, E + K) * BLOCK + local)  # padding sorts last
     j = tl.arange(0, BLOCK)
     placed = tile * BLOCK + j < T * K
-    bin_sorted = key // BLOCK
+    dest = tl.gather(base, key // BLOCK, 0) + j
     src_i = tile * BLOCK + key % BLOCK
     src_t = src_i // K
     src = (src_i - src_t * K) * T + src_t
-    base = tl.load(tile_base_ptr + tile * NUM_BINS + bin_sorted, mask=placed, other=0)
-    dest = base + j
     tl.store(dest_to_src_ptr + dest, src, mask=placed)
     tl.store(src_to_dest_ptr + src, dest, mask=placed)
 
@@ -209,19 +208,21 @@ def routing_maps_triton(
         )  # fmt: skip
         return
     num_tiles = triton.cdiv(N, tile)
-    num_bins = triton.next_power_of_2(E + K)
-    tile_counts = torch.empty(num_tiles, num_bins, dtype=torch.int32, device=topk_ids.device)
-    tile_base = torch.empty_like(tile_counts)
+    num_bins = triton.next_power_of_2(E + K + 1)  # the padding bin E+K is gathered too
+    scratch = torch.empty(2, num_tiles, num_bins, dtype=torch.int32, device=topk_ids.device)
+    tile_counts, tiles_before = scratch[0], scratch[1]
+    totals = torch.empty(num_bins, dtype=torch.int32, device=topk_ids.device)
     warps = 4 if tile <= 1024 else 8
     _tile_histogram_kernel[(num_tiles,)](
         topk_ids, tile_counts, expert_for_src, T, K, E, st, sk,
         BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
     )  # fmt: skip
-    _tile_scan_kernel[(1,)](
-        tile_counts, tile_base, offsets, num_tiles, E,
-        NUM_BINS=num_bins, TILES_PER_STEP=max(1, min(64, 8192 // num_bins)), num_warps=8,
+    scan_bins = min(num_bins, 32)
+    _bin_scan_kernel[(num_bins // scan_bins,)](
+        tile_counts, tiles_before, totals, num_tiles,
+        NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4,
     )  # fmt: skip
     _tile_place_kernel[(num_tiles,)](
-        topk_ids, tile_base, src_to_dest, dest_to_src, T, K, E, st, sk,
-        BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
+        topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets,
+        T, K, E, st, sk, BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
     )  # fmt: skip
