@@ -1,0 +1,276 @@
+"""Grouped GEMM over expert-grouped rows, with fused activation, bias, gather and finalize.
+
+One launch covers every expert. Rows of expert ``e`` are ``[offset[e], offset[e+1])`` of the
+permuted order; they are cut into ``BLOCK_M``-row *m-tiles*, numbered expert after expert.
+:func:`_expert_tile_start_kernel` turns ``expert_first_token_offset`` into ``tile_start[e]``
+(first m-tile of expert ``e``; ``tile_start[E]`` = number of m-tiles) on the device, and each
+GEMM program finds its expert by a binary search of ``tile_start``. The grid is an upper bound
+that depends only on ``T*K`` and the tile sizes (``cdiv(T*K, BLOCK_M) + E`` m-tiles), never on
+the routing: programs past the last real m-tile exit at once, and an expert with no rows owns
+no m-tile, so it costs nothing. No host synchronisation, no per-expert launch.
+
+Program ``pid`` computes the ``[BLOCK_M, BLOCK_N]`` output tile ``(m_tile, n_tile)``, m-tiles
+grouped ``GROUP_M`` at a time so that consecutive programs reuse the same weight columns in L2.
+
+Epilogues (constexpr-selected):
+
+* ``ACTIVATION``: identity / silu / gelu (erf) / relu, or the gated swiglu / geglu, for which
+  the program computes the gate and the up columns of its tile with two accumulators over the
+  same ``A`` tile and writes only the ``I`` activated columns. ``INTERLEAVED`` picks the gate/up
+  row layout of ``W1`` (gate rows then up rows, or alternating).
+* ``GATHER``: ``A`` rows are read from ``x [T, K]`` through
+  ``expanded_dest_row_to_expanded_source_row`` (``t = s mod T``): ``x_perm`` is never written.
+* ``FINALIZE`` (GEMM2): scale each row by its router weight and ``atomic_add`` it into a float32
+  ``[T, H]`` output (the non-deterministic fused finalize; the permuted output is not written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_CODES = {"identity": 0, "silu": 1, "gelu": 2, "relu": 3, "swiglu": 4, "geglu": 5}
+
+
+@triton.jit
+def _expert_tile_start_kernel(
+    offsets_ptr, tile_start_ptr, E, BLOCK_M: tl.constexpr, NUM: tl.constexpr
+):
+    e = tl.arange(0, NUM)
+    lo = tl.load(offsets_ptr + e, mask=e < E, other=0)
+    hi = tl.load(offsets_ptr + e + 1, mask=e < E, other=0)
+    tiles = ((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
+    tl.store(tile_start_ptr + e, tl.cumsum(tiles, 0) - tiles, mask=e <= E)
+
+
+@triton.jit
+def _apply_activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1 or ACTIVATION == 4:
+        x = x * tl.sigmoid(x)
+    elif ACTIVATION == 2 or ACTIVATION == 5:
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 3:
+        x = tl.maximum(x, 0.0)
+    return x
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    offsets_ptr,
+    tile_start_ptr,
+    dest_to_src_ptr,
+    weights_ptr,
+    E,
+    M_TILES,
+    N_OUT,
+    KD,
+    T,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_be,
+    stride_bn,
+    stride_wt,
+    stride_wkk,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr,
+    FINALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOG2_E: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    in_group = GROUP_M * n_tiles
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(M_TILES - first_m, GROUP_M)
+    m_tile = first_m + (pid % in_group) % group_size
+    n_tile = (pid % in_group) // group_size
+    if m_tile >= tl.load(tile_start_ptr + E):
+        return
+
+    # Expert of this m-tile: the last e with tile_start[e] <= m_tile (it has rows).
+    # Invariant: tile_start[lo] <= m_tile < tile_start[hi]; LOG2_E halvings reach hi = lo + 1.
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + E
+    for _ in tl.static_range(LOG2_E):
+        mid = (lo + hi) // 2
+        right = tl.load(tile_start_ptr + mid) <= m_tile
+        active = hi - lo > 1
+        lo = tl.where(active & right, mid, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    e = lo
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = tl.load(offsets_ptr + e) + (m_tile - tl.load(tile_start_ptr + e)) * BLOCK_M
+    rows = rows + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    if GATHER:
+        a_rows = (tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0) % T).to(tl.int64)
+    else:
+        a_rows = rows
+
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    if GATED:
+        if INTERLEAVED:
+            gate_rows = 2 * cols
+            up_rows = 2 * cols + 1
+        else:
+            gate_rows = cols
+            up_rows = cols + N_OUT
+    else:
+        gate_rows = cols
+        up_rows = cols
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + ks < KD
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, wg, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            if EVEN_K:
+                wu = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                wu = tl.load(u_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
+            u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        b_base = bias_ptr + e.to(tl.int64) * stride_be
+        acc += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
+            None, :
+        ]
+        if GATED:
+            acc_up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :
+            ]
+    acc = _apply_activation(acc, ACTIVATION)
+    if GATED:
+        acc = acc * acc_up
+
+    mask = row_ok[:, None] & col_ok[None, :]
+    if FINALIZE:
+        src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
+        t = (src % T).to(tl.int64)
+        k = src // T
+        w = tl.load(weights_ptr + t * stride_wt + k * stride_wkk, mask=row_ok, other=0.0)
+        acc = acc * w.to(tl.float32)[:, None]
+        tl.atomic_add(out_ptr + t[:, None] * stride_om + cols[None, :] * stride_on, acc, mask=mask)
+    else:
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _pick_config(rows_per_expert: float, n_out: int, kd: int, gated: bool, dtype: torch.dtype):
+    """Tile sizes by problem size (no autotuning: nothing to sync or recompile per T).
+
+    Returns ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``.
+    """
+    big_k = 64 if dtype != torch.float32 else 32
+    if rows_per_expert <= 16:
+        return 16, 64, 128 if dtype != torch.float32 else 64, 1, 4, 4
+    if rows_per_expert <= 64:
+        return 64, 64 if gated else 128, big_k, 4, 4, 4
+    if gated:
+        return 128, 128, big_k, 8, 8, 3
+    return 128, 256 if dtype != torch.float32 else 128, big_k, 8, 8, 3
+
+
+def grouped_gemm_triton(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str = "identity",
+    interleaved: bool = False,
+    dest_to_src: torch.Tensor | None = None,
+    gather: bool = False,
+    finalize_weights: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    allow_tf32: bool = False,
+    config: tuple | None = None,
+) -> None:
+    """``out[d] = act(a[d] @ w[e].T + bias[e])`` for the rows ``d`` of each expert ``e``.
+
+    Args:
+        a: ``[M, Kd]`` permuted rows, or ``x [T, Kd]`` with ``gather``.
+        w: ``[E, N, Kd]`` (``N = 2*N_out`` for gated activations), any strides.
+        offsets: ``expert_first_token_offset [E+1]`` int64.
+        out: ``[M, N_out]``; with ``finalize_weights`` a float32 ``[T, N_out]`` accumulated
+            into with atomics (the caller initialises it with the bias or zeros).
+        dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for ``gather`` and
+            ``finalize_weights``.
+        gather: read ``A`` row ``d`` as ``x[dest_to_src[d] mod T]`` (``x_perm`` never exists).
+        finalize_weights: ``topk_weights [T, K]``: scale row ``d`` by its router weight and
+            atomically add it into ``out[t]``.
+        num_rows: ``M = T*K`` (the permuted row count), when ``a`` is ``x``.
+    """
+    E = w.shape[0]
+    gated = activation in ("swiglu", "geglu")
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    kd = w.shape[2]
+    M = num_rows if num_rows is not None else a.shape[0]
+    if finalize_weights is not None:
+        T = finalize_weights.shape[0]
+    else:
+        T = a.shape[0] if gather else 1
+    if M == 0 or n_out == 0:
+        return
+    bm, bn, bk, group_m, warps, stages = config or _pick_config(M / E, n_out, kd, gated, a.dtype)
+    tile_start = torch.empty(E + 1, dtype=torch.int32, device=a.device)
+    _expert_tile_start_kernel[(1,)](
+        offsets, tile_start, E, BLOCK_M=bm, NUM=triton.next_power_of_2(E + 1)
+    )
+    m_tiles = triton.cdiv(M, bm) + E
+    grid = (m_tiles * triton.cdiv(n_out, bn),)
+    dummy = out
+    b = bias if bias is not None else dummy
+    wts = finalize_weights if finalize_weights is not None else dummy
+    _grouped_gemm_kernel[grid](
+        a, w, out, b, offsets, tile_start,
+        dest_to_src if dest_to_src is not None else tile_start, wts,
+        E, m_tiles, n_out, kd, T,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1),
+        b.stride(0) if bias is not None else 0, b.stride(1) if bias is not None else 0,
+        wts.stride(0) if finalize_weights is not None else 0,
+        wts.stride(1) if finalize_weights is not None else 0,
+        ACTIVATION=ACT_CODES[activation], GATED=gated, INTERLEAVED=interleaved,
+        HAS_BIAS=bias is not None, GATHER=gather,
+        FINALIZE=finalize_weights is not None,
+        DOT_PRECISION="tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee",
+        LOG2_E=max(1, (E).bit_length()), EVEN_K=kd % bk == 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
