@@ -7,7 +7,8 @@ Two questions are answered here, never at import time and never from "device 0":
   ``TRITON_INTERPRET=1`` is set) or ``"reference"`` (the pure-PyTorch oracle of
   :mod:`moe_route.reference`, the CPU fallback).
 * **finalize path** — ``"standalone"`` (GEMM2 writes permuted rows, a separate
-  finalize kernel reduces them) or ``"fused"`` (finalize inside GEMM2's epilogue, SM90+).
+  finalize kernel reduces them) or ``"fused"`` (finalize inside GEMM2's epilogue, SM90+,
+  float atomics: only when the caller passes ``deterministic=False``).
 
 Environment overrides (read on every call, so tests may set them with ``monkeypatch``):
 
@@ -26,10 +27,6 @@ import torch
 
 BACKENDS = ("triton", "reference")
 FINALIZE_PATHS = ("fused", "standalone")
-
-# The epilogue-fused finalize lives in GEMM2; until that kernel exists every device runs
-# the standalone finalize kernel. Flip this when `grouped_gemm` grows the fused epilogue.
-FUSED_FINALIZE_AVAILABLE = False
 
 
 def triton_interpreter_enabled() -> bool:
@@ -116,34 +113,40 @@ def backend_for(device: torch.device | str, requested: str = "auto") -> Choice:
     return Choice("reference", f"{device.type} device without TRITON_INTERPRET=1")
 
 
-def finalize_path_for(device: torch.device | str, requested: str = "auto") -> Choice:
+def finalize_path_for(
+    device: torch.device | str, requested: str = "auto", deterministic: bool = True
+) -> Choice:
     """Which finalize path applies on ``device``: ``"fused"`` (SM90+) or ``"standalone"``.
 
     ``requested`` is the caller's argument (``"auto"``, ``"fused"``, ``"standalone"``);
-    ``MOE_ROUTE_FINALIZE`` overrides it for the whole process.
+    ``MOE_ROUTE_FINALIZE`` overrides it for the whole process. The fused path accumulates
+    with float atomics, so it is taken only when the caller gives up determinism
+    (``deterministic=False``); ``"auto"`` with ``deterministic=True`` stays standalone.
     """
     if requested not in ("auto", *FINALIZE_PATHS):
         raise ValueError(f"finalize={requested!r}: expected 'auto', 'fused' or 'standalone'")
     forced = _env_choice("MOE_ROUTE_FINALIZE", FINALIZE_PATHS)
+    source = f"finalize={requested!r}"
     if forced != "auto":
         requested, source = forced, f"MOE_ROUTE_FINALIZE={forced}"
-    else:
-        source = f"finalize={requested!r}"
-    cc = compute_capability(device)
     if requested == "standalone":
         return Choice("standalone", source)
-    if requested == "fused" and not FUSED_FINALIZE_AVAILABLE:
-        raise ValueError(
-            f"{source}: the epilogue-fused finalize is not built yet; use 'standalone' or 'auto'"
-        )
-    if not FUSED_FINALIZE_AVAILABLE:
-        return Choice("standalone", "epilogue-fused finalize not built yet; standalone kernel")
     if requested == "fused":
+        if deterministic:
+            raise ValueError(
+                f"{source} with deterministic=True: the epilogue-fused finalize reduces with "
+                "float atomics; pass deterministic=False to allow it, or use 'standalone'"
+            )
         return Choice("fused", source)
-    if cc is not None and cc >= 90:
-        return Choice("fused", f"SM{cc} >= SM90: finalize fused into GEMM2's epilogue")
+    cc = compute_capability(device)
     where = f"SM{cc}" if cc is not None else torch.device(device).type
-    return Choice("standalone", f"{where} is below SM90: standalone finalize kernel")
+    if cc is None or cc < 90:
+        return Choice("standalone", f"{where} is below SM90: standalone finalize kernel")
+    if deterministic:
+        return Choice(
+            "standalone", f"{where}: deterministic=True keeps the standalone (atomic-free) kernel"
+        )
+    return Choice("fused", f"{where} >= SM90, deterministic=False: finalize in GEMM2's epilogue")
 
 
 def describe(device: torch.device | str) -> dict[str, str]:
@@ -151,6 +154,7 @@ def describe(device: torch.device | str) -> dict[str, str]:
     device = torch.device(device)
     backend = backend_for(device)
     path = finalize_path_for(device)
+    fast = finalize_path_for(device, deterministic=False)
     cc = compute_capability(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
@@ -158,4 +162,5 @@ def describe(device: torch.device | str) -> dict[str, str]:
         "compute capability": f"SM{cc}" if cc is not None else "-",
         "backend": f"{backend.value}  [{backend.why}]",
         "finalize path": f"{path.value}  [{path.why}]",
+        "  deterministic=False": f"{fast.value}  [{fast.why}]",
     }

@@ -22,6 +22,9 @@ Epilogues (constexpr-selected):
   ``expanded_dest_row_to_expanded_source_row`` (``t = s mod T``): ``x_perm`` is never written.
 * ``FINALIZE`` (GEMM2): scale each row by its router weight and ``atomic_add`` it into a float32
   ``[T, H]`` output (the non-deterministic fused finalize; the permuted output is not written).
+
+Without ``FINALIZE`` the m-tiles after the last expert write zeros to the dropped rows
+``[offset[E], M)``, so every output row is defined.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def _grouped_gemm_kernel(
     dest_to_src_ptr,
     weights_ptr,
     E,
+    M_ROWS,
     M_TILES,
     N_OUT,
     KD,
@@ -102,7 +106,16 @@ def _grouped_gemm_kernel(
     group_size = tl.minimum(M_TILES - first_m, GROUP_M)
     m_tile = first_m + (pid % in_group) % group_size
     n_tile = (pid % in_group) // group_size
-    if m_tile >= tl.load(tile_start_ptr + E):
+    routed_tiles = tl.load(tile_start_ptr + E)
+    if m_tile >= routed_tiles:
+        # Past the experts: the dropped rows [offset[E], M) are written as zeros, then done.
+        if FINALIZE:
+            return
+        rows = tl.load(offsets_ptr + E) + (m_tile - routed_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        zero_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        tl.store(zero_ptrs, zeros, mask=(rows[:, None] < M_ROWS) & (cols[None, :] < N_OUT))
         return
 
     # Expert of this m-tile: the last e with tile_start[e] <= m_tile (it has rows).
@@ -241,10 +254,7 @@ def grouped_gemm_triton(
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     kd = w.shape[2]
     M = num_rows if num_rows is not None else a.shape[0]
-    if finalize_weights is not None:
-        T = finalize_weights.shape[0]
-    else:
-        T = a.shape[0] if gather else 1
+    T = finalize_weights.shape[0] if finalize_weights is not None else a.shape[0]
     if M == 0 or n_out == 0:
         return
     bm, bn, bk, group_m, warps, stages = config or _pick_config(M / E, n_out, kd, gated, a.dtype)
@@ -252,7 +262,8 @@ def grouped_gemm_triton(
     _expert_tile_start_kernel[(1,)](
         offsets, tile_start, E, BLOCK_M=bm, NUM=triton.next_power_of_2(E + 1)
     )
-    m_tiles = triton.cdiv(M, bm) + E
+    # Σ_e cdiv(rows_e, bm) + cdiv(dropped, bm) <= cdiv(M, bm) + E + 1, whatever the routing.
+    m_tiles = triton.cdiv(M, bm) + E + 1
     grid = (m_tiles * triton.cdiv(n_out, bn),)
     dummy = out
     b = bias if bias is not None else dummy
@@ -260,7 +271,7 @@ def grouped_gemm_triton(
     _grouped_gemm_kernel[grid](
         a, w, out, b, offsets, tile_start,
         dest_to_src if dest_to_src is not None else tile_start, wts,
-        E, m_tiles, n_out, kd, T,
+        E, M, m_tiles, n_out, kd, T,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         b.stride(0) if bias is not None else 0, b.stride(1) if bias is not None else 0,

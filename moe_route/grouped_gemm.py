@@ -1,0 +1,145 @@
+"""Grouped GEMM entry points: GEMM1 (with fused activation) and GEMM2 over permuted rows."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from .arch import backend_for
+from .maps import RoutingMaps
+from .permute import check_maps
+from .reference import (
+    ACTIVATIONS,
+    GATE_UP_LAYOUTS,
+    GATED_ACTIVATIONS,
+    expand_rows_reference,
+    grouped_gemm_reference,
+)
+
+GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.custom_op("moe_route::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    dest_to_src: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    gate_up_layout: str,
+    gather: bool,
+    allow_tf32: bool,
+    backend: str,
+) -> torch.Tensor:
+    M = dest_to_src.numel()
+    if backend_for(a.device, backend).value == "reference":
+        rows = expand_rows_reference(a, dest_to_src, offsets) if gather else a
+        return grouped_gemm_reference(
+            rows, w, offsets, bias, activation=activation, gate_up_layout=gate_up_layout
+        )
+    from .kernels.triton.grouped_gemm import grouped_gemm_triton
+
+    out = a.new_empty(M, _n_out(w, activation))
+    grouped_gemm_triton(
+        a, w, offsets, out, bias=bias, activation=activation,
+        interleaved=gate_up_layout == "interleaved", dest_to_src=dest_to_src, gather=gather,
+        num_rows=M, allow_tf32=allow_tf32,
+    )  # fmt: skip
+    return out
+
+
+@_grouped_gemm_op.register_fake
+def _(a, w, offsets, dest_to_src, bias, activation, gate_up_layout, gather, allow_tf32, backend):
+    return a.new_empty(dest_to_src.numel(), _n_out(w, activation))
+
+
+def _n_out(w: torch.Tensor, activation: str) -> int:
+    return w.shape[1] // 2 if activation in GATED_ACTIVATIONS else w.shape[1]
+
+
+def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_layout, E=None):
+    """Validate one grouped GEMM's operands; returns ``(E, N_out)``."""
+    _checks.check_tensor(a_name, a, ndim=2, dtypes=GEMM_DTYPES)
+    _checks.check_tensor(w_name, w, ndim=3, dtypes=GEMM_DTYPES)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}")
+    if w.dtype != a.dtype:
+        raise TypeError(
+            f"{w_name} has dtype {w.dtype} but {a_name} has {a.dtype}: expected one dtype"
+        )
+    if E is not None and w.shape[0] != E:
+        raise ValueError(f"{w_name} must have E = {E} experts in dim 0, got {_checks.describe(w)}")
+    if w.shape[2] != a.shape[1]:
+        raise ValueError(
+            f"{w_name} [E, N, K] must have K = {a_name}.shape[1] = {a.shape[1]}, "
+            f"got {_checks.describe(w)}"
+        )
+    if activation in GATED_ACTIVATIONS and w.shape[1] % 2:
+        raise ValueError(
+            f"{w_name} for gated activation {activation!r} must have an even N = 2*I (gate and "
+            f"up rows), got {_checks.describe(w)}"
+        )
+    if bias is not None:
+        _checks.check_tensor(bias_name, bias, ndim=2, dtypes=GEMM_DTYPES)
+        if tuple(bias.shape) != tuple(w.shape[:2]):
+            raise ValueError(
+                f"{bias_name} must be [E, N] = {list(w.shape[:2])} (one row per expert, matching "
+                f"{w_name}), got {_checks.describe(bias)}"
+            )
+    _checks.check_same_device(**{a_name: a, w_name: w, bias_name: bias})
+    return w.shape[0], _n_out(w, activation)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    maps: RoutingMaps,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str = "identity",
+    gate_up_layout: str = "concat",
+    gather: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``out[d] = act(a[d] @ w[e].T + bias[e])`` for every permuted row ``d`` of expert ``e``.
+
+    GEMM1 is ``grouped_gemm(x_perm, w1, maps, activation="swiglu")``, GEMM2 is
+    ``grouped_gemm(h, w2, maps)``. One launch for all experts, no host synchronisation.
+
+    Args:
+        a: ``[T*K, Kd]`` permuted rows; with ``gather=True`` the token rows ``x [T, Kd]``, read
+            through ``maps`` (the expand is fused into the GEMM: ``x_perm`` never exists).
+        w: ``[E, N, Kd]`` weights, any strided view (e.g. ``[E, Kd, N].transpose(1, 2)``),
+            never copied. Gated activations: ``N = 2*I`` rows, gate then up (``"concat"``) or
+            alternating (``"interleaved"``).
+        maps: :class:`RoutingMaps` for ``E = w.shape[0]`` experts.
+        bias: optional ``[E, N]``.
+        activation: ``swiglu`` / ``geglu`` (gated) or ``silu`` / ``gelu`` / ``relu`` / ``identity``.
+        allow_tf32: float32 inputs use TF32 tensor cores (else exact float32 products).
+
+    Returns:
+        ``[T*K, N_out]`` in ``a.dtype`` (``N_out = I`` for gated activations, else ``N``),
+        float32 accumulation, rounded once. Rows of dropped slots are zero.
+    """
+    E, _ = check_gemm_args("a", a, "w", w, "bias", bias, activation, gate_up_layout)
+    if maps.num_experts != E:
+        raise ValueError(f"maps were built for E={maps.num_experts} experts but w has E={E}")
+    if gather:
+        check_maps(maps, a.shape[0], a.device, "a")
+    else:
+        if not isinstance(maps, RoutingMaps):
+            raise TypeError(f"maps must be a RoutingMaps, got {type(maps).__name__}")
+        if a.shape[0] != maps.num_expanded_rows:
+            raise ValueError(
+                f"a must have T*K = {maps.num_expanded_rows} permuted rows (or pass gather=True "
+                f"with x [T, Kd]), got {_checks.describe(a)}"
+            )
+    backend_for(a.device, backend)
+    return _grouped_gemm_op(
+        a, w, maps.expert_first_token_offset, maps.expanded_dest_row_to_expanded_source_row,
+        bias, activation, gate_up_layout, gather, allow_tf32, backend,
+    )  # fmt: skip
