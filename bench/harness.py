@@ -173,7 +173,9 @@ def print_table(rows: list[Row], env: dict) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        vs = " ".join(f"{k}={v:.1f}x" for k, v in r.extra.items() if k.startswith("x_"))
+        vs = " ".join(f"{k}={v:.2f}x" for k, v in r.extra.items() if k.startswith("x_"))
+        if "of_dense" in r.extra:
+            vs += f" {100 * r.extra['of_dense']:.0f}% of dense mm"
         print(
             f"{r.stage:<9}{r.shape:<30}{r.impl:<16}{r.median_us:>11.1f}"
             f"{f'{r.p20_us:.1f}-{r.p80_us:.1f}':>16}{r.achieved_gb_s:>8.0f}"
