@@ -156,11 +156,11 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
 
 SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 128, 64, 8, 8, 3),
-    (128, 128, 64, 8, 8, 4),
     (128, 256, 64, 8, 8, 3),
-    (128, 64, 64, 8, 4, 4),
-    (64, 128, 64, 8, 4, 4),
-    (128, 128, 32, 8, 4, 5),
+    (64, 128, 64, 8, 8, 3),
+    (64, 256, 64, 8, 8, 3),
+    (64, 128, 64, 8, 4, 3),
+    (128, 128, 64, 16, 8, 3),
 ]
 
 
@@ -179,12 +179,16 @@ def sweep_gemms(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     offs, d2s = maps.expert_first_token_offset, maps.expanded_dest_row_to_expanded_source_row
     h = torch.empty(M, I, device=dev, dtype=dt)
     y = torch.empty(M, H, device=dev, dtype=dt)
-    for cfg in SWEEP_CONFIGS:
+    x_perm = moe_route.expand_rows(x, maps)
+    for cfg, tma in [(c, tma) for c in SWEEP_CONFIGS for tma in (False, True)]:
         for stage, flops, fn in (
-            ("gemm1", 4 * M * H * I, lambda c=cfg: grouped_gemm_triton(
+            ("gemm1", 4 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
                 x, w1, offs, h, activation="swiglu", dest_to_src=d2s, gather=True,
-                num_rows=M, config=c)),
-            ("gemm2", 2 * M * H * I, lambda c=cfg: grouped_gemm_triton(h, w2, offs, y, config=c)),
+                num_rows=M, config=c, use_tma=u)),
+            ("gemm1 x_perm", 4 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
+                x_perm, w1, offs, h, activation="swiglu", config=c, use_tma=u)),
+            ("gemm2", 2 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
+                h, w2, offs, y, config=c, use_tma=u)),
         ):  # fmt: skip
             try:
                 t = time_cuda(fn, inner=3, outer=10)
@@ -192,7 +196,7 @@ def sweep_gemms(name, T, H, I, E, K, ceil, rows):  # noqa: E741
                 print(f"{stage} {cfg}: {type(exc).__name__}")
                 continue
             rows.append(
-                make_row(stage, shape, "cfg=" + "/".join(map(str, cfg)), t, ceil, 0, flops,
+                make_row(stage, shape, "/".join(map(str, cfg)) + (" tma" if tma else ""), t, ceil, 0, flops,
                          of_dense=flops / t.median_s / ceil.mm_flops_per_s)
             )  # fmt: skip
 

@@ -62,6 +62,8 @@ def _apply_activation(x, ACTIVATION: tl.constexpr):
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
+    a_desc,
+    w_desc,
     out_ptr,
     bias_ptr,
     offsets_ptr,
@@ -92,6 +94,8 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr,
     FINALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    A_DESC: tl.constexpr,
+    W_DESC: tl.constexpr,
     LOG2_E: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -130,8 +134,8 @@ def _grouped_gemm_kernel(
         hi = tl.where(active & ~right, mid, hi)
     e = lo
     row_end = tl.load(offsets_ptr + e + 1)
-    rows = tl.load(offsets_ptr + e) + (m_tile - tl.load(tile_start_ptr + e)) * BLOCK_M
-    rows = rows + tl.arange(0, BLOCK_M)
+    first_row = tl.load(offsets_ptr + e) + (m_tile - tl.load(tile_start_ptr + e)) * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if GATHER:
         a_rows = (tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0) % T).to(tl.int64)
@@ -158,17 +162,28 @@ def _grouped_gemm_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # With A_DESC / W_DESC the tiles come through TMA tensor descriptors (Hopper): rows past
+    # the expert or the matrix are read (or zero-filled) but never stored.
+    n0 = n_tile * BLOCK_N
     for k0 in range(0, KD, BLOCK_K):
-        if EVEN_K:
+        k_ok = k0 + ks < KD
+        if A_DESC:
+            a = a_desc.load([first_row.to(tl.int32), k0])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            wg = tl.reshape(w_desc.load([e, n0, k0]), [BLOCK_N, BLOCK_K]).T
+        elif EVEN_K:
             wg = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = k0 + ks < KD
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(a, wg, acc, input_precision=DOT_PRECISION)
         if GATED:
-            if EVEN_K:
+            if W_DESC:  # concat layout: the up rows start at N_OUT
+                wu = tl.reshape(w_desc.load([e, N_OUT + n0, k0]), [BLOCK_N, BLOCK_K]).T
+            elif EVEN_K:
                 wu = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
@@ -218,6 +233,28 @@ def _pick_config(rows_per_expert: float, n_out: int, kd: int, gated: bool, dtype
     return 128, 256 if dtype != torch.float32 else 128, big_k, 8, 8, 3
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all((st * es) % 16 == 0 for st in t.stride()[:-1])
+    )
+
+
+def _descriptors(a, w, bm, bn, bk, gather, interleaved, use_tma):
+    """TMA descriptors for ``a`` (``[M, Kd]``) and ``w`` (``[E, N, Kd]``), or ``None`` each."""
+    if use_tma is None:
+        use_tma = a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9
+    if not use_tma or a.dtype not in (torch.float16, torch.bfloat16):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = None if gather or not _tma_ok(a) else TensorDescriptor.from_tensor(a, [bm, bk])
+    w_desc = None if interleaved or not _tma_ok(w) else TensorDescriptor.from_tensor(w, [1, bn, bk])
+    return a_desc, w_desc
+
+
 def grouped_gemm_triton(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -233,6 +270,7 @@ def grouped_gemm_triton(
     num_rows: int | None = None,
     allow_tf32: bool = False,
     config: tuple | None = None,
+    use_tma: bool | None = None,
 ) -> None:
     """``out[d] = act(a[d] @ w[e].T + bias[e])`` for the rows ``d`` of each expert ``e``.
 
@@ -248,6 +286,9 @@ def grouped_gemm_triton(
         finalize_weights: ``topk_weights [T, K]``: scale row ``d`` by its router weight and
             atomically add it into ``out[t]``.
         num_rows: ``M = T*K`` (the permuted row count), when ``a`` is ``x``.
+        use_tma: load tiles through TMA tensor descriptors where the layout allows it
+            (16-bit dtypes, unit stride along K, 16-byte aligned pitches; ``w`` not
+            interleaved; ``a`` not gathered). Default: on SM90+ GPUs.
     """
     E = w.shape[0]
     gated = activation in ("swiglu", "geglu")
@@ -266,10 +307,12 @@ def grouped_gemm_triton(
     m_tiles = triton.cdiv(M, bm) + E + 1
     grid = (m_tiles * triton.cdiv(n_out, bn),)
     dummy = out
+    a_desc, w_desc = _descriptors(a, w, bm, bn, bk, gather, gated and interleaved, use_tma)
     b = bias if bias is not None else dummy
     wts = finalize_weights if finalize_weights is not None else dummy
     _grouped_gemm_kernel[grid](
-        a, w, out, b, offsets, tile_start,
+        a, w, a_desc if a_desc is not None else a, w_desc if w_desc is not None else w,
+        out, b, offsets, tile_start,
         dest_to_src if dest_to_src is not None else tile_start, wts,
         E, M, m_tiles, n_out, kd, T,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -281,6 +324,7 @@ def grouped_gemm_triton(
         HAS_BIAS=bias is not None, GATHER=gather,
         FINALIZE=finalize_weights is not None,
         DOT_PRECISION="tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee",
+        A_DESC=a_desc is not None, W_DESC=w_desc is not None,
         LOG2_E=max(1, (E).bit_length()), EVEN_K=kd % bk == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
