@@ -196,7 +196,7 @@ def sweep_gemms(name, T, H, I, E, K, ceil, rows):  # noqa: E741
                 print(f"{stage} {cfg}: {type(exc).__name__}")
                 continue
             rows.append(
-                make_row(stage, shape, "/".join(map(str, cfg)) + (" tma" if tma else ""), t, ceil, 0, flops,
+                make_row(stage, shape, "/".join(map(str, cfg)) + " tma" * tma, t, ceil, 0, flops,
                          of_dense=flops / t.median_s / ceil.mm_flops_per_s)
             )  # fmt: skip
 
