@@ -157,14 +157,14 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
 SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 128, 64, 8, 8, 3),
     (128, 256, 64, 8, 8, 3),
-    (64, 128, 64, 8, 8, 3),
     (64, 256, 64, 8, 8, 3),
-    (64, 128, 64, 8, 4, 3),
-    (128, 128, 64, 16, 8, 3),
+    (256, 64, 64, 8, 8, 3),
+    (256, 128, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
 ]
 
 
-def sweep_gemms(name, T, H, I, E, K, ceil, rows):  # noqa: E741
+def sweep_gemms(name, T, H, I, E, K, ceil, rows, tmas=(False, True)):  # noqa: E741
     """Time GEMM1 (swiglu, gathered) and GEMM2 under each tile configuration."""
     from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
 
@@ -180,7 +180,7 @@ def sweep_gemms(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     h = torch.empty(M, I, device=dev, dtype=dt)
     y = torch.empty(M, H, device=dev, dtype=dt)
     x_perm = moe_route.expand_rows(x, maps)
-    for cfg, tma in [(c, tma) for c in SWEEP_CONFIGS for tma in (False, True)]:
+    for cfg, tma in [(c, tma) for c in SWEEP_CONFIGS for tma in tmas]:
         for stage, flops, fn in (
             ("gemm1", 4 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
                 x, w1, offs, h, activation="swiglu", dest_to_src=d2s, gather=True,

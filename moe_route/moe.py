@@ -59,7 +59,7 @@ def fused_moe(
     bias: torch.Tensor | None = None,
     finalize: str = "auto",
     deterministic: bool = True,
-    gather: bool = True,
+    gather: bool | None = None,
     allow_tf32: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -77,7 +77,9 @@ def fused_moe(
             ``"standalone"``; see :func:`moe_route.arch.finalize_path_for`.
         deterministic: same bits on every run (the default). ``False`` allows the fused
             finalize's float atomics.
-        gather: read GEMM1's rows straight from ``x`` through the maps (no ``x_perm``).
+        gather: read GEMM1's rows straight from ``x`` through the maps (no ``x_perm``), or
+            expand first so that GEMM1 loads its rows with TMA. ``None`` picks by shape: a
+            separate expand pays off only when each row carries much work (large ``I``).
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
@@ -113,6 +115,11 @@ def fused_moe(
     path = finalize_path_for(x.device, finalize, deterministic).value
 
     maps = build_routing_maps(topk_ids, E, backend=backend)
+    if gather is None:
+        # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6% at
+        # mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and deepseek-v3
+        # (I=2048) the expand cost more than it saved (bench/bench_moe.py --sweep).
+        gather = n_inter < 4096
     if gather:
         h = grouped_gemm(
             x, w1, maps, bias=b1, activation=activation, gate_up_layout=gate_up_layout,
