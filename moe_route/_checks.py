@@ -4,7 +4,8 @@ Every public entry point checks what it can from metadata (dtype, shape, device,
 anything is launched, and raises ``TypeError`` / ``ValueError`` naming the argument, what it got
 and what it expected. Checks that need the *values* of a device tensor (e.g. ids in range) would
 synchronise with the host, so they run on CPU tensors always and on GPU tensors only when asked
-(``check_ids=True`` or ``MOE_ROUTE_CHECK_IDS=1``).
+(``check_ids=True`` or ``MOE_ROUTE_CHECK_IDS=1``). Under ``torch.compile`` the default skips
+them too (a data-dependent branch cannot be traced); ``check_ids=True`` still asks for them.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def check_topk_ids(topk_ids: object, num_experts: int) -> torch.Tensor:
 def ids_value_check_wanted(t: torch.Tensor, check_ids: bool | None) -> bool:
     if check_ids is not None:
         return check_ids
+    if torch.compiler.is_compiling():
+        return False  # a data-dependent branch cannot be traced; check eagerly instead
     if t.device.type == "cpu":
         return True
     return os.environ.get("MOE_ROUTE_CHECK_IDS", "0") not in ("", "0")

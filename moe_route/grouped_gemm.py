@@ -126,13 +126,13 @@ def grouped_gemm(
         float32 accumulation, rounded once. Rows of dropped slots are zero.
     """
     E, _ = check_gemm_args("a", a, "w", w, "bias", bias, activation, gate_up_layout)
+    if not isinstance(maps, RoutingMaps):
+        raise TypeError(f"maps must be a RoutingMaps, got {type(maps).__name__}")
     if maps.num_experts != E:
         raise ValueError(f"maps were built for E={maps.num_experts} experts but w has E={E}")
     if gather:
         check_maps(maps, a.shape[0], a.device, "a")
     else:
-        if not isinstance(maps, RoutingMaps):
-            raise TypeError(f"maps must be a RoutingMaps, got {type(maps).__name__}")
         if a.shape[0] != maps.num_expanded_rows:
             raise ValueError(
                 f"a must have T*K = {maps.num_expanded_rows} permuted rows (or pass gather=True "

@@ -7,7 +7,7 @@ import torch
 from . import _checks
 from .arch import backend_for, finalize_path_for
 from .finalize import finalize_moe_routing
-from .grouped_gemm import check_gemm_args, grouped_gemm
+from .grouped_gemm import GEMM_DTYPES, check_gemm_args, grouped_gemm
 from .maps import build_routing_maps
 from .reference import finalize_moe_routing_reference, grouped_gemm_reference
 
@@ -93,7 +93,7 @@ def fused_moe(
             f"activation {activation!r}, got {_checks.describe(w2)}"
         )
     if b2 is not None:
-        _checks.check_tensor("b2", b2, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+        _checks.check_tensor("b2", b2, ndim=2, dtypes=GEMM_DTYPES)
         if tuple(b2.shape) != (E, H):
             raise ValueError(f"b2 must be [E, H] = [{E}, {H}], got {_checks.describe(b2)}")
     if bias is not None:

@@ -3,9 +3,10 @@
 Program ``(t, c)`` owns columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of output token ``t``. For
 ``k = 0..K-1`` (unrolled, so the K row loads are in flight together) it reads the permuted row
 ``expanded_source_row_to_expanded_dest_row[k*T + t]`` of ``y_perm``, scales it by
-``topk_weights[t, k]`` and adds it to a float32 accumulator; ``bias`` is added once after the
-sum and the result is rounded once. Dropped slots (``expert_for_source_row == -1``) are masked
-out of both the load and the sum, so nothing they hold (NaN included) reaches the output.
+``topk_weights[t, k]`` and adds it to a float32 accumulator (float64 for float64 inputs);
+``bias`` is added once after the sum and the result is rounded once. Dropped slots
+(``expert_for_source_row == -1``) are masked out of both the load and the sum, so nothing
+they hold (NaN included) reaches the output.
 Every output element has one owner: no atomics, the same bits on every run.
 """
 
@@ -40,21 +41,22 @@ def _finalize_kernel(
     stride_oh,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=ACC)
     for k in tl.static_range(K):
         src = k * T + t
         routed = tl.load(expert_for_src_ptr + src) >= 0
         dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
-        w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(ACC)
         row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed, other=0.0)
-        acc += tl.where(routed, w * row.to(tl.float32), 0.0)
+        acc += tl.where(routed, w * row.to(ACC), 0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(tl.float32)
+        acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(ACC)
     tl.store(
         out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=in_row
     )
@@ -89,4 +91,5 @@ def finalize_triton(
         y_perm.stride(0), y_perm.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         sbt, sbh, out.stride(0), out.stride(1),
         K=K, HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4,
+        ACC=tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32,
     )  # fmt: skip
