@@ -140,7 +140,7 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
         return moe_route.moe._gemm2_fused_finalize_op(
             h, w2, maps.expert_first_token_offset, maps.expanded_source_row_to_expanded_dest_row,
             maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
-            topk_weights, None, None, "auto",
+            topk_weights, None, None, False, "auto",
         )  # fmt: skip
 
     g2_flops = 2 * M * H * I

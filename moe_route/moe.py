@@ -23,6 +23,7 @@ def _gemm2_fused_finalize_op(
     topk_weights: torch.Tensor,
     b2: torch.Tensor | None,
     bias: torch.Tensor | None,
+    allow_tf32: bool,
     backend: str,
 ) -> torch.Tensor:
     T, H = topk_weights.shape[0], w2.shape[1]
@@ -35,13 +36,14 @@ def _gemm2_fused_finalize_op(
     if bias is not None:
         acc += bias.float()
     grouped_gemm_triton(
-        h, w2, offsets, acc, bias=b2, dest_to_src=dest_to_src, finalize_weights=topk_weights
-    )
+        h, w2, offsets, acc, bias=b2, dest_to_src=dest_to_src, finalize_weights=topk_weights,
+        allow_tf32=allow_tf32,
+    )  # fmt: skip
     return acc.to(h.dtype)
 
 
 @_gemm2_fused_finalize_op.register_fake
-def _(h, w2, offsets, src_to_dest, dest_to_src, expert_for_src, topk_weights, b2, bias, backend):
+def _(h, w2, offsets, src_to_dest, dest_to_src, expert_for_src, topk_weights, b2, bias, *_):
     return h.new_empty(topk_weights.shape[0], w2.shape[1])
 
 
@@ -141,7 +143,7 @@ def fused_moe(
             h, w2, maps.expert_first_token_offset,
             maps.expanded_source_row_to_expanded_dest_row,
             maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
-            topk_weights, b2, bias, backend,
+            topk_weights, b2, bias, allow_tf32, backend,
         )  # fmt: skip
     y = grouped_gemm(h, w2, maps, bias=b2, allow_tf32=allow_tf32, backend=backend)
     return finalize_moe_routing(y, topk_weights, maps, bias, backend=backend)

@@ -1,0 +1,74 @@
+"""Test configuration: Triton interpreter on CPU-only machines, hermetic env, hypothesis profile.
+
+``TRITON_INTERPRET`` must be in the environment before ``triton`` (and therefore the kernel
+modules of ``moe_route``) are imported, so it is set here, at the very top, before anything
+else imports them. On a machine with a CUDA device it is left alone: the kernels compile and
+the same tests run on the GPU (see ``helpers.DEVICE``).
+
+Known gaps of the triton 3.5.1 interpreter that matter here: float32 -> bfloat16 conversion
+truncates instead of rounding to nearest (bf16 results may sit one ulp from torch's rounding;
+``helpers`` sizes the bf16 tolerance for that), and ``tl.dot`` on bf16 is wrong (none of the
+routing kernels use it). It is also slow: a 2048-key ``tl.sort`` takes seconds, so the CPU
+tests keep sizes small and force the multi-tile routing path with ``tile=16``/``32``.
+"""
+
+import importlib
+import os
+import pkgutil
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The flag is read when a kernel is decorated (``@triton.jit`` picks the interpreted
+    # function then), so no kernel module may have been imported before this line.
+    assert "moe_route" not in sys.modules, "conftest must run before moe_route is imported"
+    # Import triton now, while the flag is set: triton.language's own @jit helpers (tl.cumsum,
+    # tl.sort, ...) are decorated at import. If triton were first imported later inside a test
+    # that sets TRITON_INTERPRET=0 (tests/test_arch.py does, and moe_route imports triton
+    # lazily), every later interpreted kernel would fail with "Cannot call @triton.jit'd
+    # outside of the scope of a kernel".
+    import triton  # noqa: F401
+
+import moe_route.kernels.triton
+
+# Decorate moe_route's kernels now too (their modules are imported lazily by the ops), for the
+# same reason.
+for _mod in pkgutil.iter_modules(moe_route.kernels.triton.__path__):
+    importlib.import_module(f"moe_route.kernels.triton.{_mod.name}")
+
+# The interpreter is slow (a 2048-key sort takes seconds): no per-example deadline, modest
+# example counts (each test states its own max_examples), no health check for slow data.
+settings.register_profile(
+    "moe_route",
+    deadline=None,
+    max_examples=30,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_route"))
+
+
+def pytest_configure(config):
+    # triton 3.5.1's interpreter converts 1-element arrays to scalars, which numpy >= 1.25
+    # deprecates; it is the interpreter's warning, not ours.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning",
+    )
+    # Emitted by torch's own modules while torch.compile / opcheck import them.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+    )
+
+
+_ENV_KNOBS = ("MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "MOE_ROUTE_CHECK_IDS")
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_env(monkeypatch):
+    """Every test starts from the default choices, whatever the caller's shell exports."""
+    for name in _ENV_KNOBS:
+        monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,235 @@
+"""Run-time choice of backend and finalize path: per device, lazy, with env overrides.
+
+Environment variables are read on every call, so ``monkeypatch`` changes the answer at once.
+``MOE_ROUTE_ARCH`` answers ``compute_capability`` for CUDA devices without touching CUDA, which
+lets the SM-dependent branches run on a CPU-only machine.
+"""
+
+import pytest
+import torch
+
+from moe_route import arch
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+# ----------------------------------------------------------------------------- backend
+@pytest.mark.parametrize("value,enabled", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_triton_interpreter_enabled(monkeypatch, value, enabled):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert arch.triton_interpreter_enabled() is enabled
+
+
+def test_cpu_without_interpreter_is_reference(no_interpreter):
+    choice = arch.backend_for("cpu")
+    assert choice.value == "reference"
+    assert "without TRITON_INTERPRET=1" in choice.why
+
+
+def test_cpu_without_interpreter_env_unset(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert arch.backend_for(torch.device("cpu")).value == "reference"
+
+
+def test_cpu_with_interpreter_is_triton(interpreter):
+    choice = arch.backend_for(torch.device("cpu"))
+    assert choice.value == "triton"
+    assert "interpreter" in choice.why
+
+
+def test_explicit_triton_on_cpu_needs_interpreter(no_interpreter):
+    with pytest.raises(ValueError, match=r"backend='triton' but the tensors are on cpu"):
+        arch.backend_for("cpu", "triton")
+
+
+def test_explicit_reference_everywhere(interpreter):
+    for device in ("cpu", "cuda:0", "meta"):
+        choice = arch.backend_for(device, "reference")
+        assert (choice.value, choice.why) == ("reference", "backend='reference'")
+
+
+def test_cuda_is_triton_without_touching_cuda():
+    # No CUDA call is made for this answer, so it holds on a CPU-only machine too.
+    choice = arch.backend_for("cuda:0")
+    assert (choice.value, choice.why) == ("triton", "CUDA device")
+
+
+@pytest.mark.parametrize("value", ["reference", " Reference ", "REFERENCE"])
+def test_env_backend_reference(monkeypatch, interpreter, value):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", value)
+    for device in ("cpu", "cuda"):
+        choice = arch.backend_for(device)
+        assert choice.value == "reference"
+        assert choice.why == "MOE_ROUTE_BACKEND=reference"
+
+
+@pytest.mark.parametrize("value", ["auto", "", "  "])
+def test_env_backend_auto(monkeypatch, interpreter, value):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", value)
+    assert arch.backend_for("cpu").value == "triton"
+
+
+def test_env_backend_triton_on_cpu_needs_interpreter(monkeypatch, no_interpreter):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"MOE_ROUTE_BACKEND=triton but the tensors are on cpu"):
+        arch.backend_for("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert arch.backend_for("cpu").value == "triton"
+
+
+def test_env_backend_only_overrides_auto(monkeypatch, interpreter):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "reference")
+    assert arch.backend_for("cpu", "triton").value == "triton"
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "triton")
+    assert arch.backend_for("cpu", "reference").value == "reference"
+
+
+@pytest.mark.parametrize("value", ["cuda", "triton,reference", "1"])
+def test_env_backend_invalid(monkeypatch, value):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", value)
+    with pytest.raises(ValueError, match=rf"environment variable MOE_ROUTE_BACKEND={value!r}"):
+        arch.backend_for("cpu")
+
+
+@pytest.mark.parametrize("requested", ["cuda", "Triton", "", None])
+def test_backend_argument_invalid(requested):
+    with pytest.raises(ValueError, match=rf"backend={requested!r}: expected 'auto' or one of"):
+        arch.backend_for("cpu", requested)
+
+
+def test_backend_invalid_argument_wins_over_env(monkeypatch):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "reference")
+    with pytest.raises(ValueError, match=r"backend='gpu'"):
+        arch.backend_for("cpu", "gpu")
+
+
+# ----------------------------------------------------------------------------- capability
+def test_compute_capability_cpu_is_none_even_when_forced(monkeypatch):
+    monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
+    assert arch.compute_capability("cpu") is None
+    assert arch.compute_capability(torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("forced,expected", [("80", 80), ("90", 90), ("100", 100)])
+def test_compute_capability_forced(monkeypatch, forced, expected):
+    monkeypatch.setenv("MOE_ROUTE_ARCH", forced)
+    assert arch.compute_capability("cuda:0") == expected
+    assert arch.compute_capability(torch.device("cuda", 3)) == expected  # per device, no query
+
+
+# ----------------------------------------------------------------------------- finalize path
+# The epilogue-fused finalize reduces with float atomics: "auto" takes it only on SM90+ and
+# only with deterministic=False; an explicit "fused" with deterministic=True raises.
+def test_finalize_cpu_standalone():
+    choice = arch.finalize_path_for("cpu")
+    assert (choice.value, choice.why) == (
+        "standalone",
+        "cpu is below SM90: standalone finalize kernel",
+    )
+    assert arch.finalize_path_for("cpu", deterministic=False).value == "standalone"
+
+
+@pytest.mark.parametrize(
+    "device,cc,deterministic",
+    [
+        ("cuda:0", "90", True),  # no float atomics unless the caller gives up determinism
+        ("cuda:0", "100", True),
+        ("cuda:0", "89", False),  # below SM90 there is no fused epilogue
+        ("cuda:0", "80", False),
+        ("cuda:0", "80", True),
+        ("cpu", "90", False),  # MOE_ROUTE_ARCH applies to CUDA devices only
+    ],
+)
+@pytest.mark.parametrize("fused_wins", [True, False])
+def test_finalize_auto_standalone(monkeypatch, device, cc, deterministic, fused_wins):
+    monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", fused_wins)
+    monkeypatch.setenv("MOE_ROUTE_ARCH", cc)
+    choice = arch.finalize_path_for(device, deterministic=deterministic)
+    assert choice.value == "standalone", choice
+    if device == "cpu" or int(cc) < 90:
+        assert "below SM90" in choice.why
+    else:
+        assert "deterministic=True" in choice.why
+
+
+@pytest.mark.parametrize("cc", ["90", "100"])
+def test_finalize_auto_sm90_nondeterministic(monkeypatch, cc):
+    # "auto" takes the fused epilogue on SM90+ with deterministic=False only where it measured
+    # faster (arch.FUSED_FINALIZE_WINS); otherwise it says why it stays standalone.
+    monkeypatch.setenv("MOE_ROUTE_ARCH", cc)
+    monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", True)
+    assert arch.finalize_path_for("cuda:0", deterministic=False).value == "fused"
+    monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", False)
+    choice = arch.finalize_path_for("cuda:0", deterministic=False)
+    assert choice.value == "standalone" and "slower" in choice.why
+
+
+def test_finalize_explicit_standalone(monkeypatch):
+    monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
+    for device in ("cpu", "cuda:0"):
+        for det in (True, False):
+            choice = arch.finalize_path_for(device, "standalone", deterministic=det)
+            assert (choice.value, choice.why) == ("standalone", "finalize='standalone'")
+
+
+def test_finalize_fused_request_needs_nondeterminism(monkeypatch):
+    monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
+    with pytest.raises(ValueError, match=r"finalize='fused' with deterministic=True: .*atomics"):
+        arch.finalize_path_for("cuda:0", "fused")
+    # On request it is taken on any device the caller names (no SM check for an explicit ask).
+    assert arch.finalize_path_for("cuda:0", "fused", deterministic=False).value == "fused"
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", "fused")
+    with pytest.raises(ValueError, match=r"MOE_ROUTE_FINALIZE=fused with deterministic=True"):
+        arch.finalize_path_for("cuda:0")
+    choice = arch.finalize_path_for("cuda:0", deterministic=False)
+    assert (choice.value, choice.why) == ("fused", "MOE_ROUTE_FINALIZE=fused")
+
+
+def test_finalize_env_overrides_request(monkeypatch):
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", "standalone")
+    choice = arch.finalize_path_for("cpu", "fused")  # would raise without the override
+    assert (choice.value, choice.why) == ("standalone", "MOE_ROUTE_FINALIZE=standalone")
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", "auto")
+    monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
+    monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", True)
+    assert arch.finalize_path_for("cuda:0", deterministic=False).value == "fused"
+
+
+@pytest.mark.parametrize("value", ["epilogue", "yes", "standalone,fused"])
+def test_finalize_env_invalid(monkeypatch, value):
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", value)
+    with pytest.raises(ValueError, match=rf"environment variable MOE_ROUTE_FINALIZE={value!r}"):
+        arch.finalize_path_for("cpu")
+
+
+@pytest.mark.parametrize("requested", ["epilogue", "Fused", ""])
+def test_finalize_argument_invalid(requested):
+    with pytest.raises(ValueError, match=rf"finalize={requested!r}: expected 'auto', 'fused'"):
+        arch.finalize_path_for("cpu", requested)
+
+
+# ----------------------------------------------------------------------------- describe
+def test_describe_cpu(interpreter):
+    info = arch.describe("cpu")
+    assert info["device"] == "cpu (cpu)"
+    assert info["compute capability"] == "-"
+    assert info["backend"].startswith("triton  [") and "TRITON_INTERPRET=1" in info["backend"]
+    assert info["finalize path"].startswith("standalone  [cpu is below SM90")
+    assert all(isinstance(v, str) for v in info.values())
+
+
+def test_describe_follows_env(monkeypatch, no_interpreter):
+    assert arch.describe("cpu")["backend"].startswith("reference  [")
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "reference")
+    assert arch.describe("cpu")["backend"] == "reference  [MOE_ROUTE_BACKEND=reference]"
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", "bogus")
+    with pytest.raises(ValueError, match="MOE_ROUTE_FINALIZE='bogus'"):
+        arch.describe("cpu")

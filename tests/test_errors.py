@@ -1,0 +1,241 @@
+"""Bad input raises before anything is launched, with a message naming the argument."""
+
+import pytest
+import torch
+from helpers import random_topk_ids
+
+import moe_route
+from moe_route import finalize as finalize_mod
+from moe_route import maps as maps_mod
+from moe_route import permute as permute_mod
+from moe_route.reference import routing_maps_reference
+
+T, K, E, H = 5, 2, 4, 13
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Replace the three custom ops by tripwires: validation must fail before dispatch."""
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("an op was dispatched although its input was invalid")
+
+    monkeypatch.setattr(maps_mod, "_routing_maps_op", tripwire)
+    monkeypatch.setattr(permute_mod, "_expand_rows_op", tripwire)
+    monkeypatch.setattr(finalize_mod, "_finalize_op", tripwire)
+
+
+def _maps(num_tokens=T):
+    """Valid maps built without dispatching an op (so they survive the tripwires)."""
+    ids = random_topk_ids(num_tokens, K, E, drop_prob=0.2)
+    tables = routing_maps_reference(ids, E)
+    return moe_route.RoutingMaps(*tables, num_tokens=num_tokens, top_k=K, num_experts=E)
+
+
+@pytest.fixture
+def maps():
+    return _maps()
+
+
+def _ok(maps):
+    """Valid finalize arguments, to be spoiled one at a time."""
+    return dict(
+        y_perm=torch.randn(T * K, H),
+        topk_weights=torch.rand(T, K),
+        maps=maps,
+        bias=torch.randn(H),
+    )
+
+
+# ----------------------------------------------------------------------------- topk_ids
+@pytest.mark.parametrize(
+    "ids,exc,match",
+    [
+        (torch.zeros(T, K), TypeError, r"topk_ids must be int32 or int64.*float32"),
+        (torch.zeros(T, K, dtype=torch.float64), TypeError, r"topk_ids must be int32 or int64"),
+        (torch.zeros(T, K, dtype=torch.int16), TypeError, r"topk_ids must be int32 or int64"),
+        (torch.zeros(T, K, dtype=torch.bool), TypeError, r"topk_ids must be int32 or int64"),
+        (torch.zeros(T * K, dtype=torch.int64), ValueError, r"topk_ids must have 2 dim.*\(10,\)"),
+        (torch.zeros(T, K, 1, dtype=torch.int64), ValueError, r"topk_ids must have 2 dim"),
+        (torch.zeros(T, 0, dtype=torch.int64), ValueError, r"topk_ids must have at least one"),
+        (torch.zeros(T, E + 1, dtype=torch.int64), ValueError, r"K=5 .*num_experts=4.*K <= E"),
+        ([[0, 1]], TypeError, r"topk_ids must be a torch.Tensor, got list"),
+    ],
+    ids=[
+        "float32",
+        "float64",
+        "int16",
+        "bool",
+        "1-D",
+        "3-D",
+        "K=0",
+        "K>E",
+        "list",
+    ],
+)
+def test_bad_topk_ids(no_launch, ids, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_route.build_routing_maps(ids, E)
+
+
+@pytest.mark.parametrize(
+    "bad,dtype",
+    [(b, d) for d in (torch.int32, torch.int64) for b in (E, E + 7, -2)]
+    + [(-(2**40), torch.int64)],
+)
+def test_out_of_range_ids_on_cpu(no_launch, bad, dtype):
+    ids = random_topk_ids(T, K, E).to(dtype)
+    ids[3, 1] = bad
+    with pytest.raises(ValueError, match=rf"topk_ids\[3, 1\] = {bad} is out of range.*\[0, 4\)"):
+        moe_route.build_routing_maps(ids, E)
+    with pytest.raises(ValueError, match=r"topk_ids\[3, 1\]"):
+        moe_route.build_routing_maps(ids, E, check_ids=True, backend="reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_unchecked_out_of_range_ids_count_as_dropped(backend):
+    # Documented: check_ids=False skips the value check; the kernels then treat ids outside
+    # [-1, E) as dropped (-1) and never index out of bounds.
+    ids = torch.tensor([[0, 9], [-3, 2], [3, 1]])
+    maps = moe_route.build_routing_maps(ids, E, check_ids=False, backend=backend)
+    assert maps.expert_for_source_row.tolist() == [0, -1, 3, -1, 2, 1]
+    assert maps.expert_first_token_offset.tolist() == [0, 1, 2, 3, 4]
+    assert sorted(maps.expanded_dest_row_to_expanded_source_row.tolist()) == list(range(6))
+    # The two dropped slots (s=1, s=3) sit after the 4 routed rows, in source order.
+    assert maps.expanded_dest_row_to_expanded_source_row.tolist()[4:] == [1, 3]
+
+
+def test_too_many_expanded_rows(no_launch):
+    # A stride-0 view: 2**31 rows of ids without the memory. The int32 maps cannot index them.
+    ids = torch.zeros(1, 1, dtype=torch.int32).expand(2**31, 1)
+    with pytest.raises(ValueError, match=r"T\*K=2147483648 expanded rows"):
+        moe_route.build_routing_maps(ids, E, check_ids=False)
+
+
+@pytest.mark.parametrize(
+    "num_experts,exc,match",
+    [
+        (0, ValueError, r"num_experts must be >= 1, got 0"),
+        (-3, ValueError, r"num_experts must be >= 1, got -3"),
+        (4.0, TypeError, r"num_experts must be an int, got float"),
+        (True, TypeError, r"num_experts must be an int, got bool"),
+        (torch.tensor(4), TypeError, r"num_experts must be an int, got Tensor"),
+        ("4", TypeError, r"num_experts must be an int, got str"),
+    ],
+)
+def test_bad_num_experts(no_launch, num_experts, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_route.build_routing_maps(torch.zeros(T, 1, dtype=torch.int64), num_experts)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "Triton", "", "torch"])
+def test_bad_backend_string(no_launch, maps, backend):
+    ids = random_topk_ids(T, K, E)
+    match = rf"backend={backend!r}: expected 'auto' or one of"
+    with pytest.raises(ValueError, match=match):
+        moe_route.build_routing_maps(ids, E, backend=backend)
+    with pytest.raises(ValueError, match=match):
+        moe_route.expand_rows(torch.randn(T, H), maps, backend=backend)
+    with pytest.raises(ValueError, match=match):
+        moe_route.finalize_moe_routing(**_ok(maps), backend=backend)
+
+
+def test_bad_backend_env(no_launch, maps, monkeypatch):
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"MOE_ROUTE_BACKEND='cuda'"):
+        moe_route.build_routing_maps(random_topk_ids(T, K, E), E)
+    with pytest.raises(ValueError, match=r"MOE_ROUTE_BACKEND='cuda'"):
+        moe_route.expand_rows(torch.randn(T, H), maps)
+
+
+# ----------------------------------------------------------------------------- expand
+@pytest.mark.parametrize(
+    "x,exc,match",
+    [
+        (torch.randn(T), ValueError, r"x must have 2 dimensions.*\(5,\)"),
+        (torch.randn(T, H, 1), ValueError, r"x must have 2 dimensions"),
+        (torch.ones(T, H, dtype=torch.int32), TypeError, r"x must have dtype in .*int32"),
+        (torch.ones(T, H, dtype=torch.complex64), TypeError, r"x must have dtype in"),
+        (torch.randn(T + 1, H), ValueError, r"maps were built for T=5 tokens but x has 6"),
+        (torch.randn(T - 1, H), ValueError, r"maps were built for T=5 tokens but x has 4"),
+        (torch.randn(T, H, device="meta"), ValueError, r"maps are on cpu but x is on meta"),
+        (torch.randn(T, H).numpy(), TypeError, r"x must be a torch.Tensor, got ndarray"),
+    ],
+    ids=["1-D", "3-D", "int32", "complex", "T+1", "T-1", "device", "numpy"],
+)
+def test_bad_expand_input(no_launch, maps, x, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_route.expand_rows(x, maps)
+
+
+def test_expand_needs_routing_maps(no_launch, maps):
+    tables = (maps.expanded_source_row_to_expanded_dest_row, maps.expert_first_token_offset)
+    with pytest.raises(TypeError, match=r"maps must be a RoutingMaps .* got tuple"):
+        moe_route.expand_rows(torch.randn(T, H), tables)
+
+
+# ----------------------------------------------------------------------------- finalize
+@pytest.mark.parametrize(
+    "field,value,exc,match",
+    [
+        ("y_perm", torch.randn(T * K + 1, H), ValueError, r"y_perm must have T\*K = 10 rows"),
+        ("y_perm", torch.randn(T, H), ValueError, r"y_perm must have T\*K = 10 rows"),
+        ("y_perm", torch.randn(T * K * H), ValueError, r"y_perm must have 2 dimensions"),
+        ("y_perm", torch.ones(T * K, H, dtype=torch.int64), TypeError, r"y_perm must have dtype"),
+        ("topk_weights", torch.rand(T, K + 1), ValueError, r"K=3 slots .* built with K=2"),
+        ("topk_weights", torch.rand(T, 1), ValueError, r"K=1 slots .* built with K=2"),
+        ("topk_weights", torch.rand(T + 1, K), ValueError, r"T=5 tokens but topk_weights has 6"),
+        ("topk_weights", torch.rand(T * K), ValueError, r"topk_weights must have 2 dimensions"),
+        ("topk_weights", torch.ones(T, K, dtype=torch.int32), TypeError, r"topk_weights must"),
+        ("bias", torch.randn(H + 1), ValueError, r"bias must be \[H\] = \[13\] or \[T, H\]"),
+        ("bias", torch.randn(1, H), ValueError, r"bias must be \[H\].*\(1, 13\)"),
+        ("bias", torch.randn(T), ValueError, r"bias must be \[H\]"),
+        ("bias", torch.randn(T * K, H), ValueError, r"bias must be \[H\]"),
+        ("bias", torch.randn(T, H, 1), ValueError, r"bias must be \[H\]"),
+        ("bias", torch.ones(H, dtype=torch.int64), TypeError, r"bias must have dtype"),
+        ("bias", [0.0] * H, TypeError, r"bias must be a torch.Tensor"),
+        ("y_perm", torch.randn(T * K, H, device="meta"), ValueError, r"expected one device"),
+        ("bias", torch.randn(H, device="meta"), ValueError, r"bias is on meta .*one device"),
+        ("maps", None, TypeError, r"maps must be a RoutingMaps"),
+    ],
+)
+def test_bad_finalize_input(no_launch, maps, field, value, exc, match):
+    kwargs = _ok(maps)
+    kwargs[field] = value
+    with pytest.raises(exc, match=match):
+        moe_route.finalize_moe_routing(**kwargs)
+
+
+def test_finalize_maps_for_another_batch(no_launch):
+    other = _maps(T + 2)
+    with pytest.raises(ValueError, match=r"maps were built for T=7 tokens but topk_weights has 5"):
+        moe_route.finalize_moe_routing(torch.randn(T * K, H), torch.rand(T, K), other)
+
+
+# ----------------------------------------------------------------------------- RoutingMaps
+def test_routing_maps_dataclass_checks_its_fields(maps):
+    fields = dict(
+        expanded_source_row_to_expanded_dest_row=maps.expanded_source_row_to_expanded_dest_row,
+        expanded_dest_row_to_expanded_source_row=maps.expanded_dest_row_to_expanded_source_row,
+        expert_for_source_row=maps.expert_for_source_row,
+        expert_first_token_offset=maps.expert_first_token_offset,
+        num_tokens=T,
+        top_k=K,
+        num_experts=E,
+    )
+    moe_route.RoutingMaps(**fields)  # the valid one
+    for name in ("expanded_source_row_to_expanded_dest_row", "expert_for_source_row"):
+        bad = dict(fields, **{name: fields[name].long()})
+        with pytest.raises(ValueError, match=rf"RoutingMaps.{name}: expected \[10\] int32"):
+            moe_route.RoutingMaps(**bad)
+        bad = dict(fields, **{name: fields[name][:-1]})
+        with pytest.raises(ValueError, match=rf"RoutingMaps.{name}: expected \[10\] int32"):
+            moe_route.RoutingMaps(**bad)
+    off = fields["expert_first_token_offset"]
+    for bad_off in (off.int(), off[:-1]):
+        with pytest.raises(ValueError, match=r"expert_first_token_offset: expected \[5\] int64"):
+            moe_route.RoutingMaps(**dict(fields, expert_first_token_offset=bad_off))
+    with pytest.raises(ValueError, match=r"expected \[12\] int32"):
+        moe_route.RoutingMaps(**dict(fields, num_tokens=T + 1))
+    with pytest.raises(Exception, match="cannot assign"):
+        maps.num_tokens = 3  # frozen

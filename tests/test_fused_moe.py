@@ -1,0 +1,545 @@
+"""fused_moe on the CPU (Triton kernels through the interpreter, and the reference backend)
+against ``moe_route.reference.moe_forward_reference`` evaluated in float64 on the same inputs.
+
+Both finalize paths run here: ``"standalone"`` (GEMM2 writes permuted rows, a finalize kernel
+reduces them) and ``"fused"`` (GEMM2's epilogue scales and atomically adds into a float32
+output; the interpreter runs it, one program at a time). Router weights of dropped slots are
+NaN throughout: the contract says they are never read.
+
+bfloat16: ``tl.dot`` with bf16 operands returns garbage under the triton 3.5.1 interpreter, so
+bf16 runs with ``backend="reference"`` here and through the kernels in tests/test_gpu_moe.py.
+
+Tolerances as in tests/test_grouped_gemm.py (relative Frobenius error: fp32 1e-5, fp16 2e-3,
+bf16 1e-2, plus a wide elementwise guard); the two finalize paths agree in float32 to
+``(K + 2) * eps32 * (|bias| + sum_k |w| |y|)`` per element.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moe_route
+from moe_route import arch
+from moe_route.reference import (
+    expand_rows_reference,
+    finalize_moe_routing_reference,
+    grouped_gemm_reference,
+    moe_forward_reference,
+    routing_maps_reference,
+)
+
+moe_module = importlib.import_module("moe_route.moe")
+maps_module = importlib.import_module("moe_route.maps")
+
+NAN = float("nan")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+GATED = ("swiglu", "geglu")
+ACT_LAYOUTS = [
+    ("swiglu", "concat"),
+    ("swiglu", "interleaved"),
+    ("geglu", "concat"),
+    ("geglu", "interleaved"),
+    ("silu", "concat"),
+    ("gelu", "concat"),
+    ("relu", "concat"),
+    ("identity", "concat"),
+]
+ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
+# finalize path -> the fused_moe arguments that select it
+PATHS = {
+    "standalone": dict(finalize="standalone"),
+    "fused": dict(finalize="fused", deterministic=False),
+}
+
+INTERPRETED = arch.triton_interpreter_enabled() and not torch.cuda.is_available()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 (conftest sets it when there "
+    "is no CUDA device); tests/test_gpu_moe.py covers the compiled kernels",
+)
+BF16_INTERPRETER = (
+    "tl.dot with bf16 operands returns garbage under the triton 3.5.1 interpreter; "
+    "bf16 kernels are tested on CUDA in tests/test_gpu_moe.py"
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_ids(T, K, E, *, drop=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    if drop:
+        ids = ids.masked_fill(torch.rand(T, K, generator=g) < drop, -1)
+    return ids
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+BIAS_SHAPES = {"H": lambda T, H: (H,), "TH": lambda T, H: (T, H)}
+
+
+def make_moe(T, K, E, H, inter, *, activation="swiglu", dtype=torch.float32, b1=False,
+             b2=False, bias=None, drop=0.2, ids=None, seed=0):  # fmt: skip
+    """Inputs of one MoE layer; ``bias`` is None, ``"H"`` or ``"TH"``. Dropped slots get NaN
+    router weights."""
+    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids
+    n1 = 2 * inter if activation in GATED else inter
+    g = torch.Generator().manual_seed(seed + 1)
+    tw = torch.softmax(torch.randn(T, K, generator=g), dim=-1).masked_fill(ids < 0, NAN)
+    return dict(
+        x=rand(T, H, dtype=dtype, seed=seed + 2),
+        w1=rand(E, n1, H, dtype=dtype, scale=H**-0.5, seed=seed + 3),
+        w2=rand(E, H, inter, dtype=dtype, scale=inter**-0.5, seed=seed + 4),
+        topk_weights=tw,
+        topk_ids=ids,
+        b1=rand(E, n1, dtype=dtype, scale=0.5, seed=seed + 5) if b1 else None,
+        b2=rand(E, H, dtype=dtype, scale=0.5, seed=seed + 6) if b2 else None,
+        bias=None if bias is None else rand(*BIAS_SHAPES[bias](T, H), dtype=dtype, seed=seed + 7),
+    )
+
+
+def run(case, *, activation="swiglu", layout="concat", **kw):
+    c = dict(case)
+    return moe_route.fused_moe(
+        c.pop("x"), c.pop("w1"), c.pop("w2"), c.pop("topk_weights"), c.pop("topk_ids"),
+        activation=activation, gate_up_layout=layout, **c, **kw,
+    )  # fmt: skip
+
+
+def f64(t):
+    return None if t is None else t.double()
+
+
+def expected(case, *, activation="swiglu", layout="concat"):
+    """float64 reference of the whole chain (no intermediate rounding)."""
+    c = case
+    return moe_forward_reference(
+        f64(c["x"]), f64(c["w1"]), f64(c["w2"]), f64(c["topk_weights"]), c["topk_ids"],
+        activation=activation, gate_up_layout=layout, b1=f64(c["b1"]), b2=f64(c["b2"]),
+        bias=f64(c["bias"]),
+    )  # fmt: skip
+
+
+def finalize_scale(case, *, activation="swiglu", layout="concat"):
+    """``|bias[t]| + sum_k |w[t,k]| |y[dest]|`` in float64: the scale of finalize's rounding."""
+    c = case
+    E = c["w1"].shape[0]
+    s2d, d2s, efs, off = routing_maps_reference(c["topk_ids"], E)
+    x_perm = expand_rows_reference(f64(c["x"]), d2s, off)
+    h = grouped_gemm_reference(x_perm, f64(c["w1"]), off, f64(c["b1"]), activation=activation,
+                               gate_up_layout=layout)  # fmt: skip
+    y = grouped_gemm_reference(h, f64(c["w2"]), off, f64(c["b2"]))
+    babs = None if c["bias"] is None else f64(c["bias"]).abs()
+    return finalize_moe_routing_reference(y.abs(), f64(c["topk_weights"]).abs(), s2d, efs, babs)
+
+
+def assert_matches(out, ref, tol, *, what="output", floor=0.0):
+    """Relative Frobenius error <= tol and no element off by more than 8*tol*(|ref| + rms).
+
+    ``floor`` bounds the reference norm from below, for random cases whose reference may
+    nearly vanish (e.g. relu of mostly negative values) while the inputs are O(1)."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
+    bad_rows = (~torch.isfinite(o)).any(dim=1).nonzero().flatten()[:8].tolist()
+    assert not bad_rows, f"{what}: non-finite values in rows {bad_rows}"
+    rnorm = max(r.norm().item(), floor)
+    assert rnorm > 0, f"{what}: degenerate all-zero reference"
+    rel = (o - r).norm().item() / rnorm
+    assert rel <= tol, f"{what}: relative error {rel:.3g} > {tol:.3g}"
+    rms = rnorm / max(r.numel(), 1) ** 0.5
+    over = (o - r).abs() > 8 * tol * (r.abs() + rms)
+    assert not over.any(), f"{what}: {int(over.sum())} elements far off, first at " + str(
+        over.nonzero()[0].tolist()
+    )
+
+
+def assert_paths_agree(a, b, scale, K, *, what="standalone vs fused"):
+    """float32 rounding of a K-term sum plus a bias, elementwise."""
+    bound = (K + 2) * torch.finfo(torch.float32).eps * scale
+    diff = (a.double() - b.double()).abs()
+    over = diff > bound
+    assert not over.any(), (
+        f"{what}: {int(over.sum())} elements differ by more than float32 rounding, max "
+        f"{diff.max().item():.3g} (bound there {bound.reshape(-1)[diff.argmax()].item():.3g})"
+    )
+
+
+class Spy:
+    """Counts calls of the finalize paths (and of any launch) inside moe_route.moe."""
+
+    def __init__(self, monkeypatch, *, forbid=False):
+        self.calls = {"standalone": 0, "fused": 0, "grouped_gemm": 0, "routing_maps": 0}
+        for attr, key, module in (
+            ("finalize_moe_routing", "standalone", moe_module),
+            ("_gemm2_fused_finalize_op", "fused", moe_module),
+            ("grouped_gemm", "grouped_gemm", moe_module),
+            ("_routing_maps_op", "routing_maps", maps_module),
+        ):
+            monkeypatch.setattr(module, attr, self._wrap(getattr(module, attr), key, forbid))
+
+    def _wrap(self, fn, key, forbid):
+        def wrapped(*args, **kwargs):
+            if forbid:
+                raise AssertionError(f"{key} ran although the arguments are invalid")
+            self.calls[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+
+# ----------------------------------------------------------------------------- vs the oracle
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("activation", "layout"), ACT_LAYOUTS, ids=ACT_IDS)
+def test_activations_both_paths(activation, layout, path):
+    """fp32, T = 23, K = 2, E = 4, H = 27, I = 13, b1 + b2 + bias [H], 20 % slots dropped."""
+    case = make_moe(23, 2, 4, 27, 13, activation=activation, b1=True, b2=True, bias="H", seed=1)
+    out = run(case, activation=activation, layout=layout, **PATHS[path])
+    ref = expected(case, activation=activation, layout=layout)
+    assert out.dtype == torch.float32 and out.shape == (23, 27)
+    assert_matches(out, ref, TOL[torch.float32])
+
+
+BIASES = {
+    "none": dict(),
+    "b1": dict(b1=True),
+    "b2": dict(b2=True),
+    "bias_H": dict(bias="H"),
+    "all_TH": dict(b1=True, b2=True, bias="TH"),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
+@pytest.mark.parametrize("biases", list(BIASES))
+def test_biases_and_gather(biases, gather, path):
+    case = make_moe(19, 3, 5, 21, 11, seed=2, **BIASES[biases])
+    out = run(case, gather=gather, **PATHS[path])
+    assert_matches(out, expected(case), TOL[torch.float32])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("activation", "layout"), [("swiglu", "interleaved"), ("gelu", "concat")])
+def test_paths_agree(dtype, activation, layout):
+    """Standalone and fused finalize: both close to the float64 oracle and to each other (in
+    float32 to the rounding of a K-term sum; in float16 within the fp16 tolerance, since only
+    the standalone path rounds GEMM2's rows to fp16)."""
+    K = 3
+    case = make_moe(31, K, 6, 27, 19, activation=activation, dtype=dtype, b1=True, b2=True,
+                    bias="TH", seed=3)  # fmt: skip
+    kw = dict(activation=activation, layout=layout)
+    standalone = run(case, **kw, **PATHS["standalone"])
+    fused = run(case, **kw, **PATHS["fused"])
+    ref = expected(case, **kw)
+    assert standalone.dtype == fused.dtype == dtype
+    assert_matches(standalone, ref, TOL[dtype], what="standalone")
+    assert_matches(fused, ref, TOL[dtype], what="fused")
+    if dtype == torch.float32:
+        assert_paths_agree(standalone, fused, finalize_scale(case, **kw), K)
+    else:
+        assert_matches(fused, standalone.double(), TOL[dtype], what="fused vs standalone")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reference_backend(dtype, path):
+    """backend="reference" (the CPU fallback; the only bf16 path testable on the CPU)."""
+    case = make_moe(29, 2, 4, 40, 24, dtype=dtype, b1=True, b2=True, bias="TH", seed=4)
+    out = run(case, backend="reference", **PATHS[path])
+    assert out.dtype == dtype
+    assert_matches(out, expected(case), TOL[dtype])
+
+
+@needs_interpreter
+@pytest.mark.skip(reason=BF16_INTERPRETER)
+def test_bf16_kernels():  # pragma: no cover - documents the gap; see tests/test_gpu_moe.py
+    case = make_moe(9, 2, 3, 16, 8, dtype=torch.bfloat16, seed=5)
+    assert_matches(run(case), expected(case), TOL[torch.bfloat16])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("T", [1, 2])
+def test_few_tokens(T, path):
+    case = make_moe(T, 2, 3, 27, 13, b2=True, bias="H", drop=0, seed=6)
+    assert_matches(run(case, **PATHS[path]), expected(case), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_zero_tokens(path):
+    case = make_moe(0, 2, 3, 8, 4, bias="H", seed=7)
+    out = run(case, **PATHS[path])
+    assert out.shape == (0, 8) and out.dtype == torch.float32
+
+
+@needs_interpreter
+def test_allow_tf32():
+    case = make_moe(7, 2, 3, 27, 13, b1=True, seed=8)
+    assert_matches(run(case, allow_tf32=True), expected(case), 2e-3)
+
+
+# ----------------------------------------------------------------------------- dropped slots
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("bias", [None, "H", "TH"])
+def test_dropped_slots(bias, path):
+    """Tokens with every slot dropped get exactly ``bias[t]`` (or zeros); partly dropped tokens
+    sum their routed slots only (the NaN router weights of dropped slots are never read)."""
+    T, K, E = 17, 3, 5
+    ids = make_ids(T, K, E, drop=0.3, seed=9)
+    ids[::4] = -1  # tokens 0, 4, 8, 12, 16: all slots dropped
+    ids[1, 1:] = -1  # token 1: one routed slot
+    case = make_moe(T, K, E, 21, 11, b1=True, b2=True, bias=bias, ids=ids, seed=9)
+    out = run(case, **PATHS[path])
+    dead = (ids < 0).all(dim=1)
+    want = torch.zeros(int(dead.sum()), 21)
+    if bias == "H":
+        want = case["bias"].expand(T, -1)[dead]
+    elif bias == "TH":
+        want = case["bias"][dead]
+    assert torch.equal(out[dead], want), f"fully dropped tokens: {out[dead]} != {want}"
+    assert_matches(out[~dead], expected(case)[~dead], TOL[torch.float32])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_slot_dropped(path):
+    case = make_moe(6, 2, 3, 10, 5, b2=True, bias="TH", ids=torch.full((6, 2), -1), seed=10)
+    assert torch.equal(run(case, **PATHS[path]), case["bias"])
+    case["bias"] = None
+    assert torch.equal(run(case, **PATHS[path]), torch.zeros(6, 10))
+
+
+# ----------------------------------------------------------------------------- path choice
+def test_fused_needs_nondeterministic(monkeypatch):
+    case = make_moe(5, 2, 3, 8, 4, seed=11)
+    Spy(monkeypatch, forbid=True)
+    with pytest.raises(ValueError, match=r"deterministic=True"):
+        run(case, finalize="fused", deterministic=True)
+    with pytest.raises(ValueError, match=r"deterministic=True"):
+        run(case, finalize="fused")  # deterministic defaults to True
+
+
+@needs_interpreter
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_auto_is_standalone_on_cpu(monkeypatch, deterministic):
+    choice = arch.finalize_path_for(torch.device("cpu"), "auto", deterministic)
+    assert choice.value == "standalone", choice
+    spy = Spy(monkeypatch)
+    case = make_moe(9, 2, 3, 12, 6, seed=12)
+    out = run(case, finalize="auto", deterministic=deterministic)
+    assert spy.calls["standalone"] == 1 and spy.calls["fused"] == 0, spy.calls
+    assert_matches(out, expected(case), TOL[torch.float32])
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("env", "kwargs", "taken"),
+    [
+        ("fused", dict(finalize="standalone", deterministic=False), "fused"),
+        ("fused", dict(finalize="auto", deterministic=False), "fused"),
+        ("standalone", dict(finalize="fused", deterministic=False), "standalone"),
+        ("standalone", dict(finalize="fused", deterministic=True), "standalone"),
+        ("auto", dict(finalize="fused", deterministic=False), "fused"),
+        ("AUTO", dict(finalize="standalone", deterministic=False), "standalone"),
+    ],
+)
+def test_finalize_env_override(monkeypatch, env, kwargs, taken):
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", env)
+    spy = Spy(monkeypatch)
+    case = make_moe(9, 2, 3, 12, 6, b2=True, bias="H", seed=13)
+    out = run(case, **kwargs)
+    other = "standalone" if taken == "fused" else "fused"
+    assert spy.calls[taken] == 1 and spy.calls[other] == 0, spy.calls
+    assert_matches(out, expected(case), TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("env", "kwargs", "match"),
+    [
+        ("fused", dict(finalize="standalone"), r"MOE_ROUTE_FINALIZE=fused.*deterministic"),
+        ("epilogue", dict(), r"MOE_ROUTE_FINALIZE='epilogue'"),
+    ],
+)
+def test_finalize_env_errors(monkeypatch, env, kwargs, match):
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", env)
+    case = make_moe(5, 2, 3, 8, 4, seed=14)
+    Spy(monkeypatch, forbid=True)
+    with pytest.raises(ValueError, match=match):
+        run(case, **kwargs)
+
+
+# ----------------------------------------------------------------------------- determinism
+@needs_interpreter
+@pytest.mark.parametrize("finalize", ["auto", "standalone"])
+def test_deterministic_bitwise(finalize):
+    case = make_moe(21, 3, 5, 20, 12, b1=True, b2=True, bias="TH", seed=15)
+    first = run(case, finalize=finalize, deterministic=True)
+    for _ in range(2):
+        again = run(case, finalize=finalize, deterministic=True)
+        assert torch.equal(again, first), "deterministic=True gave different bits"
+
+
+# ----------------------------------------------------------------------------- validation
+def _bad(**changes):
+    def make():
+        case = make_moe(6, 2, 3, 8, 4, b1=True, b2=True, bias="H", drop=0, seed=16)
+        for key, fn in changes.items():
+            case[key] = fn(case)
+        return case
+
+    return make
+
+
+BAD_INPUTS = [
+    ("w2_shape", _bad(w2=lambda c: c["w2"][:, :, :-1]), ValueError, r"w2 must be \[E, H, I\]"),
+    ("w2_experts", _bad(w2=lambda c: c["w2"][:-1]), ValueError, r"w2 must be \[E, H, I\]"),
+    ("w2_ndim", _bad(w2=lambda c: c["w2"][0]), ValueError, r"w2 must have 3 dim"),
+    ("w2_dtype", _bad(w2=lambda c: c["w2"].half()), TypeError, r"w2.*dtype"),
+    ("w1_dtype", _bad(w1=lambda c: c["w1"].half()), TypeError, r"w1.*dtype"),
+    ("x_ndim", _bad(x=lambda c: c["x"][None]), ValueError, r"\bx must have 2 dim"),
+    ("w1_hidden", _bad(w1=lambda c: c["w1"][..., :-1]), ValueError, r"w1 \[E, N, K\]"),
+    ("w1_odd_gated", _bad(w1=lambda c: c["w1"][:, :-1], b1=lambda c: c["b1"][:, :-1]),
+     ValueError, r"w1 .*even"),
+    ("b1_shape", _bad(b1=lambda c: c["b1"][:, :-1]), ValueError, r"b1 must be \[E, N\]"),
+    ("b2_shape", _bad(b2=lambda c: c["b2"][:, :-1]), ValueError, r"b2 must be \[E, H\]"),
+    ("bias_shape", _bad(bias=lambda c: torch.zeros(9)), ValueError, r"bias must be \[H\]"),
+    ("bias_TH_shape", _bad(bias=lambda c: torch.zeros(5, 8)), ValueError, r"bias must be"),
+    ("bias_3d", _bad(bias=lambda c: torch.zeros(1, 6, 8)), ValueError, r"bias must be"),
+    ("weights_vs_ids", _bad(topk_weights=lambda c: c["topk_weights"][:, :1]), ValueError,
+     r"topk_weights .* must match topk_ids"),
+    ("ids_vs_x", _bad(topk_ids=lambda c: c["topk_ids"][:-1],
+                      topk_weights=lambda c: c["topk_weights"][:-1]), ValueError, r"T = 6"),
+    ("weights_ndim", _bad(topk_weights=lambda c: c["topk_weights"].reshape(-1)), ValueError,
+     r"topk_weights must have 2 dim"),
+    ("weights_int", _bad(topk_weights=lambda c: c["topk_weights"].long()), TypeError,
+     r"topk_weights.*dtype"),
+    ("ids_float", _bad(topk_ids=lambda c: c["topk_ids"].float()), TypeError, r"topk_ids"),
+    ("ids_out_of_range", _bad(topk_ids=lambda c: c["topk_ids"] + 3), ValueError,
+     r"topk_ids\[.*out of range"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), [c[1:] for c in BAD_INPUTS],
+                         ids=[c[0] for c in BAD_INPUTS])  # fmt: skip
+def test_bad_inputs_raise_before_launch(monkeypatch, make, exc, match):
+    case = make()
+    Spy(monkeypatch, forbid=True)
+    with pytest.raises(exc, match=match):
+        run(case)
+
+
+@pytest.mark.parametrize("kwargs", [dict(finalize="epilogue"), dict(backend="cuda"),
+                                    dict(activation="tanh"), dict(layout="split")])  # fmt: skip
+def test_bad_options_raise_before_launch(monkeypatch, kwargs):
+    case = make_moe(6, 2, 3, 8, 4, seed=17)
+    Spy(monkeypatch, forbid=True)
+    with pytest.raises(ValueError, match=next(iter(kwargs)).replace("layout", "gate_up_layout")):
+        run(case, **kwargs)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_b2_float64_rejected_before_launch(monkeypatch, path):
+    """b2 takes the GEMM dtypes on both finalize paths, checked before anything runs (it was
+    once accepted by the fused path and rejected by standalone GEMM2 after GEMM1 had run)."""
+    case = make_moe(6, 2, 3, 8, 4, b2=True, seed=18)
+    case["b2"] = case["b2"].double()
+    Spy(monkeypatch, forbid=True)
+    with pytest.raises(TypeError, match=r"\bb2\b.*dtype"):
+        run(case, **PATHS[path])
+
+
+# ----------------------------------------------------------------------------- torch.compile
+def _compile_case():
+    return make_moe(11, 2, 4, 16, 8, b1=True, b2=True, bias="TH", seed=19)
+
+
+def test_compile_fullgraph_cpu():
+    """The whole of fused_moe under fullgraph=True on CPU tensors: the eager-only id value
+    check (a data-dependent branch) must step aside while compiling."""
+    case = _compile_case()
+
+    def f(x, w1, w2, tw, ids, b1, b2, bias):
+        return moe_route.fused_moe(x, w1, w2, tw, ids, b1=b1, b2=b2, bias=bias,
+                                   backend="reference")  # fmt: skip
+
+    args = [case[k] for k in ("x", "w1", "w2", "topk_weights", "topk_ids", "b1", "b2", "bias")]
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(*args), f(*args), rtol=0, atol=0)
+
+
+def test_compile_fullgraph_cpu_chain():
+    """What fused_moe does after building the maps, compiled with fullgraph=True on the CPU
+    (reference backend): every op is a custom op with a fake implementation, no graph break."""
+    case = _compile_case()
+    E = case["w1"].shape[0]
+    maps = moe_route.build_routing_maps(case["topk_ids"], E, backend="reference")
+
+    def chain(x, w1, w2, tw, b1, b2, bias):
+        h = moe_route.grouped_gemm(x, w1, maps, bias=b1, activation="swiglu", gather=True,
+                                   backend="reference")  # fmt: skip
+        y = moe_route.grouped_gemm(h, w2, maps, bias=b2, backend="reference")
+        return moe_route.finalize_moe_routing(y, tw, maps, bias, backend="reference")
+
+    args = [case[k] for k in ("x", "w1", "w2", "topk_weights", "b1", "b2", "bias")]
+    torch._dynamo.reset()
+    out = torch.compile(chain, fullgraph=True)(*args)
+    torch.testing.assert_close(out, chain(*args), rtol=0, atol=0)
+    eager = moe_route.fused_moe(
+        case["x"], case["w1"], case["w2"], case["topk_weights"], case["topk_ids"],
+        b1=case["b1"], b2=case["b2"], bias=case["bias"], backend="reference",
+    )  # fmt: skip
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_compile_with_graph_breaks_cpu():
+    case = _compile_case()
+    args = [case[k] for k in ("x", "w1", "w2", "topk_weights", "topk_ids")]
+    kw = dict(b1=case["b1"], b2=case["b2"], bias=case["bias"], backend="reference")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: moe_route.fused_moe(*a, **kw), backend="aot_eager")
+    torch.testing.assert_close(compiled(*args), moe_route.fused_moe(*args, **kw), rtol=0, atol=0)
+
+
+def test_opcheck_fused_finalize_op():
+    case = make_moe(7, 2, 3, 8, 4, b2=True, bias="TH", seed=20)
+    s2d, d2s, efs, off = routing_maps_reference(case["topk_ids"], 3)
+    h = rand(14, 4, seed=21)
+    args = (h, case["w2"], off, s2d, d2s, efs, case["topk_weights"].nan_to_num(0.0), case["b2"],
+            case["bias"], "reference")  # fmt: skip
+    torch.library.opcheck(moe_module._gemm2_fused_finalize_op, args)
+
+
+# ----------------------------------------------------------------------------- random routings
+@needs_interpreter
+@settings(max_examples=6, deadline=None)
+@given(
+    T=st.integers(1, 16),
+    K=st.integers(1, 3),
+    E=st.integers(3, 6),
+    drop=st.sampled_from([0.0, 0.3, 1.0]),
+    act_layout=st.sampled_from(ACT_LAYOUTS),
+    path=st.sampled_from(list(PATHS)),
+    bias=st.sampled_from([None, "H", "TH"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_routings(T, K, E, drop, act_layout, path, bias, seed):
+    activation, layout = act_layout
+    case = make_moe(T, K, E, 12, 7, activation=activation, b1=True, b2=True, bias=bias,
+                    drop=drop, seed=seed)  # fmt: skip
+    out = run(case, activation=activation, layout=layout, **PATHS[path])
+    ref = expected(case, activation=activation, layout=layout)
+    if ref.norm() == 0:
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert_matches(out, ref, TOL[torch.float32], floor=0.1 * out.numel() ** 0.5)

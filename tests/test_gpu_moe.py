@@ -1,0 +1,594 @@
+"""grouped_gemm and fused_moe on a CUDA device: compiled Triton kernels against the float64
+reference (``moe_route.reference``), at odd and realistic sizes, in bf16 / fp16 / fp32.
+
+Covers what the CPU interpreter cannot: bf16 kernels, TF32 versus exact float32 products,
+atomics running concurrently in the fused finalize, many programs per launch, CUDA graph
+capture (which also proves that nothing syncs with the host), ``torch.compile(fullgraph=True)``
+and row offsets past 2**31 elements.
+
+Tolerances: relative Frobenius error against the float64 reference on the same (rounded)
+inputs: fp32 1e-5 (exact "ieee" products; 2e-3 with allow_tf32), fp16 2e-3, bf16 1e-2, plus an
+elementwise guard eight times as wide relative to ``|ref| + rms(ref)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import moe_route
+from moe_route import arch
+from moe_route.reference import (
+    expand_rows_reference,
+    finalize_moe_routing_reference,
+    grouped_gemm_reference,
+    moe_forward_reference,
+    routing_maps_reference,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+moe_module = importlib.import_module("moe_route.moe")
+
+CUDA = "cuda"
+NAN = float("nan")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPE_IDS = ["bf16", "fp16", "fp32"]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# TF32 keeps 10 of float32's 23 mantissa bits, and the tensor cores drop the rest (truncate),
+# so each product is biased low by ~2**-11 relative; a gated output multiplies two such GEMM
+# results. Measured on an H200: 2.3e-3 for swiglu at K = 1024.
+TF32_TOL = 5e-3
+GATED = ("swiglu", "geglu")
+ACT_LAYOUTS = [
+    ("swiglu", "concat"),
+    ("swiglu", "interleaved"),
+    ("geglu", "concat"),
+    ("geglu", "interleaved"),
+    ("silu", "concat"),
+    ("gelu", "concat"),
+    ("relu", "concat"),
+    ("identity", "concat"),
+]
+ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
+TOKENS = [1, 37, 199, 1000]
+SHAPES = [(200, 136), (1024, 768)]  # (H, I)
+SHAPE_IDS = ["H200-I136", "H1024-I768"]
+PATHS = {
+    "standalone": dict(finalize="standalone"),
+    "fused": dict(finalize="fused", deterministic=False),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_ids(T, K, E, *, drop=0.1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    if drop:
+        ids = ids.masked_fill(torch.rand(T, K, generator=g) < drop, -1)
+    return ids.to(CUDA)
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=CUDA) * scale).to(dtype)
+
+
+def f64(t):
+    return None if t is None else t.double()
+
+
+def n_rows(activation, inter):
+    return 2 * inter if activation in GATED else inter
+
+
+def gemm_case(T, K, E, H, inter, activation, *, dtype, bias=False, gather=False, drop=0.1,
+              ids=None, seed=0):  # fmt: skip
+    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids.to(CUDA)
+    maps = moe_route.build_routing_maps(ids, E)
+    x = rand(T, H, dtype=dtype, seed=seed + 1)
+    w = rand(E, n_rows(activation, inter), H, dtype=dtype, scale=H**-0.5, seed=seed + 2)
+    b = rand(E, n_rows(activation, inter), dtype=dtype, scale=0.5, seed=seed + 3) if bias else None
+    a = x if gather else moe_route.expand_rows(x, maps)
+    return a, w, b, maps
+
+
+def gemm_reference(a, w, maps, bias=None, *, activation="identity", layout="concat",
+                   gather=False):  # fmt: skip
+    off = maps.expert_first_token_offset
+    a64 = a.double()
+    if gather:
+        a64 = expand_rows_reference(a64, maps.expanded_dest_row_to_expanded_source_row, off)
+    return grouped_gemm_reference(
+        a64, w.double(), off, f64(bias), activation=activation, gate_up_layout=layout
+    )
+
+
+def launch(a, w, maps, bias=None, *, activation="identity", layout="concat", gather=False,
+           config=None, out=None, **kw):  # fmt: skip
+    """The Triton launcher into a NaN-poisoned (or given) ``out``."""
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+
+    M = maps.num_expanded_rows
+    n_out = w.shape[1] // 2 if activation in GATED else w.shape[1]
+    if out is None:
+        out = torch.full((M, n_out), NAN, dtype=a.dtype, device=a.device)
+    grouped_gemm_triton(
+        a, w, maps.expert_first_token_offset, out, bias=bias, activation=activation,
+        interleaved=layout == "interleaved",
+        dest_to_src=maps.expanded_dest_row_to_expanded_source_row, gather=gather, num_rows=M,
+        config=config, **kw,
+    )  # fmt: skip
+    return out
+
+
+def moe_case(T, K, E, H, inter, *, activation="swiglu", dtype=torch.bfloat16, b1=False,
+             b2=False, bias=None, drop=0.1, ids=None, seed=0):  # fmt: skip
+    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids.to(CUDA)
+    n1 = n_rows(activation, inter)
+    g = torch.Generator(device=CUDA).manual_seed(seed + 1)
+    tw = torch.softmax(torch.randn(T, K, generator=g, device=CUDA), dim=-1)
+    tw = tw.masked_fill(ids < 0, NAN)  # never read
+    shapes = {None: None, "H": (H,), "TH": (T, H)}
+    return dict(
+        x=rand(T, H, dtype=dtype, seed=seed + 2),
+        w1=rand(E, n1, H, dtype=dtype, scale=H**-0.5, seed=seed + 3),
+        w2=rand(E, H, inter, dtype=dtype, scale=inter**-0.5, seed=seed + 4),
+        topk_weights=tw,
+        topk_ids=ids,
+        b1=rand(E, n1, dtype=dtype, scale=0.5, seed=seed + 5) if b1 else None,
+        b2=rand(E, H, dtype=dtype, scale=0.5, seed=seed + 6) if b2 else None,
+        bias=None if bias is None else rand(*shapes[bias], dtype=dtype, seed=seed + 7),
+    )
+
+
+ARG_ORDER = ("x", "w1", "w2", "topk_weights", "topk_ids")
+
+
+def run_moe(case, *, activation="swiglu", layout="concat", **kw):
+    c = dict(case)
+    args = [c.pop(k) for k in ARG_ORDER]
+    return moe_route.fused_moe(*args, activation=activation, gate_up_layout=layout, **c, **kw)
+
+
+def moe_expected(case, *, activation="swiglu", layout="concat"):
+    c = case
+    return moe_forward_reference(
+        f64(c["x"]), f64(c["w1"]), f64(c["w2"]), f64(c["topk_weights"]), c["topk_ids"],
+        activation=activation, gate_up_layout=layout, b1=f64(c["b1"]), b2=f64(c["b2"]),
+        bias=f64(c["bias"]),
+    )  # fmt: skip
+
+
+def finalize_scale(case, *, activation="swiglu", layout="concat"):
+    """``|bias[t]| + sum_k |w[t,k]| |y[dest]|`` in float64: the scale of finalize's rounding."""
+    c = case
+    s2d, d2s, efs, off = routing_maps_reference(c["topk_ids"], c["w1"].shape[0])
+    x_perm = expand_rows_reference(f64(c["x"]), d2s, off)
+    h = grouped_gemm_reference(x_perm, f64(c["w1"]), off, f64(c["b1"]), activation=activation,
+                               gate_up_layout=layout)  # fmt: skip
+    y = grouped_gemm_reference(h, f64(c["w2"]), off, f64(c["b2"]))
+    babs = None if c["bias"] is None else f64(c["bias"]).abs()
+    return finalize_moe_routing_reference(y.abs(), f64(c["topk_weights"]).abs(), s2d, efs, babs)
+
+
+def assert_matches(out, ref, tol, *, what="output"):
+    """Relative Frobenius error <= tol and no element off by more than 8*tol*(|ref| + rms)."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.detach().double(), ref.detach().double().to(out.device)
+    bad_rows = (~torch.isfinite(o)).any(dim=1).nonzero().flatten()[:8].tolist()
+    assert not bad_rows, f"{what}: non-finite values in rows {bad_rows}"
+    rnorm = r.norm().item()
+    assert rnorm > 0, f"{what}: degenerate all-zero reference"
+    rel = (o - r).norm().item() / rnorm
+    assert rel <= tol, f"{what}: relative error {rel:.3g} > {tol:.3g}"
+    rms = rnorm / max(r.numel(), 1) ** 0.5
+    over = (o - r).abs() > 8 * tol * (r.abs() + rms)
+    assert not over.any(), f"{what}: {int(over.sum())} elements far off, first at " + str(
+        over.nonzero()[0].tolist()
+    )
+
+
+def assert_dropped_rows_zero(out, maps):
+    routed = int(maps.expert_first_token_offset[-1])
+    tail = out[routed:]
+    assert torch.equal(tail, torch.zeros_like(tail)), f"dropped rows [{routed}:] not all zero"
+
+
+def assert_paths_agree(a, b, scale, K, *, what="standalone vs fused"):
+    bound = (K + 2) * torch.finfo(torch.float32).eps * scale
+    diff = (a.double() - b.double()).abs()
+    over = diff > bound
+    assert not over.any(), (
+        f"{what}: {int(over.sum())} elements differ by more than float32 rounding, max "
+        f"{diff.max().item():.3g}"
+    )
+
+
+# ----------------------------------------------------------------------------- grouped_gemm
+@pytest.mark.parametrize(("H", "inter"), SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grouped_gemm_sizes(dtype, T, H, inter):
+    a, w, b, maps = gemm_case(T, 4, 8, H, inter, "swiglu", dtype=dtype, bias=True, gather=True,
+                              seed=T)  # fmt: skip
+    out = moe_route.grouped_gemm(a, w, maps, bias=b, activation="swiglu", gather=True)
+    assert out.dtype == dtype and out.shape == (4 * T, inter)
+    assert_matches(out, gemm_reference(a, w, maps, b, activation="swiglu", gather=True),
+                   TOL[dtype])  # fmt: skip
+    assert_dropped_rows_zero(out, maps)
+    # GEMM2 of the same rows (no activation, N = H)
+    w2 = rand(8, H, inter, dtype=dtype, scale=inter**-0.5, seed=T + 9)
+    y = moe_route.grouped_gemm(out, w2, maps)
+    assert_matches(y, gemm_reference(out, w2, maps), TOL[dtype], what="GEMM2")
+    assert_dropped_rows_zero(y, maps)
+
+
+EPILOGUE_CASES = [
+    pytest.param(dtype, act, lay, id=f"{did}-{aid}")
+    for dtype, did in zip(DTYPES, DTYPE_IDS, strict=True)
+    for (act, lay), aid in zip(ACT_LAYOUTS, ACT_IDS, strict=True)
+    if dtype != torch.float32 or act in ("swiglu", "gelu", "identity")
+]
+
+
+@pytest.mark.parametrize("bias_gather", [(False, False), (True, True)],
+                         ids=["plain", "bias-gather"])  # fmt: skip
+@pytest.mark.parametrize(("dtype", "activation", "layout"), EPILOGUE_CASES)
+def test_grouped_gemm_epilogues(dtype, activation, layout, bias_gather):
+    bias, gather = bias_gather
+    a, w, b, maps = gemm_case(199, 2, 8, 200, 136, activation, dtype=dtype, bias=bias,
+                              gather=gather, seed=3)  # fmt: skip
+    out = moe_route.grouped_gemm(
+        a, w, maps, bias=b, activation=activation, gate_up_layout=layout, gather=gather
+    )
+    ref = gemm_reference(a, w, maps, b, activation=activation, layout=layout, gather=gather)
+    assert_matches(out, ref, TOL[dtype])
+    assert_dropped_rows_zero(out, maps)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, (16, 16, 16, 2, 4, 2), (64, 64, 32, 4, 4, 3), (128, 128, 64, 8, 8, 3)],
+    ids=["auto", "16x16x16", "64x64x32", "128x128x64"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_launcher_poisoned_out(dtype, config):
+    """Every element of a NaN-poisoned ``out`` is written: routed rows with results, the rows of
+    dropped slots with exact zeros; whatever the tile shape."""
+    a, w, b, maps = gemm_case(199, 4, 8, 200, 136, "geglu", dtype=dtype, bias=True, gather=True,
+                              drop=0.3, seed=5)  # fmt: skip
+    out = launch(a, w, maps, b, activation="geglu", gather=True, config=config)
+    assert_matches(out, gemm_reference(a, w, maps, b, activation="geglu", gather=True),
+                   TOL[dtype])  # fmt: skip
+    assert_dropped_rows_zero(out, maps)
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize(("H", "inter"), [(200, 136), (1024, 768), (72, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_launcher_tma_and_pointer_loads(dtype, H, inter, use_tma):
+    """Both load paths of the kernel (TMA tensor descriptors on SM90+, masked pointer loads) on
+    permuted rows, GEMM1 (concat swiglu) and GEMM2, into NaN-poisoned outputs."""
+    if use_tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA tensor descriptors need SM90+")
+    a, w, b, maps = gemm_case(199, 4, 8, H, inter, "swiglu", dtype=dtype, bias=True,
+                              drop=0.2, seed=H)  # fmt: skip
+    out = launch(a, w, maps, b, activation="swiglu", use_tma=use_tma)
+    assert_matches(out, gemm_reference(a, w, maps, b, activation="swiglu"), TOL[dtype])
+    assert_dropped_rows_zero(out, maps)
+    w2 = rand(8, H, inter, dtype=dtype, scale=inter**-0.5, seed=H + 1)
+    y = launch(out, w2, maps, use_tma=use_tma)
+    assert_matches(y, gemm_reference(out, w2, maps), TOL[dtype], what="GEMM2")
+    assert_dropped_rows_zero(y, maps)
+
+
+OCCUPANCY = {
+    "empty_experts": lambda T: torch.tensor([[1, 6], [6, 1]]).repeat(T // 2 + 1, 1)[:T],
+    "all_in_first": lambda T: torch.zeros(T, 1, dtype=torch.int64),
+    "all_in_last": lambda T: torch.full((T, 1), 7, dtype=torch.int64),
+    "mostly_dropped": lambda T: torch.where(
+        torch.arange(T).unsqueeze(1) % 97 == 0, torch.tensor([[2, 3]]), torch.tensor([[-1, -1]])
+    ),
+    "all_dropped": lambda T: torch.full((T, 2), -1, dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("pattern", list(OCCUPANCY))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_expert_occupancy(dtype, pattern):
+    T, E = 1000, 8
+    ids = OCCUPANCY[pattern](T)
+    a, w, b, maps = gemm_case(T, ids.shape[1], E, 200, 136, "swiglu", dtype=dtype, bias=True,
+                              gather=True, ids=ids, seed=7)  # fmt: skip
+    out = launch(a, w, maps, b, activation="swiglu", gather=True)
+    assert_dropped_rows_zero(out, maps)
+    if pattern != "all_dropped":
+        ref = gemm_reference(a, w, maps, b, activation="swiglu", gather=True)
+        assert_matches(out, ref, TOL[dtype])
+    # the same routing through the whole layer, both finalize paths
+    case = moe_case(T, ids.shape[1], E, 200, 136, dtype=dtype, b2=True, bias="H", ids=ids,
+                    seed=8)  # fmt: skip
+    ref = moe_expected(case)
+    dead = (case["topk_ids"] < 0).all(dim=1)
+    for path, kw in PATHS.items():
+        out = run_moe(case, **kw)
+        assert torch.equal(out[dead], case["bias"].expand(T, -1)[dead]), path
+        if not dead.all():
+            assert_matches(out[~dead], ref[~dead], TOL[dtype], what=path)
+
+
+def strided_weight(w, how):
+    E, N, Kd = w.shape
+    if how == "transposed":
+        view = w.transpose(1, 2).contiguous().transpose(1, 2)
+    elif how == "sliced":
+        big = torch.full((E + 2, 2 * N + 1, Kd + 3), NAN, dtype=w.dtype, device=w.device)
+        big[1 : E + 1, 1 : 2 * N + 1 : 2, 2 : Kd + 2] = w
+        view = big[1 : E + 1, 1 : 2 * N + 1 : 2, 2 : Kd + 2]
+    elif how == "expert_major_last":
+        view = w.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    else:
+        raise ValueError(how)
+    assert not view.is_contiguous() and torch.equal(view, w)
+    return view
+
+
+@pytest.mark.parametrize("how", ["transposed", "sliced", "expert_major_last"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_noncontiguous_weights(dtype, how):
+    a, w, b, maps = gemm_case(199, 2, 8, 200, 136, "swiglu", dtype=dtype, bias=True,
+                              gather=True, seed=9)  # fmt: skip
+    ws = strided_weight(w, how)
+    xs = a.t().contiguous().t()
+    out = moe_route.grouped_gemm(xs, ws, maps, bias=b, activation="swiglu", gather=True)
+    assert_matches(out, gemm_reference(a, w, maps, b, activation="swiglu", gather=True),
+                   TOL[dtype])  # fmt: skip
+    # the whole layer with both weights as views
+    case = moe_case(199, 2, 8, 200, 136, dtype=dtype, b1=True, b2=True, seed=10)
+    ref = moe_expected(case)
+    case["w1"] = strided_weight(case["w1"], how)
+    case["w2"] = strided_weight(case["w2"], how)
+    for path, kw in PATHS.items():
+        assert_matches(run_moe(case, **kw), ref, TOL[dtype], what=path)
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True], ids=["ieee", "tf32"])
+def test_fp32_tf32(allow_tf32):
+    """Exact float32 products unless allowed: 1e-5 at K = 1024 fails if TF32 sneaks in."""
+    a, w, b, maps = gemm_case(1000, 2, 8, 1024, 768, "swiglu", dtype=torch.float32, bias=True,
+                              gather=True, seed=11)  # fmt: skip
+    out = moe_route.grouped_gemm(
+        a, w, maps, bias=b, activation="swiglu", gather=True, allow_tf32=allow_tf32
+    )
+    ref = gemm_reference(a, w, maps, b, activation="swiglu", gather=True)
+    assert_matches(out, ref, TF32_TOL if allow_tf32 else TOL[torch.float32])
+    case = moe_case(199, 2, 8, 1024, 768, dtype=torch.float32, seed=12)
+    out = run_moe(case, allow_tf32=allow_tf32)
+    assert_matches(out, moe_expected(case), TF32_TOL if allow_tf32 else TOL[torch.float32])
+
+
+# ----------------------------------------------------------------------------- fused_moe
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("H", "inter"), SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fused_moe_sizes(dtype, T, H, inter, path):
+    case = moe_case(T, 4, 16, H, inter, dtype=dtype, b1=True, b2=True, bias="TH", seed=T + H)
+    out = run_moe(case, **PATHS[path])
+    assert out.dtype == dtype and out.shape == (T, H)
+    assert_matches(out, moe_expected(case), TOL[dtype])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("activation", "layout"), ACT_LAYOUTS, ids=ACT_IDS)
+def test_fused_moe_activations(activation, layout, path):
+    case = moe_case(199, 2, 8, 200, 136, activation=activation, b1=True, b2=True, bias="H",
+                    seed=13)  # fmt: skip
+    out = run_moe(case, activation=activation, layout=layout, **PATHS[path])
+    assert_matches(out, moe_expected(case, activation=activation, layout=layout),
+                   TOL[torch.bfloat16])  # fmt: skip
+
+
+BIASES = {
+    "none": dict(),
+    "b1": dict(b1=True),
+    "b2": dict(b2=True),
+    "bias_H": dict(bias="H"),
+    "all_TH": dict(b1=True, b2=True, bias="TH"),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("gather", [True, False, None], ids=["gather", "expand", "auto"])
+@pytest.mark.parametrize("biases", list(BIASES))
+def test_fused_moe_biases_gather(biases, gather, path):
+    case = moe_case(37, 4, 8, 200, 136, dtype=torch.float16, seed=14, **BIASES[biases])
+    out = run_moe(case, gather=gather, **PATHS[path])
+    assert_matches(out, moe_expected(case), TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paths_agree(dtype):
+    K = 4
+    case = moe_case(1000, K, 16, 1024, 768, dtype=dtype, b1=True, b2=True, bias="TH", seed=15)
+    standalone = run_moe(case, **PATHS["standalone"])
+    fused = run_moe(case, **PATHS["fused"])
+    ref = moe_expected(case)
+    assert_matches(standalone, ref, TOL[dtype], what="standalone")
+    assert_matches(fused, ref, TOL[dtype], what="fused")
+    if dtype == torch.float32:
+        assert_paths_agree(standalone, fused, finalize_scale(case), K)
+
+
+# ----------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("finalize", ["auto", "standalone"])
+def test_deterministic_bitwise(finalize):
+    case = moe_case(1000, 4, 16, 1024, 768, b1=True, b2=True, bias="TH", seed=16)
+    first = run_moe(case, finalize=finalize, deterministic=True)
+    for i in range(19):
+        again = run_moe(case, finalize=finalize, deterministic=True)
+        assert torch.equal(again, first), f"run {i + 2} differs from run 1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nondeterministic_within_rounding(dtype):
+    """The fused path's atomics may reorder the K-term sum: runs agree to float32 rounding of
+    that sum, plus one rounding to the output dtype."""
+    K = 8
+    case = moe_case(1000, K, 32, 1024, 768, dtype=dtype, b2=True, bias="H", seed=17)
+    scale = finalize_scale(case)
+    runs = [run_moe(case, finalize="fused", deterministic=False) for _ in range(10)]
+    eps_out = torch.finfo(dtype).eps
+    for i, out in enumerate(runs[1:], 2):
+        diff = (out.double() - runs[0].double()).abs()
+        bound = 2 * (K + 2) * torch.finfo(torch.float32).eps * scale + eps_out * out.double().abs()
+        assert not (diff > bound).any(), f"run {i}: max diff {diff.max().item():.3g}"
+    assert_matches(runs[-1], moe_expected(case), TOL[dtype])
+
+
+# ----------------------------------------------------------------------------- path choice
+def test_auto_path_follows_arch(monkeypatch):
+    """fused_moe takes the path that arch.finalize_path_for names for the tensors' device; the
+    policy's fixed points: below SM90, or with deterministic=True, "auto" is standalone."""
+    dev = torch.device(CUDA)
+    case = moe_case(37, 2, 8, 200, 136, b2=True, seed=18)
+    ref = moe_expected(case)
+    calls = []
+    for attr in ("finalize_moe_routing", "_gemm2_fused_finalize_op"):
+        monkeypatch.setattr(moe_module, attr, _recording(getattr(moe_module, attr), attr, calls))
+    for forced in (None, "80", "89", "90", "100"):
+        if forced is None:
+            monkeypatch.delenv("MOE_ROUTE_ARCH", raising=False)
+        else:
+            monkeypatch.setenv("MOE_ROUTE_ARCH", forced)
+        assert arch.finalize_path_for(dev, "auto", True).value == "standalone"
+        choice = arch.finalize_path_for(dev, "auto", False)
+        if forced in ("80", "89"):
+            assert choice.value == "standalone", choice
+        for deterministic in (True, False):
+            calls.clear()
+            out = run_moe(case, finalize="auto", deterministic=deterministic)
+            taken = "fused" if not deterministic and choice.value == "fused" else "standalone"
+            want = "_gemm2_fused_finalize_op" if taken == "fused" else "finalize_moe_routing"
+            assert calls == [want], (forced, deterministic, choice, calls)
+            assert_matches(out, ref, TOL[torch.bfloat16])
+
+
+def _recording(fn, name, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+# ----------------------------------------------------------------------------- no host sync
+@pytest.mark.parametrize("path", list(PATHS))
+def test_no_host_sync(path):
+    case = moe_case(199, 4, 16, 200, 136, b1=True, b2=True, bias="TH", seed=19)
+    run_moe(case, **PATHS[path])  # compile first: Triton's JIT may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_moe(case, **PATHS[path])
+        maps = moe_route.build_routing_maps(case["topk_ids"], 16)
+        moe_route.grouped_gemm(case["x"], case["w1"], maps, activation="swiglu", gather=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cuda_graph(path, gather):
+    """Capture fused_moe once, then replay it on new tokens *and new routing* copied into the
+    captured buffers: the grid does not depend on the routing and nothing syncs (a sync
+    inside capture raises)."""
+    T, K, E, H, inter = 199, 4, 16, 200, 136
+    kw = dict(gather=gather, **PATHS[path])
+    static = moe_case(T, K, E, H, inter, b1=True, b2=True, bias="TH", seed=20)
+
+    def step():
+        return run_moe(static, **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for seed in (21, 22):
+        fresh = moe_case(T, K, E, H, inter, b1=True, b2=True, bias="TH", drop=0.3, seed=seed)
+        for key, value in fresh.items():
+            if value is not None:
+                static[key].copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = run_moe(fresh, **kw)
+        if path == "standalone":
+            assert torch.equal(static_out, eager), "graph replay differs from eager"
+        else:
+            assert_matches(static_out, eager.double(), TOL[torch.bfloat16], what="replay")
+        assert_matches(static_out, moe_expected(fresh), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_compile_fullgraph(path):
+    kw = PATHS[path]
+
+    def layer(x, w1, w2, tw, ids, b1, b2, bias):
+        return moe_route.fused_moe(x, w1, w2, tw, ids, b1=b1, b2=b2, bias=bias, **kw)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    for seed in (23, 24):  # a second routing: no recompilation needed, same answer
+        case = moe_case(199, 4, 16, 200, 136, b1=True, b2=True, bias="TH", seed=seed)
+        args = [case[k] for k in (*ARG_ORDER, "b1", "b2", "bias")]
+        out, eager = compiled(*args), layer(*args)
+        if path == "standalone":
+            assert torch.equal(out, eager), "compiled differs from eager"
+        else:
+            assert_matches(out, eager.double(), TOL[torch.bfloat16], what="compiled")
+        assert_matches(out, moe_expected(case), TOL[torch.bfloat16])
+
+
+# ----------------------------------------------------------------------------- 64-bit offsets
+def test_offsets_past_int32():
+    """Row and expert strides whose products pass 2**31 elements: x rows (gather), W1 experts
+    and ``out`` rows all live more than 2**31 elements from their base pointer."""
+    need = 20 * 2**30
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
+    T, K, E, H, inter = 600, 2, 5, 64, 48
+    row = 2**22 + 64  # x and out row stride: T*row > 2**31
+    expert = 2**29 + 128  # W1 expert stride: E*expert > 2**31
+    dtype = torch.bfloat16
+    x_dense = rand(T, H, dtype=dtype, seed=25)
+    w_dense = rand(E, 2 * inter, H, dtype=dtype, scale=H**-0.5, seed=26)
+    x_store = torch.empty(T * row, dtype=dtype, device=CUDA)
+    x = x_store.as_strided((T, H), (row, 1))
+    x.copy_(x_dense)
+    w_store = torch.empty(E * expert, dtype=dtype, device=CUDA)
+    w = w_store.as_strided((E, 2 * inter, H), (expert, H, 1))
+    w.copy_(w_dense)
+    assert (T - 1) * row > 2**31 and (E - 1) * expert > 2**31
+    maps = moe_route.build_routing_maps(make_ids(T, K, E, seed=27), E)
+    out_store = torch.full((T * K * 2**21,), NAN, dtype=dtype, device=CUDA)
+    out = out_store.as_strided((T * K, inter), (2**21, 1))
+    assert (T * K - 1) * 2**21 > 2**31
+    launch(x, w, maps, activation="swiglu", gather=True, out=out)
+    ref = gemm_reference(x_dense, w_dense, maps, activation="swiglu", gather=True)
+    assert_matches(out, ref, TOL[dtype])
+    assert_dropped_rows_zero(out, maps)
+    del x_store, w_store, out_store
+    torch.cuda.empty_cache()
