@@ -516,7 +516,7 @@ def test_opcheck_fused_finalize_op():
     s2d, d2s, efs, off = routing_maps_reference(case["topk_ids"], 3)
     h = rand(14, 4, seed=21)
     args = (h, case["w2"], off, s2d, d2s, efs, case["topk_weights"].nan_to_num(0.0), case["b2"],
-            case["bias"], "reference")  # fmt: skip
+            case["bias"], False, "reference")  # fmt: skip
     torch.library.opcheck(moe_module._gemm2_fused_finalize_op, args)
 
 
