@@ -22,155 +22,33 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_cases import (
+    ACT_IDS,
+    ACT_LAYOUTS,
+    BF16_INTERPRETER,
+    BIASES,
+    PATHS,
+    TOL,
+    assert_matches,
+    assert_paths_agree,
+    finalize_scale,
+    make_ids,
+    needs_interpreter,
+    rand,
+)
+from moe_cases import moe_case as make_moe
+from moe_cases import moe_expected as expected
+from moe_cases import run_moe as run
 
 import moe_route
 from moe_route import arch
-from moe_route.reference import (
-    expand_rows_reference,
-    finalize_moe_routing_reference,
-    grouped_gemm_reference,
-    moe_forward_reference,
-    routing_maps_reference,
-)
+from moe_route.reference import routing_maps_reference
 
 moe_module = importlib.import_module("moe_route.moe")
 maps_module = importlib.import_module("moe_route.maps")
 
-NAN = float("nan")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-GATED = ("swiglu", "geglu")
-ACT_LAYOUTS = [
-    ("swiglu", "concat"),
-    ("swiglu", "interleaved"),
-    ("geglu", "concat"),
-    ("geglu", "interleaved"),
-    ("silu", "concat"),
-    ("gelu", "concat"),
-    ("relu", "concat"),
-    ("identity", "concat"),
-]
-ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
-# finalize path -> the fused_moe arguments that select it
-PATHS = {
-    "standalone": dict(finalize="standalone"),
-    "fused": dict(finalize="fused", deterministic=False),
-}
-
-INTERPRETED = arch.triton_interpreter_enabled() and not torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED,
-    reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 (conftest sets it when there "
-    "is no CUDA device); tests/test_gpu_moe.py covers the compiled kernels",
-)
-BF16_INTERPRETER = (
-    "tl.dot with bf16 operands returns garbage under the triton 3.5.1 interpreter; "
-    "bf16 kernels are tested on CUDA in tests/test_gpu_moe.py"
-)
-
 
 # ----------------------------------------------------------------------------- helpers
-def make_ids(T, K, E, *, drop=0.2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-    if drop:
-        ids = ids.masked_fill(torch.rand(T, K, generator=g) < drop, -1)
-    return ids
-
-
-def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-
-BIAS_SHAPES = {"H": lambda T, H: (H,), "TH": lambda T, H: (T, H)}
-
-
-def make_moe(T, K, E, H, inter, *, activation="swiglu", dtype=torch.float32, b1=False,
-             b2=False, bias=None, drop=0.2, ids=None, seed=0):  # fmt: skip
-    """Inputs of one MoE layer; ``bias`` is None, ``"H"`` or ``"TH"``. Dropped slots get NaN
-    router weights."""
-    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids
-    n1 = 2 * inter if activation in GATED else inter
-    g = torch.Generator().manual_seed(seed + 1)
-    tw = torch.softmax(torch.randn(T, K, generator=g), dim=-1).masked_fill(ids < 0, NAN)
-    return dict(
-        x=rand(T, H, dtype=dtype, seed=seed + 2),
-        w1=rand(E, n1, H, dtype=dtype, scale=H**-0.5, seed=seed + 3),
-        w2=rand(E, H, inter, dtype=dtype, scale=inter**-0.5, seed=seed + 4),
-        topk_weights=tw,
-        topk_ids=ids,
-        b1=rand(E, n1, dtype=dtype, scale=0.5, seed=seed + 5) if b1 else None,
-        b2=rand(E, H, dtype=dtype, scale=0.5, seed=seed + 6) if b2 else None,
-        bias=None if bias is None else rand(*BIAS_SHAPES[bias](T, H), dtype=dtype, seed=seed + 7),
-    )
-
-
-def run(case, *, activation="swiglu", layout="concat", **kw):
-    c = dict(case)
-    return moe_route.fused_moe(
-        c.pop("x"), c.pop("w1"), c.pop("w2"), c.pop("topk_weights"), c.pop("topk_ids"),
-        activation=activation, gate_up_layout=layout, **c, **kw,
-    )  # fmt: skip
-
-
-def f64(t):
-    return None if t is None else t.double()
-
-
-def expected(case, *, activation="swiglu", layout="concat"):
-    """float64 reference of the whole chain (no intermediate rounding)."""
-    c = case
-    return moe_forward_reference(
-        f64(c["x"]), f64(c["w1"]), f64(c["w2"]), f64(c["topk_weights"]), c["topk_ids"],
-        activation=activation, gate_up_layout=layout, b1=f64(c["b1"]), b2=f64(c["b2"]),
-        bias=f64(c["bias"]),
-    )  # fmt: skip
-
-
-def finalize_scale(case, *, activation="swiglu", layout="concat"):
-    """``|bias[t]| + sum_k |w[t,k]| |y[dest]|`` in float64: the scale of finalize's rounding."""
-    c = case
-    E = c["w1"].shape[0]
-    s2d, d2s, efs, off = routing_maps_reference(c["topk_ids"], E)
-    x_perm = expand_rows_reference(f64(c["x"]), d2s, off)
-    h = grouped_gemm_reference(x_perm, f64(c["w1"]), off, f64(c["b1"]), activation=activation,
-                               gate_up_layout=layout)  # fmt: skip
-    y = grouped_gemm_reference(h, f64(c["w2"]), off, f64(c["b2"]))
-    babs = None if c["bias"] is None else f64(c["bias"]).abs()
-    return finalize_moe_routing_reference(y.abs(), f64(c["topk_weights"]).abs(), s2d, efs, babs)
-
-
-def assert_matches(out, ref, tol, *, what="output", floor=0.0):
-    """Relative Frobenius error <= tol and no element off by more than 8*tol*(|ref| + rms).
-
-    ``floor`` bounds the reference norm from below, for random cases whose reference may
-    nearly vanish (e.g. relu of mostly negative values) while the inputs are O(1)."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
-    bad_rows = (~torch.isfinite(o)).any(dim=1).nonzero().flatten()[:8].tolist()
-    assert not bad_rows, f"{what}: non-finite values in rows {bad_rows}"
-    rnorm = max(r.norm().item(), floor)
-    assert rnorm > 0, f"{what}: degenerate all-zero reference"
-    rel = (o - r).norm().item() / rnorm
-    assert rel <= tol, f"{what}: relative error {rel:.3g} > {tol:.3g}"
-    rms = rnorm / max(r.numel(), 1) ** 0.5
-    over = (o - r).abs() > 8 * tol * (r.abs() + rms)
-    assert not over.any(), f"{what}: {int(over.sum())} elements far off, first at " + str(
-        over.nonzero()[0].tolist()
-    )
-
-
-def assert_paths_agree(a, b, scale, K, *, what="standalone vs fused"):
-    """float32 rounding of a K-term sum plus a bias, elementwise."""
-    bound = (K + 2) * torch.finfo(torch.float32).eps * scale
-    diff = (a.double() - b.double()).abs()
-    over = diff > bound
-    assert not over.any(), (
-        f"{what}: {int(over.sum())} elements differ by more than float32 rounding, max "
-        f"{diff.max().item():.3g} (bound there {bound.reshape(-1)[diff.argmax()].item():.3g})"
-    )
-
-
 class Spy:
     """Counts calls of the finalize paths (and of any launch) inside moe_route.moe."""
 
@@ -205,15 +83,6 @@ def test_activations_both_paths(activation, layout, path):
     ref = expected(case, activation=activation, layout=layout)
     assert out.dtype == torch.float32 and out.shape == (23, 27)
     assert_matches(out, ref, TOL[torch.float32])
-
-
-BIASES = {
-    "none": dict(),
-    "b1": dict(b1=True),
-    "b2": dict(b2=True),
-    "bias_H": dict(bias="H"),
-    "all_TH": dict(b1=True, b2=True, bias="TH"),
-}
 
 
 @needs_interpreter

@@ -13,20 +13,30 @@ elementwise guard eight times as wide relative to ``|ref| + rms(ref)``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
+import moe_cases
 import pytest
 import torch
+from moe_cases import (
+    ACT_IDS,
+    ACT_LAYOUTS,
+    ARG_ORDER,
+    BIASES,
+    NAN,
+    PATHS,
+    TOL,
+    finalize_scale,
+    gemm_reference,
+    launch,
+    moe_expected,
+    run_moe,
+    strided_weight,
+)
 
 import moe_route
 from moe_route import arch
-from moe_route.reference import (
-    expand_rows_reference,
-    finalize_moe_routing_reference,
-    grouped_gemm_reference,
-    moe_forward_reference,
-    routing_maps_reference,
-)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,42 +46,20 @@ pytestmark = [
 moe_module = importlib.import_module("moe_route.moe")
 
 CUDA = "cuda"
-NAN = float("nan")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 DTYPE_IDS = ["bf16", "fp16", "fp32"]
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # TF32 keeps 10 of float32's 23 mantissa bits, and the tensor cores drop the rest (truncate),
 # so each product is biased low by ~2**-11 relative; a gated output multiplies two such GEMM
-# results. Measured on an H200: 2.3e-3 for swiglu at K = 1024.
+# results. Measured on an H200: 2.3e-3 for swiglu at K = 1024. (The CPU tests use 2e-3.)
 TF32_TOL = 5e-3
-GATED = ("swiglu", "geglu")
-ACT_LAYOUTS = [
-    ("swiglu", "concat"),
-    ("swiglu", "interleaved"),
-    ("geglu", "concat"),
-    ("geglu", "interleaved"),
-    ("silu", "concat"),
-    ("gelu", "concat"),
-    ("relu", "concat"),
-    ("identity", "concat"),
-]
-ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
 TOKENS = [1, 37, 199, 1000]
 SHAPES = [(200, 136), (1024, 768)]  # (H, I)
 SHAPE_IDS = ["H200-I136", "H1024-I768"]
-PATHS = {
-    "standalone": dict(finalize="standalone"),
-    "fused": dict(finalize="fused", deterministic=False),
-}
 
 
 # ----------------------------------------------------------------------------- helpers
 def make_ids(T, K, E, *, drop=0.1, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-    if drop:
-        ids = ids.masked_fill(torch.rand(T, K, generator=g) < drop, -1)
-    return ids.to(CUDA)
+    return moe_cases.make_ids(T, K, E, drop=drop, seed=seed).to(CUDA)
 
 
 def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
@@ -79,135 +67,16 @@ def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=g, device=CUDA) * scale).to(dtype)
 
 
-def f64(t):
-    return None if t is None else t.double()
-
-
-def n_rows(activation, inter):
-    return 2 * inter if activation in GATED else inter
-
-
-def gemm_case(T, K, E, H, inter, activation, *, dtype, bias=False, gather=False, drop=0.1,
-              ids=None, seed=0):  # fmt: skip
-    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids.to(CUDA)
-    maps = moe_route.build_routing_maps(ids, E)
-    x = rand(T, H, dtype=dtype, seed=seed + 1)
-    w = rand(E, n_rows(activation, inter), H, dtype=dtype, scale=H**-0.5, seed=seed + 2)
-    b = rand(E, n_rows(activation, inter), dtype=dtype, scale=0.5, seed=seed + 3) if bias else None
-    a = x if gather else moe_route.expand_rows(x, maps)
-    return a, w, b, maps
-
-
-def gemm_reference(a, w, maps, bias=None, *, activation="identity", layout="concat",
-                   gather=False):  # fmt: skip
-    off = maps.expert_first_token_offset
-    a64 = a.double()
-    if gather:
-        a64 = expand_rows_reference(a64, maps.expanded_dest_row_to_expanded_source_row, off)
-    return grouped_gemm_reference(
-        a64, w.double(), off, f64(bias), activation=activation, gate_up_layout=layout
-    )
-
-
-def launch(a, w, maps, bias=None, *, activation="identity", layout="concat", gather=False,
-           config=None, out=None, **kw):  # fmt: skip
-    """The Triton launcher into a NaN-poisoned (or given) ``out``."""
-    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
-
-    M = maps.num_expanded_rows
-    n_out = w.shape[1] // 2 if activation in GATED else w.shape[1]
-    if out is None:
-        out = torch.full((M, n_out), NAN, dtype=a.dtype, device=a.device)
-    grouped_gemm_triton(
-        a, w, maps.expert_first_token_offset, out, bias=bias, activation=activation,
-        interleaved=layout == "interleaved",
-        dest_to_src=maps.expanded_dest_row_to_expanded_source_row, gather=gather, num_rows=M,
-        config=config, **kw,
-    )  # fmt: skip
-    return out
-
-
-def moe_case(T, K, E, H, inter, *, activation="swiglu", dtype=torch.bfloat16, b1=False,
-             b2=False, bias=None, drop=0.1, ids=None, seed=0):  # fmt: skip
-    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids.to(CUDA)
-    n1 = n_rows(activation, inter)
-    g = torch.Generator(device=CUDA).manual_seed(seed + 1)
-    tw = torch.softmax(torch.randn(T, K, generator=g, device=CUDA), dim=-1)
-    tw = tw.masked_fill(ids < 0, NAN)  # never read
-    shapes = {None: None, "H": (H,), "TH": (T, H)}
-    return dict(
-        x=rand(T, H, dtype=dtype, seed=seed + 2),
-        w1=rand(E, n1, H, dtype=dtype, scale=H**-0.5, seed=seed + 3),
-        w2=rand(E, H, inter, dtype=dtype, scale=inter**-0.5, seed=seed + 4),
-        topk_weights=tw,
-        topk_ids=ids,
-        b1=rand(E, n1, dtype=dtype, scale=0.5, seed=seed + 5) if b1 else None,
-        b2=rand(E, H, dtype=dtype, scale=0.5, seed=seed + 6) if b2 else None,
-        bias=None if bias is None else rand(*shapes[bias], dtype=dtype, seed=seed + 7),
-    )
-
-
-ARG_ORDER = ("x", "w1", "w2", "topk_weights", "topk_ids")
-
-
-def run_moe(case, *, activation="swiglu", layout="concat", **kw):
-    c = dict(case)
-    args = [c.pop(k) for k in ARG_ORDER]
-    return moe_route.fused_moe(*args, activation=activation, gate_up_layout=layout, **c, **kw)
-
-
-def moe_expected(case, *, activation="swiglu", layout="concat"):
-    c = case
-    return moe_forward_reference(
-        f64(c["x"]), f64(c["w1"]), f64(c["w2"]), f64(c["topk_weights"]), c["topk_ids"],
-        activation=activation, gate_up_layout=layout, b1=f64(c["b1"]), b2=f64(c["b2"]),
-        bias=f64(c["bias"]),
-    )  # fmt: skip
-
-
-def finalize_scale(case, *, activation="swiglu", layout="concat"):
-    """``|bias[t]| + sum_k |w[t,k]| |y[dest]|`` in float64: the scale of finalize's rounding."""
-    c = case
-    s2d, d2s, efs, off = routing_maps_reference(c["topk_ids"], c["w1"].shape[0])
-    x_perm = expand_rows_reference(f64(c["x"]), d2s, off)
-    h = grouped_gemm_reference(x_perm, f64(c["w1"]), off, f64(c["b1"]), activation=activation,
-                               gate_up_layout=layout)  # fmt: skip
-    y = grouped_gemm_reference(h, f64(c["w2"]), off, f64(c["b2"]))
-    babs = None if c["bias"] is None else f64(c["bias"]).abs()
-    return finalize_moe_routing_reference(y.abs(), f64(c["topk_weights"]).abs(), s2d, efs, babs)
-
-
-def assert_matches(out, ref, tol, *, what="output"):
-    """Relative Frobenius error <= tol and no element off by more than 8*tol*(|ref| + rms)."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o, r = out.detach().double(), ref.detach().double().to(out.device)
-    bad_rows = (~torch.isfinite(o)).any(dim=1).nonzero().flatten()[:8].tolist()
-    assert not bad_rows, f"{what}: non-finite values in rows {bad_rows}"
-    rnorm = r.norm().item()
-    assert rnorm > 0, f"{what}: degenerate all-zero reference"
-    rel = (o - r).norm().item() / rnorm
-    assert rel <= tol, f"{what}: relative error {rel:.3g} > {tol:.3g}"
-    rms = rnorm / max(r.numel(), 1) ** 0.5
-    over = (o - r).abs() > 8 * tol * (r.abs() + rms)
-    assert not over.any(), f"{what}: {int(over.sum())} elements far off, first at " + str(
-        over.nonzero()[0].tolist()
-    )
-
-
-def assert_dropped_rows_zero(out, maps):
-    routed = int(maps.expert_first_token_offset[-1])
-    tail = out[routed:]
-    assert torch.equal(tail, torch.zeros_like(tail)), f"dropped rows [{routed}:] not all zero"
-
-
-def assert_paths_agree(a, b, scale, K, *, what="standalone vs fused"):
-    bound = (K + 2) * torch.finfo(torch.float32).eps * scale
-    diff = (a.double() - b.double()).abs()
-    over = diff > bound
-    assert not over.any(), (
-        f"{what}: {int(over.sum())} elements differ by more than float32 rounding, max "
-        f"{diff.max().item():.3g}"
-    )
+# The shared builders on CUDA: float32 draws from a CUDA generator, 10 % of the slots dropped,
+# maps and expansion through the default (auto) backend; the layer in bf16 unless told.
+gemm_case = functools.partial(moe_cases.gemm_case, drop=0.1, device=CUDA, rand=rand,
+                              maps_backend="auto", expand=moe_route.expand_rows)  # fmt: skip
+moe_case = functools.partial(moe_cases.moe_case, dtype=torch.bfloat16, drop=0.1, device=CUDA,
+                             rand=rand)  # fmt: skip
+# Compared on the device, with the shorter failure messages.
+assert_matches = functools.partial(moe_cases.assert_matches, device=None)
+assert_dropped_rows_zero = functools.partial(moe_cases.assert_dropped_rows_zero, verbose=False)
+assert_paths_agree = functools.partial(moe_cases.assert_paths_agree, verbose=False)
 
 
 # ----------------------------------------------------------------------------- grouped_gemm
@@ -323,22 +192,6 @@ def test_expert_occupancy(dtype, pattern):
             assert_matches(out[~dead], ref[~dead], TOL[dtype], what=path)
 
 
-def strided_weight(w, how):
-    E, N, Kd = w.shape
-    if how == "transposed":
-        view = w.transpose(1, 2).contiguous().transpose(1, 2)
-    elif how == "sliced":
-        big = torch.full((E + 2, 2 * N + 1, Kd + 3), NAN, dtype=w.dtype, device=w.device)
-        big[1 : E + 1, 1 : 2 * N + 1 : 2, 2 : Kd + 2] = w
-        view = big[1 : E + 1, 1 : 2 * N + 1 : 2, 2 : Kd + 2]
-    elif how == "expert_major_last":
-        view = w.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    else:
-        raise ValueError(how)
-    assert not view.is_contiguous() and torch.equal(view, w)
-    return view
-
-
 @pytest.mark.parametrize("how", ["transposed", "sliced", "expert_major_last"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_noncontiguous_weights(dtype, how):
@@ -393,15 +246,6 @@ def test_fused_moe_activations(activation, layout, path):
     out = run_moe(case, activation=activation, layout=layout, **PATHS[path])
     assert_matches(out, moe_expected(case, activation=activation, layout=layout),
                    TOL[torch.bfloat16])  # fmt: skip
-
-
-BIASES = {
-    "none": dict(),
-    "b1": dict(b1=True),
-    "b2": dict(b2=True),
-    "bias_H": dict(bias="H"),
-    "all_TH": dict(b1=True, b2=True, bias="TH"),
-}
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -18,139 +18,41 @@ cannot hide in the norm.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
+import moe_cases
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_cases import (
+    ACT_IDS,
+    ACT_LAYOUTS,
+    BF16_INTERPRETER,
+    NAN,
+    TOL,
+    assert_dropped_rows_zero,
+    make_ids,
+    needs_interpreter,
+    rand,
+    strided_weight,
+)
+from moe_cases import gemm_case as make_case
+from moe_cases import gemm_reference as reference
 
 import moe_route
 from moe_route import arch
-from moe_route.reference import expand_rows_reference, grouped_gemm_reference
 
 gg_module = importlib.import_module("moe_route.grouped_gemm")  # the attribute is the function
 
-NAN = float("nan")
 SMALL_TILES = (16, 16, 16, 2, 4, 2)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-TF32_TOL = 2e-3
-GATED = ("swiglu", "geglu")
-ACT_LAYOUTS = [
-    ("swiglu", "concat"),
-    ("swiglu", "interleaved"),
-    ("geglu", "concat"),
-    ("geglu", "interleaved"),
-    ("silu", "concat"),
-    ("gelu", "concat"),
-    ("relu", "concat"),
-    ("identity", "concat"),
-]
-ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
+TF32_TOL = 2e-3  # fp32 with allow_tf32 here; tests/test_gpu_moe.py has 5e-3 (tensor cores)
 
-INTERPRETED = arch.triton_interpreter_enabled() and not torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED,
-    reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 (conftest sets it when there "
-    "is no CUDA device); tests/test_gpu_moe.py covers the compiled kernels",
-)
-BF16_INTERPRETER = (
-    "tl.dot with bf16 operands returns garbage under the triton 3.5.1 interpreter; "
-    "bf16 kernels are tested on CUDA in tests/test_gpu_moe.py"
-)
-
-
-# ----------------------------------------------------------------------------- helpers
-def make_ids(T, K, E, *, drop=0.2, seed=0):
-    """``[T, K]`` int64 ids, distinct per token (as top-k gives), each slot dropped with
-    probability ``drop``."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-    if drop:
-        ids = ids.masked_fill(torch.rand(T, K, generator=g) < drop, -1)
-    return ids
-
-
-def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-
-def n_rows(activation, inter):
-    return 2 * inter if activation in GATED else inter
-
-
-def make_case(T, K, E, H, inter, activation, *, dtype=torch.float32, bias=False, gather=False,
-              drop=0.2, ids=None, seed=0):  # fmt: skip
-    """Operands of one grouped GEMM1: ``a`` is ``x [T, H]`` (gather) or ``x_perm [T*K, H]``."""
-    ids = make_ids(T, K, E, drop=drop, seed=seed) if ids is None else ids
-    maps = moe_route.build_routing_maps(ids, E, backend="reference")
-    x = rand(T, H, dtype=dtype, seed=seed + 1)
-    w = rand(E, n_rows(activation, inter), H, dtype=dtype, scale=H**-0.5, seed=seed + 2)
-    b = rand(E, n_rows(activation, inter), dtype=dtype, scale=0.5, seed=seed + 3) if bias else None
-    a = x if gather else expand_rows_reference(
-        x, maps.expanded_dest_row_to_expanded_source_row, maps.expert_first_token_offset
-    )  # fmt: skip
-    return a, w, b, maps
-
-
-def reference(a, w, maps, bias=None, *, activation="identity", layout="concat", gather=False):
-    """float64 oracle: ``act(a_perm[d] @ w[e].T + bias[e])``, dropped rows zero."""
-    off = maps.expert_first_token_offset
-    a64 = a.double()
-    if gather:
-        a64 = expand_rows_reference(a64, maps.expanded_dest_row_to_expanded_source_row, off)
-    b64 = None if bias is None else bias.double()
-    return grouped_gemm_reference(
-        a64, w.double(), off, b64, activation=activation, gate_up_layout=layout
-    )
-
-
-def launch(a, w, maps, bias=None, *, activation="identity", layout="concat", gather=False,
-           allow_tf32=False, config=SMALL_TILES):  # fmt: skip
-    """Run the Triton launcher into a NaN-poisoned ``out`` and return it."""
-    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
-
-    M = maps.num_expanded_rows
-    n_out = w.shape[1] // 2 if activation in GATED else w.shape[1]
-    out = torch.full((M, n_out), NAN, dtype=a.dtype, device=a.device)
-    grouped_gemm_triton(
-        a, w, maps.expert_first_token_offset, out, bias=bias, activation=activation,
-        interleaved=layout == "interleaved",
-        dest_to_src=maps.expanded_dest_row_to_expanded_source_row, gather=gather, num_rows=M,
-        allow_tf32=allow_tf32, config=config,
-    )  # fmt: skip
-    return out
-
-
-def assert_matches(out, ref, tol, *, what="output", floor=0.0):
-    """Relative Frobenius error <= tol and no element off by more than 8*tol*(|ref| + rms).
-
-    ``floor`` bounds the reference norm from below, for random cases whose reference may
-    nearly vanish (e.g. relu of mostly negative values) while the inputs are O(1)."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
-    bad_rows = (~torch.isfinite(o)).any(dim=1).nonzero().flatten()[:8].tolist()
-    assert not bad_rows, f"{what}: non-finite values in rows {bad_rows}"
-    rnorm = max(r.norm().item(), floor)
-    assert rnorm > 0, f"{what}: degenerate all-zero reference"
-    rel = (o - r).norm().item() / rnorm
-    assert rel <= tol, f"{what}: relative error {rel:.3g} > {tol:.3g}"
-    rms = rnorm / max(r.numel(), 1) ** 0.5
-    err = (o - r).abs()
-    over = err > 8 * tol * (r.abs() + rms)
-    assert not over.any(), (
-        f"{what}: {int(over.sum())} elements far off, e.g. at {over.nonzero()[0].tolist()}: "
-        f"{o[tuple(over.nonzero()[0])].item()!r} vs {r[tuple(over.nonzero()[0])].item()!r}"
-    )
-
-
-def assert_dropped_rows_zero(out, maps):
-    routed = int(maps.expert_first_token_offset[-1])
-    tail = out[routed:]
-    assert torch.equal(tail, torch.zeros_like(tail)), (
-        f"dropped rows [{routed}, {out.shape[0]}) are not exact zeros: {tail}"
-    )
+# Kernel launches: 16x16x16 tiles into a NaN-poisoned ``out``, exact "ieee" products.
+launch = functools.partial(moe_cases.launch, allow_tf32=False, config=SMALL_TILES)
+# The failure message names the first far-off element's values.
+assert_matches = functools.partial(moe_cases.assert_matches, verbose=True)
 
 
 # ----------------------------------------------------------------------------- kernel vs oracle
@@ -303,24 +205,6 @@ def test_odd_sizes(H, inter, activation, layout):
 
 
 # ----------------------------------------------------------------------------- strided operands
-def strided_weight(w, how):
-    """The values of ``w [E, N, Kd]`` as a non-contiguous view (never a copy of ``w`` itself)."""
-    E, N, Kd = w.shape
-    if how == "transposed":  # [E, Kd, N] storage, as a model that keeps W.T would hold it
-        view = w.transpose(1, 2).contiguous().transpose(1, 2)
-    elif how == "sliced":  # a window of a bigger tensor: every stride and the offset are odd
-        big = torch.full((E + 2, 2 * N + 1, Kd + 3), NAN, dtype=w.dtype)
-        big[1 : E + 1, 1 : 2 * N + 1 : 2, 2 : Kd + 2] = w
-        view = big[1 : E + 1, 1 : 2 * N + 1 : 2, 2 : Kd + 2]
-    elif how == "expert_major_last":  # [N, Kd, E] storage, permuted
-        view = w.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    else:
-        raise ValueError(how)
-    assert not view.is_contiguous()
-    assert torch.equal(view, w)
-    return view
-
-
 @needs_interpreter
 @pytest.mark.parametrize("how", ["transposed", "sliced", "expert_major_last"])
 @pytest.mark.parametrize(("activation", "layout"), [("swiglu", "concat"), ("geglu", "interleaved"),
