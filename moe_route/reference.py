@@ -108,24 +108,6 @@ def expand_rows_reference(
     return torch.where(routed.unsqueeze(1), x_perm, torch.zeros((), dtype=x.dtype))
 
 
-def expand_rows_backward_reference(
-    grad_x_perm: torch.Tensor,
-    expanded_source_row_to_expanded_dest_row: torch.Tensor,
-    expert_for_source_row: torch.Tensor,
-    num_tokens: int,
-) -> torch.Tensor:
-    """``dx[t] = Σ_k dx_perm[dest(k*T+t)]`` over routed slots, k ascending."""
-    T = num_tokens
-    K = expert_for_source_row.numel() // max(T, 1)
-    acc = grad_x_perm.new_zeros(T, grad_x_perm.shape[1], dtype=_compute_dtype(grad_x_perm))
-    dest = expanded_source_row_to_expanded_dest_row.to(torch.int64).view(K, T)
-    routed = (expert_for_source_row >= 0).view(K, T)
-    for k in range(K):
-        rows = grad_x_perm[dest[k]].to(acc.dtype)
-        acc = acc + torch.where(routed[k].unsqueeze(1), rows, torch.zeros((), dtype=acc.dtype))
-    return acc.to(grad_x_perm.dtype)
-
-
 # --------------------------------------------------------------------------- activations
 def split_gate_up(
     z: torch.Tensor, gate_up_layout: str = "concat"
