@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...arch import compute_capability
+
 ACT_CODES = {"identity": 0, "silu": 1, "gelu": 2, "relu": 3, "swiglu": 4, "geglu": 5}
 
 
@@ -245,7 +247,8 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def _descriptors(a, w, bm, bn, bk, gather, interleaved, use_tma):
     """TMA descriptors for ``a`` (``[M, Kd]``) and ``w`` (``[E, N, Kd]``), or ``None`` each."""
     if use_tma is None:
-        use_tma = a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9
+        cc = compute_capability(a.device)  # cached per device, honours MOE_ROUTE_ARCH
+        use_tma = cc is not None and cc >= 90
     if not use_tma or a.dtype not in (torch.float16, torch.bfloat16):
         return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
