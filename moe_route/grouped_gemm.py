@@ -16,7 +16,8 @@ from .reference import (
     grouped_gemm_reference,
 )
 
-GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 runs on the FMA units (small tiles): it is there for gradcheck, not for speed.
+GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @torch.library.custom_op("moe_route::grouped_gemm", mutates_args=())

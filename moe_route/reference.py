@@ -143,6 +143,40 @@ def activation_reference(z: torch.Tensor, activation: str, gate_up_layout: str =
     raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
 
 
+def activation_grad_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``d act / dx`` of the elementwise part of an activation (the gate's for gated ones).
+
+    ``silu' = s (1 + x (1 - s))`` with ``s = sigmoid(x)``; ``gelu' = Φ(x) + x φ(x)``;
+    ``relu' = [x > 0]`` (0 at 0, as torch); ``identity' = 1``.
+    """
+    if activation in ("swiglu", "silu"):
+        s = torch.sigmoid(x)
+        return s * (1 + x * (1 - s))
+    if activation in ("geglu", "gelu"):
+        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+        return cdf + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+    if activation == "relu":
+        return (x > 0).to(x.dtype)
+    if activation == "identity":
+        return torch.ones_like(x)
+    raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+
+
+def activation_backward_reference(
+    z: torch.Tensor, dh: torch.Tensor, activation: str, gate_up_layout: str = "concat"
+) -> torch.Tensor:
+    """Gradient of :func:`activation_reference` w.r.t. ``z``, given ``dh`` (same layout as z)."""
+    if activation not in GATED_ACTIVATIONS:
+        return dh * activation_grad_reference(z, activation)
+    gate, up = split_gate_up(z, gate_up_layout)
+    act = F.silu(gate) if activation == "swiglu" else F.gelu(gate)
+    d_gate = dh * up * activation_grad_reference(gate, activation)
+    d_up = dh * act
+    if gate_up_layout == "concat":
+        return torch.cat([d_gate, d_up], dim=-1)
+    return torch.stack([d_gate, d_up], dim=-1).reshape(z.shape)
+
+
 # --------------------------------------------------------------------------- grouped GEMM
 def grouped_gemm_reference(
     a: torch.Tensor,
@@ -237,3 +271,87 @@ def moe_forward_reference(
     y = grouped_gemm_reference(h, w2, offsets, b2)
     out = finalize_moe_routing_reference(y, topk_weights, src_to_dest, expert_for_src, bias)
     return out.to(x.dtype)
+
+
+def moe_backward_reference(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    z: torch.Tensor,
+    maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    activation: str = "swiglu",
+    gate_up_layout: str = "concat",
+    b2: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Explicit gradients of :func:`moe_forward_reference` (without ``bias``) given ``dout``.
+
+    Uses the saved pre-activation ``z [T*K, 2I or I]`` (GEMM1's output before the activation,
+    in permuted order) instead of GEMM2's output: for the slot ``(t, k)`` in row ``d`` of
+    expert ``e``, with ``g[d] = dout[t] @ W2[e]`` and ``h = act(z)``,
+
+    * ``d w[t,k] = <dout[t], y[d]> = <g[d], h[d]> + <dout[t], b2[e]>``,
+    * ``dh[d] = w[t,k] g[d]``, ``dz = act'(z) dh``, ``dx_perm[d] = dz[d] @ W1[e]``,
+      ``dx[t] = Σ_k dx_perm[dest(k*T+t)]`` (k ascending),
+    * ``dW2[e] = Σ_d (w dout[t])^T h[d]``, ``db2[e] = Σ_d w dout[t]``,
+      ``dW1[e] = Σ_d dz[d]^T x[t]``, ``db1[e] = Σ_d dz[d]``.
+
+    Args:
+        maps: ``(src_to_dest, dest_to_src, expert_for_src, offsets)``.
+
+    Returns:
+        ``(dx, dw1, dw2, d_topk_weights, db1, db2)`` in the dtypes of their primals; ``dW`` of an
+        expert with no rows is exactly zero.
+    """
+    cdt = _compute_dtype(dout, x, w1, w2, z)
+    src_to_dest, dest_to_src, expert_for_src, offsets = maps
+    T, K = topk_weights.shape
+    d2s = dest_to_src.to(torch.int64)
+    tok = d2s % T if T else d2s
+    slot = d2s // T if T else d2s
+    dout_c, x_c, z_c = dout.to(cdt), x.to(cdt), z.to(cdt)
+    wts = topk_weights.to(cdt)
+    M = d2s.numel()
+    dx_perm = torch.zeros(M, x.shape[1], dtype=cdt, device=x.device)
+    dy_dot = torch.zeros(M, dtype=cdt, device=x.device)
+    dw1 = torch.zeros(w1.shape, dtype=cdt, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=cdt, device=x.device)
+    db1 = torch.zeros(w1.shape[:2], dtype=cdt, device=x.device)
+    db2 = torch.zeros(w2.shape[:2], dtype=cdt, device=x.device)
+    bounds = offsets.tolist()  # the oracle may sync; kernels must not
+    for e in range(w1.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        rows_t = tok[lo:hi]
+        w_row = wts[rows_t, slot[lo:hi]].unsqueeze(1)
+        h_e = activation_reference(z_c[lo:hi], activation, gate_up_layout)
+        g_e = dout_c[rows_t] @ w2[e].to(cdt)
+        dz_e = activation_backward_reference(z_c[lo:hi], w_row * g_e, activation, gate_up_layout)
+        dy_dot[lo:hi] = (g_e * h_e).sum(1)
+        if b2 is not None:
+            dy_dot[lo:hi] += dout_c[rows_t] @ b2[e].to(cdt)
+        dx_perm[lo:hi] = dz_e @ w1[e].to(cdt)
+        dy_e = w_row * dout_c[rows_t]
+        dw2[e] = dy_e.t() @ h_e
+        db2[e] = dy_e.sum(0)
+        dw1[e] = dz_e.t() @ x_c[rows_t]
+        db1[e] = dz_e.sum(0)
+    routed = (expert_for_src >= 0).view(K, T)
+    dest = src_to_dest.to(torch.int64).view(K, T)
+    dx = torch.zeros(T, x.shape[1], dtype=cdt, device=x.device)
+    d_topk = torch.zeros(T, K, dtype=cdt, device=x.device)
+    for k in range(K):
+        dx = dx + torch.where(routed[k].unsqueeze(1), dx_perm[dest[k]], 0)
+        d_topk[:, k] = torch.where(routed[k], dy_dot[dest[k]], 0)
+    db2_dtype = b2.dtype if b2 is not None else w2.dtype
+    return (
+        dx.to(x.dtype),
+        dw1.to(w1.dtype),
+        dw2.to(w2.dtype),
+        d_topk.to(topk_weights.dtype),
+        db1.to(w1.dtype),
+        db2.to(db2_dtype),
+    )

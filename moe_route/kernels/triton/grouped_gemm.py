@@ -22,9 +22,22 @@ Epilogues (constexpr-selected):
   ``expanded_dest_row_to_expanded_source_row`` (``t = s mod T``): ``x_perm`` is never written.
 * ``FINALIZE`` (GEMM2): scale each row by its router weight and ``atomic_add`` it into a float32
   ``[T, H]`` output (the non-deterministic fused finalize; the permuted output is not written).
+* ``STORE_PRE`` (GEMM1 when training): also write the pre-activation ``z`` (after the bias,
+  rounded to the input dtype) and compute the activation from the rounded ``z``, so that the
+  backward, which recomputes ``h = act(z)`` from the saved ``z``, sees the forward's bits.
+* ``ACT_BWD`` (backward of GEMM2 and of the activation): the product is
+  ``g[d] = dout[t] @ W2[e]`` (``A`` gathered from ``dout``, ``W = W2`` seen as ``[E, I, H]``).
+  The epilogue recomputes ``h[d] = act(z[d])`` and writes it (for ``dW2``), writes the partial
+  router-weight gradient ``<g[d], h[d]>`` of its column tile to ``partial[d, n_tile]`` (summed
+  in fixed order by :mod:`.weight_grad`), scales ``g`` by the router weight and writes the
+  pre-activation gradient ``dz`` (gate and up columns in ``W1``'s layout).
 
 Without ``FINALIZE`` the m-tiles after the last expert write zeros to the dropped rows
 ``[offset[E], M)``, so every output row is defined.
+
+``W`` may be stored n-major (``[E, N, Kd]`` with unit stride along ``Kd``, the usual weight) or
+k-major (unit stride along ``N``, e.g. ``W2.transpose(1, 2)`` in the backward); TMA reads
+either (``W_KMAJOR``). float64 (for ``gradcheck``) multiplies on the FMA units (``"fma"``).
 """
 
 from __future__ import annotations
@@ -61,6 +74,30 @@ def _apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _activation_grad(x, ACTIVATION: tl.constexpr):
+    """d act / dx at ``x`` (relu' (0) = 0, as torch)."""
+    if ACTIVATION == 1 or ACTIVATION == 4:
+        s = tl.sigmoid(x)
+        d = s * (1.0 + x * (1.0 - s))
+    elif ACTIVATION == 2 or ACTIVATION == 5:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        d = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+    elif ACTIVATION == 3:
+        d = tl.where(x > 0.0, 1.0, 0.0).to(x.dtype)
+    else:
+        d = tl.full(x.shape, 1.0, x.dtype)
+    return d
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b``; ``"fma"`` (float64) multiplies on the CUDA cores."""
+    if DOT_PRECISION == "fma":
+        return acc + tl.sum(a[:, :, None].to(acc.dtype) * b[None, :, :].to(acc.dtype), axis=1)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -72,6 +109,9 @@ def _grouped_gemm_kernel(
     tile_start_ptr,
     dest_to_src_ptr,
     weights_ptr,
+    z_ptr,
+    dz_ptr,
+    partial_ptr,
     E,
     M_ROWS,
     M_TILES,
@@ -89,15 +129,21 @@ def _grouped_gemm_kernel(
     stride_bn,
     stride_wt,
     stride_wkk,
+    stride_zm,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
+    TWO_PRODUCTS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr,
     FINALIZE: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    ACT_BWD: tl.constexpr,
+    ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     A_DESC: tl.constexpr,
     W_DESC: tl.constexpr,
+    W_KMAJOR: tl.constexpr,
     LOG2_E: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -156,14 +202,17 @@ def _grouped_gemm_kernel(
     else:
         gate_rows = cols
         up_rows = cols
+    # GATED / INTERLEAVED describe z's columns; with ACT_BWD the product has one operand, W
+    # columns `cols`, and TWO_PRODUCTS (the forward's gate and up accumulators) is off.
+    w_rows = cols if ACT_BWD else gate_rows
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    g_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
     u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     # With A_DESC / W_DESC the tiles come through TMA tensor descriptors (Hopper): rows past
     # the expert or the matrix are read (or zero-filled) but never stored.
     n0 = n_tile * BLOCK_N
@@ -175,48 +224,90 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
+        if W_DESC and W_KMAJOR:
+            wg = tl.reshape(w_desc.load([e, k0, n0]), [BLOCK_K, BLOCK_N])
+        elif W_DESC:
             wg = tl.reshape(w_desc.load([e, n0, k0]), [BLOCK_N, BLOCK_K]).T
         elif EVEN_K:
             wg = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
         else:
             wg = tl.load(g_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, wg, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            if W_DESC:  # concat layout: the up rows start at N_OUT
+        acc = _mma(a, wg, acc, DOT_PRECISION)
+        if TWO_PRODUCTS:
+            if W_DESC and W_KMAJOR:  # concat layout: the up rows start at N_OUT
+                wu = tl.reshape(w_desc.load([e, k0, N_OUT + n0]), [BLOCK_K, BLOCK_N])
+            elif W_DESC:
                 wu = tl.reshape(w_desc.load([e, N_OUT + n0, k0]), [BLOCK_N, BLOCK_K]).T
             elif EVEN_K:
                 wu = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
+            acc_up = _mma(a, wu, acc_up, DOT_PRECISION)
             u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
-        acc += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
-            None, :
-        ]
+        acc += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)[None, :]
         if GATED:
-            acc_up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
-                None, :
-            ]
+            acc_up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)[None, :]
+
+    mask = row_ok[:, None] & col_ok[None, :]
+    z_rows = z_ptr + rows[:, None].to(tl.int64) * stride_zm
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    if ACT_BWD:
+        # acc = g = dout[t] @ W2[e] for the I-columns `cols`; z holds GEMM1's pre-activation.
+        src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
+        t = (src % T).to(tl.int64)
+        k = src // T
+        wt = tl.load(weights_ptr + t * stride_wt + k * stride_wkk, mask=row_ok, other=0.0)
+        zg = tl.load(z_rows + gate_rows[None, :], mask=mask, other=0.0).to(ACC)
+        act = _apply_activation(zg, ACTIVATION)
+        if GATED:
+            zu = tl.load(z_rows + up_rows[None, :], mask=mask, other=0.0).to(ACC)
+            h = (act * zu).to(out_ptr.dtype.element_ty)  # the forward's h, bit for bit
+        else:
+            h = act.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, h, mask=mask)
+        part = tl.sum(acc * h.to(ACC), axis=1)  # this tile's share of <dout[t] W2[e], h[d]>
+        tl.store(partial_ptr + rows.to(tl.int64) * n_tiles + n_tile, part, mask=row_ok)
+        dh = acc * wt.to(ACC)[:, None]
+        dact = _activation_grad(zg, ACTIVATION)
+        dz_rows = dz_ptr + rows[:, None].to(tl.int64) * stride_zm
+        if GATED:
+            tl.store(
+                dz_rows + gate_rows[None, :],
+                (dh * zu * dact).to(dz_ptr.dtype.element_ty),
+                mask=mask,
+            )
+            tl.store(dz_rows + up_rows[None, :], (dh * act).to(dz_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(
+                dz_rows + gate_rows[None, :], (dh * dact).to(dz_ptr.dtype.element_ty), mask=mask
+            )
+        return
+
+    if STORE_PRE:
+        zg_r = acc.to(z_ptr.dtype.element_ty)
+        tl.store(z_rows + gate_rows[None, :], zg_r, mask=mask)
+        acc = zg_r.to(ACC)
+        if GATED:
+            zu_r = acc_up.to(z_ptr.dtype.element_ty)
+            tl.store(z_rows + up_rows[None, :], zu_r, mask=mask)
+            acc_up = zu_r.to(ACC)
     acc = _apply_activation(acc, ACTIVATION)
     if GATED:
         acc = acc * acc_up
 
-    mask = row_ok[:, None] & col_ok[None, :]
     if FINALIZE:
         src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
         t = (src % T).to(tl.int64)
         k = src // T
         w = tl.load(weights_ptr + t * stride_wt + k * stride_wkk, mask=row_ok, other=0.0)
-        acc = acc * w.to(tl.float32)[:, None]
+        acc = acc * w.to(ACC)[:, None]
         tl.atomic_add(out_ptr + t[:, None] * stride_om + cols[None, :] * stride_on, acc, mask=mask)
     else:
-        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -225,6 +316,8 @@ def _pick_config(rows_per_expert: float, n_out: int, kd: int, gated: bool, dtype
 
     Returns ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``.
     """
+    if dtype == torch.float64:  # gradcheck sizes; FMA products, small tiles
+        return 16, 32, 16, 1, 4, 1
     big_k = 64 if dtype != torch.float32 else 32
     if rows_per_expert <= 16:
         return 16, 64, 128 if dtype != torch.float32 else 64, 1, 4, 4
@@ -245,17 +338,26 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _descriptors(a, w, bm, bn, bk, gather, interleaved, use_tma):
-    """TMA descriptors for ``a`` (``[M, Kd]``) and ``w`` (``[E, N, Kd]``), or ``None`` each."""
+    """TMA descriptors for ``a`` (``[M, Kd]``) and ``w`` (``[E, N, Kd]``, n- or k-major).
+
+    Returns ``(a_desc, w_desc, w_kmajor)``; a descriptor is ``None`` where TMA cannot be used.
+    """
     if use_tma is None:
         cc = compute_capability(a.device)  # cached per device, honours MOE_ROUTE_ARCH
         use_tma = cc is not None and cc >= 90
     if not use_tma or a.dtype not in (torch.float16, torch.bfloat16):
-        return None, None
+        return None, None, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_desc = None if gather or not _tma_ok(a) else TensorDescriptor.from_tensor(a, [bm, bk])
-    w_desc = None if interleaved or not _tma_ok(w) else TensorDescriptor.from_tensor(w, [1, bn, bk])
-    return a_desc, w_desc
+    if interleaved:
+        return a_desc, None, False
+    if _tma_ok(w):
+        return a_desc, TensorDescriptor.from_tensor(w, [1, bn, bk]), False
+    wt = w.transpose(1, 2)  # k-major storage, e.g. W2.transpose(1, 2) in the backward
+    if _tma_ok(wt):
+        return a_desc, TensorDescriptor.from_tensor(wt, [1, bk, bn]), True
+    return a_desc, None, False
 
 
 def grouped_gemm_triton(
@@ -271,10 +373,12 @@ def grouped_gemm_triton(
     gather: bool = False,
     finalize_weights: torch.Tensor | None = None,
     num_rows: int | None = None,
+    pre_activation: torch.Tensor | None = None,
+    act_backward: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     allow_tf32: bool = False,
     config: tuple | None = None,
     use_tma: bool | None = None,
-) -> None:
+) -> torch.Tensor | None:
     """``out[d] = act(a[d] @ w[e].T + bias[e])`` for the rows ``d`` of each expert ``e``.
 
     Args:
@@ -283,24 +387,36 @@ def grouped_gemm_triton(
         offsets: ``expert_first_token_offset [E+1]`` int64.
         out: ``[M, N_out]``; with ``finalize_weights`` a float32 ``[T, N_out]`` accumulated
             into with atomics (the caller initialises it with the bias or zeros).
-        dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for ``gather`` and
-            ``finalize_weights``.
+        dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for ``gather``,
+            ``finalize_weights`` and ``act_backward``.
         gather: read ``A`` row ``d`` as ``x[dest_to_src[d] mod T]`` (``x_perm`` never exists).
         finalize_weights: ``topk_weights [T, K]``: scale row ``d`` by its router weight and
             atomically add it into ``out[t]``.
         num_rows: ``M = T*K`` (the permuted row count), when ``a`` is ``x``.
+        pre_activation: ``[M, N]`` contiguous; also write GEMM1's pre-activation ``z`` here
+            (the activation is then computed from the rounded ``z``).
+        act_backward: ``(z [M, 2I or I], dz like z, topk_weights [T, K])``: ``a`` is
+            ``dout [T, H]`` (gathered), ``w`` is ``W2`` seen as ``[E, I, H]``, ``out`` receives
+            ``h = act(z)`` ``[M, I]``, ``activation`` and ``interleaved`` describe ``z``; see the
+            module docstring. Returns the partial router-weight gradients
+            ``[M, cdiv(I, BLOCK_N)]`` float32 (float64 for float64 inputs).
         use_tma: load tiles through TMA tensor descriptors where the layout allows it
-            (16-bit dtypes, unit stride along K, 16-byte aligned pitches; ``w`` not
+            (16-bit dtypes, unit stride along K or N, 16-byte aligned pitches; ``w`` not
             interleaved; ``a`` not gathered). Default: on SM90+ GPUs.
     """
     E = w.shape[0]
     gated = activation in ("swiglu", "geglu")
-    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    two_products = gated and act_backward is None
+    n_out = w.shape[1] // 2 if two_products else w.shape[1]
     kd = w.shape[2]
     M = num_rows if num_rows is not None else a.shape[0]
-    T = finalize_weights.shape[0] if finalize_weights is not None else a.shape[0]
+    T = a.shape[0]
+    if finalize_weights is not None:
+        T = finalize_weights.shape[0]
+    if act_backward is not None:
+        T = act_backward[2].shape[0]
     if M == 0 or n_out == 0:
-        return
+        return a.new_zeros(M, 1, dtype=torch.float32) if act_backward is not None else None
     bm, bn, bk, group_m, warps, stages = config or _pick_config(M / E, n_out, kd, gated, a.dtype)
     tile_start = torch.empty(E + 1, dtype=torch.int32, device=a.device)
     _expert_tile_start_kernel[(1,)](
@@ -309,26 +425,41 @@ def grouped_gemm_triton(
     # Σ_e cdiv(rows_e, bm) + cdiv(dropped, bm) <= cdiv(M, bm) + E + 1, whatever the routing.
     m_tiles = triton.cdiv(M, bm) + E + 1
     grid = (m_tiles * triton.cdiv(n_out, bn),)
-    dummy = out
-    a_desc, w_desc = _descriptors(a, w, bm, bn, bk, gather, gated and interleaved, use_tma)
-    b = bias if bias is not None else dummy
-    wts = finalize_weights if finalize_weights is not None else dummy
+    a_desc, w_desc, w_kmajor = _descriptors(
+        a, w, bm, bn, bk, gather, two_products and interleaved, use_tma
+    )
+    b = bias if bias is not None else out
+    wts = finalize_weights if finalize_weights is not None else out
+    z = dz = partial = out  # never read unless STORE_PRE / ACT_BWD
+    if act_backward is not None:
+        z, dz, wts = act_backward
+        assert z.stride() == dz.stride() and z.stride(1) == 1, "dz must be laid out like z"
+        acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        partial = torch.empty(M, triton.cdiv(n_out, bn), dtype=acc_dtype, device=a.device)
+    elif pre_activation is not None:
+        z = pre_activation
+    if a.dtype == torch.float64:
+        precision = "fma"
+    else:
+        precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
     _grouped_gemm_kernel[grid](
         a, w, a_desc if a_desc is not None else a, w_desc if w_desc is not None else w,
         out, b, offsets, tile_start,
-        dest_to_src if dest_to_src is not None else tile_start, wts,
+        dest_to_src if dest_to_src is not None else tile_start, wts, z, dz, partial,
         E, M, m_tiles, n_out, kd, T,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         b.stride(0) if bias is not None else 0, b.stride(1) if bias is not None else 0,
-        wts.stride(0) if finalize_weights is not None else 0,
-        wts.stride(1) if finalize_weights is not None else 0,
-        ACTIVATION=ACT_CODES[activation], GATED=gated, INTERLEAVED=interleaved,
-        HAS_BIAS=bias is not None, GATHER=gather,
-        FINALIZE=finalize_weights is not None,
-        DOT_PRECISION="tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee",
-        A_DESC=a_desc is not None, W_DESC=w_desc is not None,
+        wts.stride(0) if wts is not out else 0, wts.stride(1) if wts is not out else 0,
+        z.stride(0) if z is not out else 0,
+        ACTIVATION=ACT_CODES[activation], GATED=gated, TWO_PRODUCTS=two_products,
+        INTERLEAVED=interleaved, HAS_BIAS=bias is not None, GATHER=gather,
+        FINALIZE=finalize_weights is not None, STORE_PRE=pre_activation is not None,
+        ACT_BWD=act_backward is not None,
+        ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
+        A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
         LOG2_E=max(1, (E).bit_length()), EVEN_K=kd % bk == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    return partial if act_backward is not None else None

@@ -1,0 +1,255 @@
+"""Backward reductions over an expert's rows: weight gradients and router-weight gradients.
+
+**Weight gradient** (:func:`expert_weight_grad_triton`): for every expert ``e`` with rows
+``[offset[e], offset[e+1])`` of the permuted order,
+
+    dW[e] = Σ_d A[d]^T B[d]   ([N, Kd])        db[e] = Σ_d A[d]   ([N])
+
+Program ``(tile, e)`` owns one ``[BLOCK_N, BLOCK_K]`` tile of ``dW[e]`` and walks the expert's
+rows ``BLOCK_R`` at a time in ascending order, accumulating ``A^T B`` in float32 (float64 for
+float64 inputs) and rounding once. Every output element has one owner and a fixed summation
+order: no atomics, the same bits on every run; an expert with no rows gets exact zeros.
+``A`` and ``B`` rows can be read through the maps (``row = dest_to_src[d] mod T``) so that
+neither ``dout`` nor ``x`` is ever permuted in memory, and ``A`` rows can be scaled by the
+router weight of their slot (``dW2`` reads ``w[t,k] * dout[t]``). The bias gradient is the
+column sum of the same (scaled) ``A`` tiles, taken by the programs of the first ``Kd`` tile.
+
+**Router-weight gradient** (:func:`router_weight_grad_triton`):
+``d w[t,k] = <dout[t], y[d]> = Σ_j partial[d, j] + <dout[t], b2[e]>`` with ``d = dest(k*T+t)``,
+where ``partial[d, j]`` are the per-column-tile dot products ``<dout[t] W2[e], h[d]>`` left by
+GEMM2's backward epilogue (``ACT_BWD`` in :mod:`.grouped_gemm`), summed here in fixed order.
+GEMM2's output ``y`` is never stored for it. Dropped slots get zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .grouped_gemm import _mma
+
+
+@triton.jit
+def _expert_weight_grad_kernel(
+    a_ptr,
+    b_ptr,
+    dw_ptr,
+    db_ptr,
+    offsets_ptr,
+    dest_to_src_ptr,
+    scale_ptr,
+    N,
+    KD,
+    T,
+    stride_am,
+    stride_an,
+    stride_bm,
+    stride_bk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_dbe,
+    stride_dbn,
+    stride_st,
+    stride_sk,
+    A_GATHER: tl.constexpr,
+    B_GATHER: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    k_tiles = tl.cdiv(KD, BLOCK_K)
+    pid_n = tl.program_id(0) // k_tiles
+    pid_k = tl.program_id(0) % k_tiles
+    e = tl.program_id(1)
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = ns < N
+    k_ok = ks < KD
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+    col_sum = tl.zeros([BLOCK_N], dtype=ACC)
+    for r0 in range(lo, hi, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < hi
+        if A_GATHER or B_GATHER or A_SCALE:
+            src = tl.load(dest_to_src_ptr + r, mask=r_ok, other=0)
+            t = (src % T).to(tl.int64)
+        a_rows = t if A_GATHER else r.to(tl.int64)
+        b_rows = t if B_GATHER else r.to(tl.int64)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
+            mask=r_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        if A_SCALE:
+            w = tl.load(scale_ptr + t * stride_st + (src // T) * stride_sk, mask=r_ok, other=0.0)
+            a_scaled = a.to(ACC) * w.to(ACC)[:, None]
+            col_sum += tl.sum(a_scaled, axis=0)
+            a = a_scaled.to(a_ptr.dtype.element_ty)
+        elif HAS_DBIAS:
+            col_sum += tl.sum(a.to(ACC), axis=0)
+        b = tl.load(
+            b_ptr + b_rows[:, None] * stride_bm + ks[None, :] * stride_bk,
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
+    dw_ptrs = (
+        dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
+    )
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+    if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
+        if pid_k == 0:
+            db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
+            tl.store(db_ptrs, col_sum.to(db_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _pick_config(rows_per_expert: float, dtype: torch.dtype):
+    """``(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)``."""
+    if dtype == torch.float64:
+        return 16, 32, 32, 4, 1
+    if dtype == torch.float32:
+        return 32, 64, 64, 4, 3
+    if rows_per_expert <= 32:
+        return 32, 128, 128, 8, 3
+    return 64, 128, 128, 8, 3
+
+
+def expert_weight_grad_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    dw: torch.Tensor,
+    *,
+    db: torch.Tensor | None = None,
+    dest_to_src: torch.Tensor | None = None,
+    a_gather: bool = False,
+    b_gather: bool = False,
+    a_scale: torch.Tensor | None = None,
+    num_rows: int,
+    allow_tf32: bool = False,
+    config: tuple | None = None,
+) -> None:
+    """``dw[e] = Σ_d A[d]^T B[d]`` and ``db[e] = Σ_d A[d]`` over the rows of each expert.
+
+    Args:
+        a: ``[M, N]`` permuted rows, or ``[T, N]`` token rows with ``a_gather``.
+        b: ``[M, Kd]`` permuted rows, or ``[T, Kd]`` token rows with ``b_gather``.
+        offsets: ``expert_first_token_offset [E+1]``.
+        dw: ``[E, N, Kd]`` output, any strides (e.g. ``torch.empty_like(weight)``).
+        db: optional ``[E, N]`` bias-gradient output.
+        dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for gathers and scaling.
+        a_scale: ``topk_weights [T, K]``: scale ``A`` row ``d`` by its slot's router weight.
+        num_rows: ``M = T*K``.
+    """
+    E, N, KD = dw.shape
+    if N == 0 or KD == 0:
+        return
+    br, bn, bk, warps, stages = config or _pick_config(num_rows / max(E, 1), a.dtype)
+    T = a.shape[0] if a_gather else b.shape[0] if b_gather else max(num_rows, 1)
+    if a_scale is not None:
+        T = a_scale.shape[0]
+    if a.dtype == torch.float64:
+        precision = "fma"
+    else:
+        precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
+    idx = dest_to_src if dest_to_src is not None else offsets
+    scale = a_scale if a_scale is not None else dw
+    dbt = db if db is not None else dw
+    grid = (triton.cdiv(N, bn) * triton.cdiv(KD, bk), E)
+    _expert_weight_grad_kernel[grid](
+        a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2),
+        db.stride(0) if db is not None else 0, db.stride(1) if db is not None else 0,
+        scale.stride(0) if a_scale is not None else 0,
+        scale.stride(1) if a_scale is not None else 0,
+        A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=a_scale is not None,
+        HAS_DBIAS=db is not None,
+        ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
+        BLOCK_R=br, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+@triton.jit
+def _router_weight_grad_kernel(
+    partial_ptr,
+    dout_ptr,
+    b2_ptr,
+    src_to_dest_ptr,
+    expert_for_src_ptr,
+    dw_ptr,
+    T,
+    H,
+    NT,
+    stride_pm,
+    stride_dt,
+    stride_dh,
+    stride_be,
+    stride_bh,
+    stride_wt,
+    stride_wk,
+    K: tl.constexpr,
+    HAS_B2: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_NT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = s < T * K
+    e = tl.load(expert_for_src_ptr + s, mask=s_ok, other=-1)
+    routed = e >= 0
+    d = tl.load(src_to_dest_ptr + s, mask=routed, other=0).to(tl.int64)
+    j = tl.arange(0, BLOCK_NT)
+    p = tl.load(
+        partial_ptr + d[:, None] * stride_pm + j[None, :],
+        mask=routed[:, None] & (j < NT)[None, :],
+        other=0.0,
+    )
+    g = tl.sum(p.to(ACC), axis=1)
+    t = (s % T).to(tl.int64)
+    k = s // T
+    if HAS_B2:
+        e64 = tl.maximum(e, 0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            m = routed[:, None] & (hh < H)[None, :]
+            dv = tl.load(dout_ptr + t[:, None] * stride_dt + hh[None, :] * stride_dh, mask=m)
+            bv = tl.load(b2_ptr + e64[:, None] * stride_be + hh[None, :] * stride_bh, mask=m)
+            g += tl.sum(tl.where(m, dv.to(ACC) * bv.to(ACC), 0.0), axis=1)
+    g = tl.where(routed, g, 0.0)
+    tl.store(dw_ptr + t * stride_wt + k * stride_wk, g.to(dw_ptr.dtype.element_ty), mask=s_ok)
+
+
+def router_weight_grad_triton(
+    partial: torch.Tensor,
+    dout: torch.Tensor,
+    b2: torch.Tensor | None,
+    src_to_dest: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    dw: torch.Tensor,
+) -> None:
+    """``dw [T, K]`` (preallocated) from GEMM2-backward's ``partial [M, NT]``; see above."""
+    T, K = dw.shape
+    if T == 0:
+        return
+    nt = partial.shape[1]
+    block_s = 64
+    acc = tl.float64 if torch.float64 in (partial.dtype, dout.dtype) else tl.float32
+    bt = b2 if b2 is not None else dout
+    _router_weight_grad_kernel[(triton.cdiv(T * K, block_s),)](
+        partial, dout, bt, src_to_dest, expert_for_src, dw, T, dout.shape[1], nt,
+        partial.stride(0), dout.stride(0), dout.stride(1),
+        bt.stride(0) if b2 is not None else 0, bt.stride(1) if b2 is not None else 0,
+        dw.stride(0), dw.stride(1),
+        K=K, HAS_B2=b2 is not None, ACC=acc, BLOCK_S=block_s,
+        BLOCK_NT=triton.next_power_of_2(nt), BLOCK_H=128, num_warps=4,
+    )  # fmt: skip
