@@ -1,8 +1,9 @@
-"""Command line: ``python -m moe_route {info,demo}``.
+"""Command line: ``python -m moe_route {info,demo,bench}``.
 
 ``info`` says which implementation runs on each visible device and why; ``demo`` walks the
 golden 3-token example of DESIGN.md and one random routing through maps → expand → experts →
-finalize and compares the result with the reference.
+finalize and compares the result with the reference. ``bench`` runs the benchmark suite
+(:mod:`moe_route.bench.suite`; ``python -m moe_route bench --help``).
 """
 
 from __future__ import annotations
@@ -119,8 +120,13 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="golden example + random routing through the whole chain")
     demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     demo.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="benchmark suite: tables, CSV/JSON, plots")
+    from moe_route.bench.suite import add_arguments as add_bench_arguments
+    from moe_route.bench.suite import run as cmd_bench
+
+    add_bench_arguments(bench)
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "demo": cmd_demo}[args.command](args)
+    return {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}[args.command](args)
 
 
 if __name__ == "__main__":

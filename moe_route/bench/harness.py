@@ -1,0 +1,356 @@
+"""Shared benchmark harness: ceilings measured in the same run, robust timing, roofline rows.
+
+Every benchmark measures the device-to-device copy bandwidth and the dense matmul rate first
+(:class:`Ceilings`), then times each implementation with :func:`time_cuda` (or
+:func:`time_auto`, which sizes the run to a time budget) and reports it as a fraction of its
+roofline floor ``max(bytes / copy_bw, flops / mm_rate)`` and as a speed-up over the PyTorch
+baselines timed in the same process.
+
+Results are :class:`Row` records written by :func:`write_results` as JSON (``environment``,
+``rows`` and any extra top-level keys) and CSV (one line per row, with the environment and the
+speed-ups as columns). ``bench/harness.py`` re-exports this module for the stage scripts.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# Implementations a user would otherwise write, and the key of the speed-up over each
+# (``extra["x_<key>"] = baseline median / this median``).
+BASELINES = {
+    "torch argsort": "argsort",
+    "torch gather": "torch",
+    "torch gather+sum": "torch",
+    "grouped_mm": "grouped_mm",
+    "loop": "loop",
+}
+ENV_COLUMNS = ("gpu", "capability", "torch", "triton", "moe_route", "timestamp")
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float  # bytes read + written per second by a large device-to-device copy
+    mm_flops_per_s: float  # dense matmul rate on random data (bf16 on CUDA, float32 on CPU)
+
+    @classmethod
+    def measure(cls, device: torch.device | str | None = None) -> Ceilings:
+        device = torch.device(device or "cuda")
+        if device.type != "cuda":
+            return cls._measure_cpu()
+        n = 1 << 28  # 512 MiB of bf16 per buffer, far past L2
+        src = torch.randn(n, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        t_copy = time_cuda(lambda: dst.copy_(src), use_graph=False).median_s
+        src = dst = None  # free 1 GiB before the matmul
+        m = 8192
+        a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+        b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+        t_mm = time_cuda(lambda: a @ b, use_graph=False).median_s
+        return cls(copy_bytes_per_s=2 * n * 2 / t_copy, mm_flops_per_s=2 * m**3 / t_mm)
+
+    @classmethod
+    def _measure_cpu(cls) -> Ceilings:
+        n = 1 << 23  # 32 MiB of float32: past most L2 caches, quick to copy
+        src = torch.randn(n)
+        dst = torch.empty_like(src)
+        t_copy = time_cpu(lambda: dst.copy_(src), inner=2, outer=7).median_s
+        m = 512
+        a, b = torch.randn(m, m), torch.randn(m, m)
+        t_mm = time_cpu(lambda: a @ b, inner=2, outer=7).median_s
+        return cls(copy_bytes_per_s=2 * n * 4 / t_copy, mm_flops_per_s=2 * m**3 / t_mm)
+
+    def floor_s(self, bytes_moved: float, flops: float = 0.0) -> float:
+        return max(bytes_moved / self.copy_bytes_per_s, flops / self.mm_flops_per_s)
+
+
+@dataclass
+class Timing:
+    median_s: float
+    p20_s: float
+    p80_s: float
+    samples: int
+    note: str = ""  # how it was timed when that differs from what was asked (graph -> eager)
+
+
+def _summarise(samples: list[float], note: str = "") -> Timing:
+    if len(samples) == 1:
+        return Timing(samples[0], samples[0], samples[0], 1, note)
+    q = statistics.quantiles(samples, n=10, method="inclusive")
+    return Timing(statistics.median(samples), q[1], q[7], len(samples), note)
+
+
+def time_cuda(
+    fn, *, use_graph: bool = True, inner: int = 10, outer: int = 30, warmup: int = 3
+) -> Timing:
+    """Median and 20/80 percentiles of one call of ``fn``, timed with CUDA events.
+
+    With ``use_graph`` the ``inner`` calls are captured in a CUDA graph and each sample is one
+    replay divided by ``inner``: launch gaps vanish, which is what a CUDA-graph-captured model
+    sees (small routing kernels are launch-bound). Without it, calls are launched eagerly.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if use_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+
+        def run():
+            graph.replay()
+    else:
+
+        def run():
+            for _ in range(inner):
+                fn()
+
+    run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(outer):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / inner)
+    return _summarise(samples)
+
+
+def time_cpu(fn, *, inner: int = 1, outer: int = 10, warmup: int = 1) -> Timing:
+    """:func:`time_cuda` for the CPU: wall-clock samples of ``inner`` calls each."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(outer):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return _summarise(samples)
+
+
+def time_auto(
+    fn,
+    device: torch.device | str = "cuda",
+    *,
+    use_graph: bool = True,
+    budget_s: float = 1.0,
+    max_inner: int = 10,
+    max_outer: int = 30,
+    min_outer: int = 5,
+) -> Timing:
+    """Time ``fn`` on ``device`` in about ``budget_s`` seconds of measurement.
+
+    One warm-up call (compiles the Triton kernels) and one timed call size the run: up to
+    ``max_inner`` calls per sample (fewer when one call is long) and between ``min_outer`` and
+    ``max_outer`` samples. On CUDA a graph that fails to capture falls back to eager launches,
+    noted in ``Timing.note``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        one = max(time.perf_counter() - start, 1e-7)
+        inner = max(1, min(max_inner, math.ceil(1e-3 / one)))
+        outer = max(min_outer, min(max_outer, int(budget_s / (inner * one))))
+        return time_cpu(fn, inner=inner, outer=outer, warmup=0)
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) * 1e-3, 1e-7)
+    # ~ a fifth of the budget per sample at most, so that there are enough samples.
+    inner = max(1, min(max_inner, int(budget_s / 5 / one)))
+    outer = max(min_outer, min(max_outer, int(budget_s / (inner * one))))
+    if use_graph:
+        try:
+            return time_cuda(fn, use_graph=True, inner=inner, outer=outer, warmup=1)
+        except Exception as exc:  # e.g. a host sync inside fn: not capturable
+            torch.cuda.synchronize()
+            note = f"eager (graph capture failed: {type(exc).__name__})"
+            t = time_cuda(fn, use_graph=False, inner=inner, outer=outer, warmup=1)
+            t.note = note
+            return t
+    return time_cuda(fn, use_graph=False, inner=inner, outer=outer, warmup=1)
+
+
+@dataclass
+class Row:
+    stage: str
+    shape: str
+    impl: str
+    median_us: float
+    p20_us: float
+    p80_us: float
+    bytes: float
+    flops: float
+    floor_us: float
+    roofline_fraction: float
+    achieved_gb_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def make_row(
+    stage, shape, impl, timing: Timing, ceilings: Ceilings, bytes_moved, flops=0.0, **extra
+):
+    floor = ceilings.floor_s(bytes_moved, flops)
+    if getattr(timing, "note", ""):
+        extra.setdefault("timing", timing.note)
+    return Row(
+        stage=stage,
+        shape=shape,
+        impl=impl,
+        median_us=timing.median_s * 1e6,
+        p20_us=timing.p20_s * 1e6,
+        p80_us=timing.p80_s * 1e6,
+        bytes=bytes_moved,
+        flops=flops,
+        floor_us=floor * 1e6,
+        roofline_fraction=floor / timing.median_s,
+        achieved_gb_s=bytes_moved / timing.median_s / 1e9,
+        extra=extra,
+    )
+
+
+def row_from_dict(d: dict) -> Row:
+    """A :class:`Row` from its JSON form (unknown keys are kept in ``extra``)."""
+    names = {f for f in Row.__dataclass_fields__ if f != "extra"}
+    extra = dict(d.get("extra") or {})
+    extra.update({k: v for k, v in d.items() if k not in names and k != "extra"})
+    return Row(**{k: d[k] for k in names}, extra=extra)
+
+
+def add_speedups(rows: list[Row]) -> list[Row]:
+    """Set ``extra["x_<baseline>"]`` on every non-baseline row from the baselines of its group.
+
+    A group is one (stage, shape). Speed-ups a stage computed itself are kept.
+    """
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.stage, r.shape), []).append(r)
+    for group in groups.values():
+        bases = [r for r in group if r.impl in BASELINES]
+        for r in group:
+            if r.impl in BASELINES:
+                continue
+            for b in bases:
+                if r.median_us > 0:
+                    r.extra.setdefault(f"x_{BASELINES[b.impl]}", b.median_us / r.median_us)
+    return rows
+
+
+def environment(ceilings: Ceilings, device: torch.device | str | None = None) -> dict:
+    import moe_route
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # pragma: no cover - depends on the install
+        triton_version = "unavailable"
+    device = torch.device(device or "cuda")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        capability = "SM{}{}".format(*torch.cuda.get_device_capability(device))
+        mm_dtype = "bfloat16"
+    else:
+        gpu = f"none (CPU: {platform.processor() or platform.machine()})"
+        capability = "cpu"
+        mm_dtype = "float32"
+    return {
+        "gpu": gpu,
+        "capability": capability,
+        "device": device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "moe_route": moe_route.__version__,
+        "python": platform.python_version(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_TB_s": ceilings.copy_bytes_per_s / 1e12,
+        "bf16_mm_TFLOP_s": ceilings.mm_flops_per_s / 1e12,  # float32 on CPU, see mm_dtype
+        "mm_dtype": mm_dtype,
+    }
+
+
+def speedup_keys(rows: list[Row]) -> list[str]:
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r.extra if k.startswith("x_") and k not in keys]
+    return keys
+
+
+def write_results(rows: list[Row], env: dict, out_dir: str, name: str, **meta) -> list[str]:
+    """Write ``<name>.json`` and ``<name>.csv`` under ``out_dir``; returns their paths.
+
+    JSON: ``{"environment": env, **meta, "rows": [Row as dict, ...]}``. CSV: the environment
+    columns of :data:`ENV_COLUMNS`, the :class:`Row` fields, one column per speed-up
+    (``x_<baseline>``) and the rest of ``extra`` as a JSON string.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{name}.json")
+    csv_path = os.path.join(out_dir, f"{name}.csv")
+    with open(json_path, "w") as f:
+        json.dump({"environment": env, **meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    row_fields = [k for k in Row.__dataclass_fields__ if k != "extra"]
+    xs = speedup_keys(rows)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*ENV_COLUMNS, *row_fields, *xs, "extra"])
+        writer.writeheader()
+        for r in rows:
+            d = asdict(r)
+            extra = d.pop("extra")
+            d.update({k: env.get(k, "") for k in ENV_COLUMNS})
+            d.update({k: extra.pop(k, "") for k in xs})
+            d["extra"] = json.dumps(extra)
+            writer.writerow(d)
+    return [json_path, csv_path]
+
+
+def print_table(rows: list[Row], env: dict, file=None) -> None:
+    mm = "bf16" if env.get("mm_dtype", "bfloat16") == "bfloat16" else env["mm_dtype"]
+    print(
+        f"\n{env['gpu']} ({env['capability']}), torch {env['torch']}, triton {env['triton']}: "
+        f"copy {env['copy_TB_s']:.2f} TB/s, {mm} mm {env['bf16_mm_TFLOP_s']:.0f} TFLOP/s",
+        file=file,
+    )
+    head = (
+        f"{'stage':<10}{'shape':<30}{'impl':<16}{'median us':>11}{'p20-p80':>18}"
+        f"{'GB/s':>8}{'roof':>7}  vs"
+    )
+    print(head, file=file)
+    print("-" * (len(head) + 20), file=file)
+    for r in rows:
+        vs = " ".join(f"{k}={v:.2f}x" for k, v in r.extra.items() if k.startswith("x_"))
+        if "of_dense" in r.extra:
+            vs += f" {100 * r.extra['of_dense']:.0f}% of dense mm"
+        if "peak_mib" in r.extra:
+            vs += f" peak {r.extra['peak_mib']:.0f} MiB"
+        print(
+            f"{r.stage:<10}{r.shape:<30}{r.impl:<16}{r.median_us:>11.1f}"
+            f"{f'{r.p20_us:.1f}-{r.p80_us:.1f}':>18}{r.achieved_gb_s:>8.0f}"
+            f"{100 * r.roofline_fraction:>6.0f}%  {vs.strip()}",
+            file=file,
+        )

@@ -1,0 +1,386 @@
+"""Plots and markdown tables from saved benchmark results (the suite's JSON, or older files).
+
+Everything here reads JSON written by :func:`moe_route.bench.harness.write_results`, so plots
+and the README table can be made on any machine from a GPU run's files:
+``python -m moe_route bench --render results.json --readme bench/README.md``.
+
+Plots (matplotlib, ``pip install 'moe_route[bench]'``):
+
+* ``roofline`` — per stage, each implementation's fraction of its roofline floor per shape;
+* ``speedup`` — per stage, moe_route's speed-up over each baseline per shape (log scale);
+* ``decode`` — forward latency against T at decode sizes (T <= 128), per model, with the
+  p20–p80 band and the roofline floor (reading the touched experts' weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from .harness import BASELINES, Row, add_speedups, row_from_dict
+
+BEGIN = "<!-- bench-results:begin -->"
+END = "<!-- bench-results:end -->"
+STAGE_ORDER = ("maps", "expand", "finalize", "gemm1", "gemm2+fin", "forward", "train")
+# Tuning sweeps (tile / block / GEMM config) are not part of the tables or plots.
+_SWEEP_IMPL = re.compile(r"^(tile=|block=|\d+/\d+/)")
+# bench_moe.py before the suite labelled two shapes "decode T=64": its last one had the
+# deepseek-v3 dimensions (H=7168, I=2048, E=256, K=8), so its second occurrence is renamed.
+_LEGACY_RELABEL = {"decode T=64": "deepseek-v3 T=64"}
+
+
+@dataclass
+class Source:
+    path: str
+    env: dict
+    rows: list[Row]
+    shapes: dict = field(default_factory=dict)  # label -> {model, T, H, I, E, K}
+    failures: list = field(default_factory=list)
+
+
+def parse_label(label: str) -> tuple[str, dict]:
+    """``"qwen3-30b-a3b T=8192"`` -> ``("qwen3-30b-a3b", {"T": 8192})``."""
+    name, params = [], {}
+    for tok in label.split():
+        k, sep, v = tok.partition("=")
+        if sep and v.lstrip("-").isdigit():
+            params[k] = int(v)
+        else:
+            name.append(tok)
+    return " ".join(name), params
+
+
+def load(paths) -> list[Source]:
+    """Read result files; rows of tuning sweeps and repeated (stage, shape, impl) are dropped."""
+    sources = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        with open(path) as f:
+            data = json.load(f)
+        legacy = "schema" not in data
+        seen: set[tuple[str, str, str]] = set()
+        relabelled: set[tuple[str, str, str]] = set()
+        rows = []
+        for d in data.get("rows", []):
+            r = row_from_dict(d)
+            if _SWEEP_IMPL.match(r.impl):
+                continue
+            key = (r.stage, r.shape, r.impl)
+            if key in seen:
+                if not (legacy and r.shape in _LEGACY_RELABEL) or key in relabelled:
+                    continue
+                relabelled.add(key)
+                r.shape = _LEGACY_RELABEL[r.shape]
+            seen.add(key)
+            rows.append(r)
+        sources.append(
+            Source(path, data.get("environment", {}), add_speedups(rows),
+                   data.get("shapes", {}), data.get("failures", []))
+        )  # fmt: skip
+    return sources
+
+
+def all_rows(sources: list[Source]) -> list[Row]:
+    return [r for s in sources for r in s.rows]
+
+
+def _stages(rows: list[Row]) -> list[str]:
+    present = list(dict.fromkeys(r.stage for r in rows))
+    return [s for s in STAGE_ORDER if s in present] + [s for s in present if s not in STAGE_ORDER]
+
+
+def _shapes(rows: list[Row]) -> list[str]:
+    return list(dict.fromkeys(r.shape for r in rows))
+
+
+def _impls(rows: list[Row]) -> list[str]:
+    """Implementations in a stable order: moe_route ones first, then the baselines."""
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    ours = [i for i in impls if i not in BASELINES]
+    ours.sort(key=lambda i: (not i.startswith("moe_route"), i != "moe_route"))
+    return ours + [i for i in impls if i in BASELINES]
+
+
+def fmt_time(us: float) -> str:
+    if us >= 1e4:
+        return f"{us / 1e3:.1f} ms"
+    if us >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    if us >= 100:
+        return f"{us:.0f} µs"
+    return f"{us:.1f} µs"
+
+
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.0f}×" if x >= 100 else f"{x:.1f}×" if x >= 10 else f"{x:.2f}×"
+
+
+def _fmt_mem(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
+
+
+def describe_env(env: dict) -> str:
+    mm = "bf16" if env.get("mm_dtype", "bfloat16") == "bfloat16" else env.get("mm_dtype")
+    when = str(env.get("timestamp", "?")).replace("T", " ")[:16]
+    parts = [
+        f"**{env.get('gpu', '?')}** ({env.get('capability', '?')})",
+        f"torch {env.get('torch', '?')}",
+        f"Triton {env.get('triton', '?')}",
+        f"moe_route {env.get('moe_route', '?')}",
+        f"{when} UTC",
+    ]
+    ceil = ""
+    if "copy_TB_s" in env:
+        ceil = (
+            f"; measured ceilings: copy {env['copy_TB_s']:.2f} TB/s, {mm} matmul "
+            f"{env['bf16_mm_TFLOP_s']:.0f} TFLOP/s"
+        )
+    return ", ".join(parts) + ceil
+
+
+def stage_table(rows: list[Row], stage: str) -> str:
+    """One markdown table: a line per shape, a column per implementation.
+
+    The first column is the primary implementation (``moe_route``); every other cell gives its
+    time and, in brackets, how many times faster the primary one is.
+    """
+    rows = [r for r in rows if r.stage == stage]
+    impls = _impls(rows)
+    primary = impls[0]
+    by = {(r.shape, r.impl): r for r in rows}
+    show_mem = any("peak_mib" in r.extra for r in rows)
+    head = ["shape", *impls, f"{primary} roofline"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in _shapes(rows):
+        p = by.get((shape, primary))
+        cells = [shape]
+        for impl in impls:
+            r = by.get((shape, impl))
+            if r is None:
+                cells.append("—")
+                continue
+            cell = fmt_time(r.median_us)
+            if show_mem and r.extra.get("peak_mib", float("nan")) == r.extra.get("peak_mib"):
+                cell += f", {_fmt_mem(r.extra['peak_mib'])}"
+            if impl != primary and p is not None:
+                cell += f" ({_fmt_ratio(r.median_us / p.median_us)})"
+            if r.extra.get("mismatch"):
+                cell += " ⚠ mismatch"
+            cells.append(cell)
+        if p is None:
+            cells.append("—")
+        else:
+            roof = f"{100 * p.roofline_fraction:.0f} %"
+            if p.roofline_fraction < 0.01:
+                roof = f"{100 * p.roofline_fraction:.2g} % (launch-bound)"
+            cells.append(roof)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(sources: list[Source], plots: dict | None = None, relative_to: str = ".") -> str:
+    """The results section: where it was measured, a table per stage, the plots, failures."""
+    out = [
+        "<!-- Generated by `python -m moe_route bench` (moe_route/bench/report.py) from the JSON "
+        "files named below; do not edit by hand. -->",
+        "",
+    ]
+    for s in sources:
+        out.append(f"- `{_display_path(s.path)}`: {describe_env(s.env)}.")
+    out += [
+        "",
+        "Median of the timed runs (CUDA-graph replays where the code allows it; the per-expert "
+        "loop and training run eagerly). In brackets: how many times faster the first column "
+        "is than that one. Roofline = the time of `max(bytes / copy bandwidth, FLOPs / matmul "
+        "rate)` over the measured time, from the ceilings measured in the same run; memory = "
+        "peak allocated beyond the inputs.",
+    ]
+    for s in sources:
+        for stage in _stages(s.rows):
+            title = f"### {stage}"
+            if len(sources) > 1:
+                title += f" (`{os.path.basename(s.path)}`)"
+            out += ["", title, "", stage_table(s.rows, stage)]
+    if plots:
+        out += ["", "### plots", ""]
+        for name, path in plots.items():
+            rel = os.path.relpath(path, relative_to).replace(os.sep, "/")
+            out.append(f"![{name}]({rel})")
+    failures = [f for s in sources for f in s.failures]
+    if failures:
+        out += ["", "### not measured", ""]
+        for f in failures:
+            out.append(f"- {f['stage']} / {f['shape']} / {f['impl']}: {f['error'][:200]}")
+    return "\n".join(out) + "\n"
+
+
+def _display_path(path: str) -> str:
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def update_readme(path: str, sources: list[Source], plots: dict | None = None) -> None:
+    """Replace the text between the markers of ``path`` (append markers if it has none)."""
+    section = markdown(sources, plots, relative_to=os.path.dirname(os.path.abspath(path)))
+    block = f"{BEGIN}\n{section}{END}\n"
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1].lstrip("\n")
+        text = head + block + tail
+    else:
+        text = (text.rstrip("\n") + "\n\n## Results\n\n" if text else "# Results\n\n") + block
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _figure(n: int, ncols: int = 2, height: float = 3.4):
+    from matplotlib.figure import Figure
+
+    ncols = min(ncols, n)
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(6.5 * ncols, height * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def _title(sources: list[Source]) -> str:
+    gpus = sorted({str(s.env.get("gpu", "?")) for s in sources})
+    dates = sorted({str(s.env.get("timestamp", "?"))[:10] for s in sources})
+    return f"moe_route on {', '.join(gpus)} ({', '.join(dates)})"
+
+
+def _bars(ax, shapes, series: dict[str, list[float]]) -> None:
+    n = max(len(series), 1)
+    width = 0.8 / n
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - (n - 1) / 2) * width for j in range(len(shapes))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=7)
+    ax.legend(fontsize=7)
+
+
+def plot_roofline(sources: list[Source], path: str) -> str | None:
+    rows = all_rows(sources)
+    stages = _stages(rows)
+    if not stages:
+        return None
+    fig, axes = _figure(len(stages))
+    for ax, stage in zip(axes, stages, strict=False):
+        srows = [r for r in rows if r.stage == stage]
+        shapes, impls = _shapes(srows), _impls(srows)
+        by = {(r.shape, r.impl): r for r in srows}
+        series = {
+            impl: [100 * by[(s, impl)].roofline_fraction if (s, impl) in by else 0 for s in shapes]
+            for impl in impls
+        }
+        _bars(ax, shapes, series)
+        if min((v for vs in series.values() for v in vs if v > 0), default=1) < 1:
+            ax.set_yscale("log")
+        ax.axhline(100, color="k", lw=0.6, ls="--")
+        ax.set_title(f"{stage}: fraction of roofline", fontsize=9)
+        ax.set_ylabel("% of roofline floor")
+    fig.suptitle(_title(sources), fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_speedup(sources: list[Source], path: str) -> str | None:
+    rows = all_rows(sources)
+    stages = [s for s in _stages(rows) if any(r.impl in BASELINES for r in rows if r.stage == s)]
+    if not stages:
+        return None
+    fig, axes = _figure(len(stages))
+    for ax, stage in zip(axes, stages, strict=False):
+        srows = [r for r in rows if r.stage == stage]
+        shapes = _shapes(srows)
+        by = {(r.shape, r.impl): r for r in srows}
+        ours = [i for i in _impls(srows) if i not in BASELINES and i.startswith("moe_route")]
+        ours = ours or [i for i in _impls(srows) if i not in BASELINES][:1]
+        bases = [i for i in _impls(srows) if i in BASELINES]
+        series = {}
+        for o in ours:
+            for b in bases:
+                series[f"{o} vs {b}"] = [
+                    by[(s, b)].median_us / by[(s, o)].median_us
+                    if (s, o) in by and (s, b) in by
+                    else 0
+                    for s in shapes
+                ]
+        _bars(ax, shapes, series)
+        ax.set_yscale("log")
+        ax.axhline(1, color="k", lw=0.6)
+        ax.set_title(f"{stage}: speed-up over each baseline", fontsize=9)
+        ax.set_ylabel("× faster")
+    fig.suptitle(_title(sources), fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _dims(sources: list[Source], label: str) -> tuple[str, int | None]:
+    for s in sources:
+        if label in s.shapes:
+            return s.shapes[label]["model"], s.shapes[label]["T"]
+    name, params = parse_label(label)
+    return name, params.get("T")
+
+
+def plot_decode(sources: list[Source], path: str, max_tokens: int = 128) -> str | None:
+    """Forward latency against T at decode sizes, one panel per model."""
+    rows = [r for r in all_rows(sources) if r.stage == "forward"]
+    per_model: dict[str, list[tuple[int, Row]]] = {}
+    for r in rows:
+        model, T = _dims(sources, r.shape)
+        if T is not None and max_tokens >= T:
+            per_model.setdefault(model, []).append((T, r))
+    if not per_model:
+        return None
+    fig, axes = _figure(len(per_model), ncols=min(3, len(per_model)), height=3.6)
+    for ax, (model, pts) in zip(axes, per_model.items(), strict=False):
+        impls = _impls([r for _, r in pts])
+        for impl in impls:
+            xs = sorted((T, r) for T, r in pts if r.impl == impl)
+            if not xs:
+                continue
+            Ts = [T for T, _ in xs]
+            ax.plot(Ts, [r.median_us for _, r in xs], marker="o", label=impl)
+            ax.fill_between(Ts, [r.p20_us for _, r in xs], [r.p80_us for _, r in xs], alpha=0.25)
+        floor = sorted({(T, r.floor_us) for T, r in pts})
+        if floor:
+            ax.plot([T for T, _ in floor], [f for _, f in floor], "k--", lw=0.8, label="roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("forward latency (µs)")
+        ax.set_title(f"{model}: decode latency", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(_title(sources), fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_all(sources: list[Source], out_dir: str, prefix: str = "") -> dict[str, str]:
+    """Write the three plots that have data; returns ``{name: path}``."""
+    import matplotlib  # noqa: F401 - ImportError here means: no plots
+
+    os.makedirs(out_dir, exist_ok=True)
+    done = {}
+    for name, fn in (
+        ("roofline", plot_roofline),
+        ("speedup", plot_speedup),
+        ("decode", plot_decode),
+    ):
+        path = fn(sources, os.path.join(out_dir, f"{prefix}{name}.png"))
+        if path:
+            done[name] = path
+    return done
