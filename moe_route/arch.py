@@ -4,15 +4,17 @@ Two questions are answered here, never at import time and never from "device 0":
 
 * **backend** — which implementation runs an op on a given device:
   ``"triton"`` (compiled Triton kernels on CUDA, or the Triton interpreter on CPU when
-  ``TRITON_INTERPRET=1`` is set) or ``"reference"`` (the pure-PyTorch oracle of
-  :mod:`moe_route.reference`, the CPU fallback).
+  ``TRITON_INTERPRET=1`` is set), ``"cupy"`` (CUDA C kernels of the memory-bound stages —
+  routing maps, expand, standalone finalize — compiled by NVRTC through CuPy, an optional
+  dependency; the other stages run Triton) or ``"reference"`` (the pure-PyTorch oracle of
+  :mod:`moe_route.reference`, the CPU fallback). ``"auto"`` picks Triton on CUDA.
 * **finalize path** — ``"standalone"`` (GEMM2 writes permuted rows, a separate
   finalize kernel reduces them) or ``"fused"`` (finalize inside GEMM2's epilogue, SM90+,
   float atomics: only when the caller passes ``deterministic=False``).
 
 Environment overrides (read on every call, so tests may set them with ``monkeypatch``):
 
-``MOE_ROUTE_BACKEND``   ``auto`` (default) | ``triton`` | ``reference``
+``MOE_ROUTE_BACKEND``   ``auto`` (default) | ``triton`` | ``cupy`` | ``reference``
 ``MOE_ROUTE_FINALIZE``  ``auto`` (default) | ``fused`` | ``standalone``
 ``MOE_ROUTE_ARCH``      pretend compute capability, e.g. ``80`` or ``90`` (testing only)
 """
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "cupy", "reference")
 FINALIZE_PATHS = ("fused", "standalone")
 
 # NOTE: on an H200 the atomic epilogue-fused finalize ran 0.4-0.9x the speed of GEMM2 plus the
@@ -46,6 +48,30 @@ def _triton_importable() -> tuple[bool, str]:
     except Exception as exc:  # pragma: no cover - depends on the install
         return False, f"triton failed to import: {exc}"
     return True, ""
+
+
+def cupy_install_hint() -> str:
+    """How to install CuPy for the CUDA version torch was built with."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    return (
+        f"pip install 'moe_route[cupy-cuda{major}]' (or pip install cupy-cuda{major}x, the CuPy "
+        f"wheel for CUDA {major}.x)"
+    )
+
+
+def import_cupy():
+    """Import CuPy, or raise ``ImportError`` saying how to install it.
+
+    Not cached: a test may hide CuPy with ``monkeypatch.setitem(sys.modules, "cupy", None)``,
+    and once CuPy is imported this is a dictionary look-up.
+    """
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(
+            f"the CuPy backend needs CuPy, which is not installed ({exc}): {cupy_install_hint()}"
+        ) from exc
+    return cupy
 
 
 @functools.cache
@@ -101,6 +127,16 @@ def backend_for(device: torch.device | str, requested: str = "auto") -> Choice:
         source = f"MOE_ROUTE_BACKEND={requested}"
     if requested == "reference":
         return Choice("reference", source)
+    if requested == "cupy":
+        try:
+            import_cupy()
+        except ImportError as exc:
+            raise ImportError(f"{source}: {exc}") from exc
+        if device.type != "cuda":
+            raise ValueError(
+                f"{source} but the tensors are on {device}: the CuPy kernels need a CUDA device"
+            )
+        return Choice("cupy", source)
     ok, err = _triton_importable()
     if device.type == "cuda":
         if not ok:
@@ -160,18 +196,74 @@ def finalize_path_for(
     return Choice("fused", f"{where} >= SM90, deterministic=False: finalize in GEMM2's epilogue")
 
 
+def backend_availability(device: torch.device | str) -> dict[str, Choice]:
+    """For each backend, ``Choice("yes" | "no", why)`` on ``device``.
+
+    For CuPy on a CUDA device this compiles one kernel (once per process and device), so it
+    tells apart "CuPy missing", "no GPU visible to CuPy" and "NVRTC failed".
+    """
+    device = torch.device(device)
+    found = {"reference": Choice("yes", "pure PyTorch, any device")}
+    ok, err = _triton_importable()
+    if not ok:
+        found["triton"] = Choice("no", err)
+    elif device.type == "cuda":
+        found["triton"] = Choice("yes", "compiled for the GPU")
+    elif triton_interpreter_enabled():
+        found["triton"] = Choice("yes", "TRITON_INTERPRET=1: interpreted on the CPU")
+    else:
+        found["triton"] = Choice("no", "needs a CUDA device, or TRITON_INTERPRET=1")
+    found["cupy"] = _cupy_availability(device)
+    return {name: found[name] for name in BACKENDS}
+
+
+def _cupy_availability(device: torch.device) -> Choice:
+    if device.type != "cuda":
+        return Choice("no", "needs a CUDA device")
+    try:
+        import_cupy()
+    except ImportError as exc:
+        return Choice("no", str(exc))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _probe_cupy(index)
+
+
+@functools.cache
+def _probe_cupy(index: int) -> Choice:
+    from .kernels.cupy import _nvrtc
+
+    cupy = import_cupy()
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # a CUDARuntimeError: no driver, no device
+        return Choice("no", f"CuPy sees no GPU: {exc}")
+    if index >= count:
+        return Choice("no", f"CuPy sees {count} GPU(s), not cuda:{index}")
+    try:
+        return Choice("yes", _nvrtc.probe(index))
+    except Exception as exc:  # NVRTC missing or failing, a driver too old for its output, ...
+        return Choice("no", f"compiling a kernel with NVRTC failed: {type(exc).__name__}: {exc}")
+
+
 def describe(device: torch.device | str) -> dict[str, str]:
     """Everything ``python -m moe_route info`` prints for one device."""
     device = torch.device(device)
-    backend = backend_for(device)
+    try:
+        backend = backend_for(device)
+        chosen = f"{backend.value}  [{backend.why}]"
+    except (ValueError, ImportError) as exc:  # e.g. MOE_ROUTE_BACKEND=cupy without CuPy
+        chosen = f"none  [{exc}]"
     path = finalize_path_for(device)
     fast = finalize_path_for(device, deterministic=False)
     cc = compute_capability(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {
+    info = {
         "device": f"{device} ({name})",
         "compute capability": f"SM{cc}" if cc is not None else "-",
-        "backend": f"{backend.value}  [{backend.why}]",
-        "finalize path": f"{path.value}  [{path.why}]",
-        "  deterministic=False": f"{fast.value}  [{fast.why}]",
+        "backend": chosen,
     }
+    for backend_name, available in backend_availability(device).items():
+        info[f"  {backend_name}"] = f"{available.value:<4} [{available.why}]"
+    info["finalize path"] = f"{path.value}  [{path.why}]"
+    info["  deterministic=False"] = f"{fast.value}  [{fast.why}]"
+    return info

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, _interop
 from .arch import backend_for
 from .maps import RoutingMaps
 from .permute import check_maps
@@ -25,14 +25,18 @@ def _finalize_op(
     bias: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    if backend_for(y_perm.device, backend).value == "reference":
+    chosen = backend_for(y_perm.device, backend).value
+    if chosen == "reference":
         return finalize_moe_routing_reference(
             y_perm, topk_weights, src_to_dest, expert_for_src, bias
         )
-    from .kernels.triton.finalize import finalize_triton
+    if chosen == "cupy":
+        from .kernels.cupy.finalize import finalize_cupy as launch
+    else:
+        from .kernels.triton.finalize import finalize_triton as launch
 
     out = y_perm.new_empty(topk_weights.shape[0], y_perm.shape[1])
-    finalize_triton(y_perm, topk_weights, src_to_dest, expert_for_src, bias, out)
+    launch(y_perm, topk_weights, src_to_dest, expert_for_src, bias, out)
     return out
 
 
@@ -61,12 +65,16 @@ def finalize_moe_routing(
             activation dtype, any strides.
         maps: from :func:`moe_route.build_routing_maps`.
         bias: optional ``[H]`` or ``[T, H]`` (e.g. a residual), added once per token.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cupy"`` or ``"reference"``.
+
+        Any of the arrays may be a CuPy array (viewed without a copy).
 
     Returns:
-        ``[T, H]`` in ``y_perm.dtype``. A token whose slots are all dropped gets ``bias[t]``
-        (or zeros).
+        ``[T, H]`` in ``y_perm.dtype``, a CuPy array if any input was one. A token whose slots
+        are all dropped gets ``bias[t]`` (or zeros).
     """
+    cupy_caller = _interop.any_cupy(y_perm, topk_weights, bias)
+    y_perm, topk_weights, bias = map(_interop.as_torch, (y_perm, topk_weights, bias))
     _checks.check_tensor("y_perm", y_perm, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     _checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     T, K = topk_weights.shape
@@ -88,7 +96,7 @@ def finalize_moe_routing(
             )
     _checks.check_same_device(y_perm=y_perm, topk_weights=topk_weights, bias=bias)
     backend_for(y_perm.device, backend)
-    return _finalize_op(
+    out = _finalize_op(
         y_perm,
         topk_weights,
         maps.expanded_source_row_to_expanded_dest_row,
@@ -96,3 +104,4 @@ def finalize_moe_routing(
         bias,
         backend,
     )
+    return _interop.as_cupy(out) if cupy_caller else out

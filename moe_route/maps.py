@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks
+from . import _checks, _interop
 from .arch import backend_for
 from .reference import routing_maps_reference
 
@@ -77,16 +77,20 @@ class RoutingMaps:
 def _routing_maps_op(
     topk_ids: torch.Tensor, num_experts: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if backend_for(topk_ids.device, backend).value == "reference":
+    chosen = backend_for(topk_ids.device, backend).value
+    if chosen == "reference":
         return routing_maps_reference(topk_ids, num_experts)
-    from .kernels.triton.routing_maps import routing_maps_triton
+    if chosen == "cupy":
+        from .kernels.cupy.routing_maps import routing_maps_cupy as launch
+    else:
+        from .kernels.triton.routing_maps import routing_maps_triton as launch
 
     n = topk_ids.numel()
     src_to_dest = topk_ids.new_empty(n, dtype=torch.int32)
     dest_to_src = topk_ids.new_empty(n, dtype=torch.int32)
     expert_for_src = topk_ids.new_empty(n, dtype=torch.int32)
     offsets = topk_ids.new_empty(num_experts + 1, dtype=torch.int64)
-    routing_maps_triton(topk_ids, num_experts, src_to_dest, dest_to_src, expert_for_src, offsets)
+    launch(topk_ids, num_experts, src_to_dest, dest_to_src, expert_for_src, offsets)
     return src_to_dest, dest_to_src, expert_for_src, offsets
 
 
@@ -111,20 +115,24 @@ def build_routing_maps(
     """Build the routing tables from the router's choices.
 
     Args:
-        topk_ids: ``[T, K]`` int32/int64 expert ids (any strides); ``-1`` marks a dropped slot.
-            ``T = 0`` is allowed; ``K <= num_experts``.
+        topk_ids: ``[T, K]`` int32/int64 expert ids (any strides), a torch tensor or a CuPy
+            array (viewed without a copy); ``-1`` marks a dropped slot. ``T = 0`` is allowed;
+            ``K <= num_experts``.
         num_experts: ``E >= 1``.
-        backend: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"``, ``"cupy"`` or
+            ``"reference"``.
         check_ids: verify every id is in ``[-1, E)`` and raise ``ValueError`` otherwise.
             Reading the ids synchronises with the host, so the default (``None``) checks CPU
             tensors only, and GPU tensors when ``MOE_ROUTE_CHECK_IDS=1``. Unchecked ids outside
             the range are treated as dropped (``-1``) by the kernels: never out-of-bounds.
 
     Returns:
-        :class:`RoutingMaps`. Deterministic: the same ids give the same bits.
+        :class:`RoutingMaps` of torch tensors, whichever type ``topk_ids`` had (a CuPy caller
+        views a table without a copy: ``cupy.from_dlpack(maps.expert_first_token_offset)``).
+        Deterministic: the same ids give the same bits.
     """
     E = _checks.check_num_experts(num_experts)
-    ids = _checks.check_topk_ids(topk_ids, E)
+    ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
     backend_for(ids.device, backend)  # validates the request before anything runs
     if _checks.ids_value_check_wanted(ids, check_ids):
         _checks.check_topk_id_values(ids, E)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, _interop
 from .arch import backend_for
 from .maps import RoutingMaps
 from .reference import expand_rows_reference
@@ -19,12 +19,16 @@ def _expand_rows_op(
     offsets: torch.Tensor,
     backend: str,
 ) -> torch.Tensor:
-    if backend_for(x.device, backend).value == "reference":
+    chosen = backend_for(x.device, backend).value
+    if chosen == "reference":
         return expand_rows_reference(x, dest_to_src, offsets)
-    from .kernels.triton.expand import expand_rows_triton
+    if chosen == "cupy":
+        from .kernels.cupy.expand import expand_rows_cupy as launch
+    else:
+        from .kernels.triton.expand import expand_rows_triton as launch
 
     out = x.new_empty(src_to_dest.numel(), x.shape[1])
-    expand_rows_triton(x, src_to_dest, expert_for_src, out)
+    launch(x, src_to_dest, expert_for_src, out)
     return out
 
 
@@ -51,18 +55,22 @@ def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") ->
     """Gather token rows into permuted (expert-grouped) order.
 
     Args:
-        x: ``[T, H]`` float16/bfloat16/float32/float64, any strides.
+        x: ``[T, H]`` float16/bfloat16/float32/float64, any strides; a torch tensor or a CuPy
+            array (viewed without a copy).
         maps: from :func:`moe_route.build_routing_maps` for the same ``T``.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cupy"`` or ``"reference"``.
 
     Returns:
-        ``x_perm [T*K, H]`` (contiguous, ``x.dtype``): ``x_perm[d] = x[t]`` for the routed dest
-        row ``d`` of token ``t``; dropped rows (``d >= expert_first_token_offset[E]``) are zero.
+        ``x_perm [T*K, H]`` (contiguous, ``x.dtype``, a CuPy array if ``x`` is one):
+        ``x_perm[d] = x[t]`` for the routed dest row ``d`` of token ``t``; dropped rows
+        (``d >= expert_first_token_offset[E]``) are zero.
     """
+    cupy_caller = _interop.is_cupy(x)
+    x = _interop.as_torch(x)
     _checks.check_tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     check_maps(maps, x.shape[0], x.device, "x")
     backend_for(x.device, backend)
-    return _expand_rows_op(
+    out = _expand_rows_op(
         x,
         maps.expanded_source_row_to_expanded_dest_row,
         maps.expanded_dest_row_to_expanded_source_row,
@@ -70,3 +78,4 @@ def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") ->
         maps.expert_first_token_offset,
         backend,
     )
+    return _interop.as_cupy(out) if cupy_caller else out

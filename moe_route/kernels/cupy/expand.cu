@@ -1,0 +1,44 @@
+// Expand (permute) rows: x_perm[d] = x[t] for every dest row d of token t.
+//
+// Data flow, a scatter like the Triton kernel (moe_route/kernels/triton/expand.py): block
+// (t, c) reads the units [c * blockDim.x, (c + 1) * blockDim.x) of token row x[t] once, one
+// unit per thread, and writes that unit to the K dest rows src_to_dest[k * T + t]; dest rows
+// of dropped slots (expert_for_src == -1) get zeros. Each dest row has exactly one writer
+// (the maps are a permutation): no atomics.
+//
+// A "unit" V is what one thread moves: 16 bytes (uint4) when every row starts on a 16-byte
+// boundary and the row length is a multiple of 16 bytes, else one element (2, 4 or 8 bytes,
+// read through the column stride). Copying bits needs no dtype: zero bits are +0.0 in every
+// float format.
+
+// Dest rows of up to KCHUNK slots are loaded together, so their latencies overlap.
+constexpr int KCHUNK = 8;
+
+template <typename V>
+__global__ void expand_rows(const V* __restrict__ x, V* __restrict__ out,
+                            const int* __restrict__ src_to_dest,
+                            const int* __restrict__ expert_for_src, long long T, long long K,
+                            long long width, long long x_row, long long x_col, long long out_row,
+                            long long out_col) {
+    const long long t = blockIdx.x;
+    const long long c = static_cast<long long>(blockIdx.y) * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    const V v = x[t * x_row + c * x_col];
+    const V zero{};
+    for (long long k0 = 0; k0 < K; k0 += KCHUNK) {
+        long long dest[KCHUNK];
+        bool routed[KCHUNK];
+#pragma unroll
+        for (int j = 0; j < KCHUNK; ++j) {
+            if (k0 + j < K) {
+                const long long s = (k0 + j) * T + t;
+                dest[j] = src_to_dest[s];
+                routed[j] = expert_for_src[s] >= 0;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < KCHUNK; ++j) {
+            if (k0 + j < K) out[dest[j] * out_row + c * out_col] = routed[j] ? v : zero;
+        }
+    }
+}

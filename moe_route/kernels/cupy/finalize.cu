@@ -1,0 +1,70 @@
+// finalizeMoeRouting, standalone path: out[t] = bias[t] + sum_k w[t, k] * y_perm[dest(k*T + t)].
+//
+// Data flow: block (t, c) owns the output units [c * blockDim.x, (c + 1) * blockDim.x) of token
+// t, one unit of N elements per thread: N * sizeof(TY) = 16 bytes when the rows are 16-byte
+// aligned (one 128-bit load per permuted row), else N = 1 read through the strides. For
+// k = 0, 1, ..., K - 1 the thread reads row src_to_dest[k * T + t] of y_perm (KCHUNK rows in
+// flight at once), multiplies it by w[t, k] and adds it to an Acc accumulator (float32, float64
+// when an input is float64), k ascending. Dropped slots (expert_for_src == -1) are skipped:
+// their rows and weights are never read, so nothing they hold (NaN included) reaches the output.
+// bias ([H] or [T, H], optional) is added once after the sum and the result is rounded once.
+//
+// This is the arithmetic of moe_route/kernels/triton/finalize.py in the same order, each product
+// and sum rounded separately (never fused): both kernels give the same bits. Every output
+// element has one owner: no atomics, the same bits on every run.
+
+#include "common.cuh"
+
+// Permuted rows of up to KCHUNK slots are loaded together, so their latencies overlap.
+constexpr int KCHUNK = 8;
+
+template <typename TY, typename TW, typename TB, typename Acc, int N>
+__global__ void finalize_rows(const TY* __restrict__ y, const TW* __restrict__ w,
+                              const int* __restrict__ src_to_dest,
+                              const int* __restrict__ expert_for_src, const TB* __restrict__ bias,
+                              TY* __restrict__ out, long long T, long long K, long long width,
+                              long long y_row, long long y_col, long long w_t, long long w_k,
+                              long long bias_t, long long bias_col, long long out_row,
+                              long long out_col) {
+    const long long t = blockIdx.x;
+    const long long c = static_cast<long long>(blockIdx.y) * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    const long long h = c * N;  // first column of this thread's unit
+    Acc acc[N] = {};
+    for (long long k0 = 0; k0 < K; k0 += KCHUNK) {
+        Vec<TY, N> rows[KCHUNK];
+        Acc scale[KCHUNK];
+        bool routed[KCHUNK];
+#pragma unroll
+        for (int j = 0; j < KCHUNK; ++j) {
+            const long long k = k0 + j;
+            routed[j] = false;
+            if (k < K) {
+                const long long s = k * T + t;
+                const long long d = src_to_dest[s];
+                routed[j] = expert_for_src[s] >= 0;
+                if (routed[j]) {
+                    scale[j] = widen<Acc>(w[t * w_t + k * w_k]);
+                    rows[j] = *reinterpret_cast<const Vec<TY, N>*>(y + d * y_row + h * y_col);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < KCHUNK; ++j) {
+            if (!routed[j]) continue;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                acc[i] = add_rn(acc[i], mul_rn(scale[j], widen<Acc>(rows[j].v[i])));
+            }
+        }
+    }
+    if (bias != nullptr) {
+        const Vec<TB, N> b = *reinterpret_cast<const Vec<TB, N>*>(bias + t * bias_t + h * bias_col);
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = add_rn(acc[i], widen<Acc>(b.v[i]));
+    }
+    Vec<TY, N> o;
+#pragma unroll
+    for (int i = 0; i < N; ++i) round_to(acc[i], o.v[i]);
+    *reinterpret_cast<Vec<TY, N>*>(out + t * out_row + h * out_col) = o;
+}

@@ -1,0 +1,88 @@
+"""Launcher of ``routing_maps.cu``: the four routing tables from ``topk_ids [T, K]``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _nvrtc
+
+ITEMS = 8  # slots per thread per tile: ITEMS in routing_maps.cu
+MAX_WARPS = 8  # warps per block, when the bins' shared memory allows
+_DEFAULT_SHARED = 48 * 1024  # shared memory a block gets without opting in
+_ID_TYPES = {torch.int32: "int", torch.int64: "long long"}
+
+
+def _placing_shared_bytes(num_bins: int, warps: int) -> int:
+    return 4 * num_bins * (1 + warps)  # cursor[num_bins] + warp_counts[warps][num_bins]
+
+
+def _warps(num_bins: int, device: torch.device) -> int:
+    """Warps per block: as many as fit the default shared memory, up to MAX_WARPS; at least one
+    with opt-in shared memory for very large E."""
+    fit = _DEFAULT_SHARED // (4 * num_bins) - 1
+    if fit >= 1:
+        return min(MAX_WARPS, fit)
+    if _placing_shared_bytes(num_bins, 1) > _nvrtc.max_shared_memory(device):
+        raise ValueError(
+            f"the CuPy routing-maps kernels keep E + K = {num_bins} bin counters in shared memory, "
+            f"more than {device} holds; use backend='triton' for this many experts"
+        )
+    return 1
+
+
+def routing_maps_cupy(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    src_to_dest: torch.Tensor,
+    dest_to_src: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """Fill the four (preallocated) routing tables from ``topk_ids [T, K]``.
+
+    Up to one tile of slots (``32 * warps * ITEMS``) runs one launch; more run a histogram,
+    a scan over tiles and a placement launch (see ``routing_maps.cu``).
+    """
+    T, K = topk_ids.shape
+    E = num_experts
+    slots = T * K
+    if slots == 0:
+        offsets.zero_()
+        return
+    device = topk_ids.device
+    num_bins = E + K
+    warps = _warps(num_bins, device)
+    idt = _ID_TYPES[topk_ids.dtype]
+    problem = _nvrtc.ints(T, K, E, *topk_ids.stride())
+    ptr = _nvrtc.ptr
+    tile = 32 * warps * ITEMS
+    if slots <= tile:
+        threads = 32 * -(-slots // (32 * ITEMS))
+        k = _nvrtc.kernel("routing_maps.cu", f"maps_one_tile<{idt}>", device.index)
+        args = (ptr(topk_ids), ptr(src_to_dest), ptr(dest_to_src), ptr(expert_for_src),
+                ptr(offsets), *problem)  # fmt: skip
+        shared = _placing_shared_bytes(num_bins, threads // 32)
+        _nvrtc.launch(k, device, (1,), (threads,), args, shared)
+        return
+    num_tiles = -(-slots // tile)
+    scratch = torch.empty((2 * num_tiles + 1) * num_bins, dtype=torch.int32, device=device)
+    tile_counts = scratch[: num_tiles * num_bins]
+    tiles_before = scratch[num_tiles * num_bins : 2 * num_tiles * num_bins]
+    totals = scratch[2 * num_tiles * num_bins :]
+    threads = 32 * warps
+
+    k = _nvrtc.kernel("routing_maps.cu", f"tile_histogram<{idt}>", device.index)
+    args = (ptr(topk_ids), ptr(tile_counts), ptr(expert_for_src), *problem)
+    _nvrtc.launch(k, device, (num_tiles,), (threads,), args, 4 * num_bins)
+
+    k = _nvrtc.kernel("routing_maps.cu", "bin_scan", device.index)
+    args = (ptr(tile_counts), ptr(tiles_before), ptr(totals), *_nvrtc.ints(num_tiles),
+            np.int32(num_bins))  # fmt: skip
+    _nvrtc.launch(k, device, (-(-num_bins // 32),), (32, 32), args)
+
+    k = _nvrtc.kernel("routing_maps.cu", f"tile_place<{idt}>", device.index)
+    args = (ptr(topk_ids), ptr(tiles_before), ptr(totals), ptr(src_to_dest), ptr(dest_to_src),
+            ptr(offsets), *problem)  # fmt: skip
+    _nvrtc.launch(k, device, (num_tiles,), (threads,), args,
+                  _placing_shared_bytes(num_bins, warps))  # fmt: skip
