@@ -168,7 +168,6 @@ def _moe_experts_backward_op(
     ``need_dw1`` / ``need_dw2`` also cover ``db1`` / ``db2`` when those biases exist.
     """
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
-    empty = x.new_empty(0)
     if backend_for(x.device, backend).value == "reference":
         grads = moe_backward_reference(
             dout, x, w1, w2, topk_weights, z, maps, activation=activation,
@@ -179,29 +178,22 @@ def _moe_experts_backward_op(
             dout, x, w1, w2, topk_weights, b1, b2, z, maps, activation, gate_up_layout,
             need_dx, need_dw1, need_dw2, need_dtopk, allow_tf32,
         )  # fmt: skip
-    dx, dw1, dw2, dtopk, db1, db2 = grads
-    db1 = db1.to(b1.dtype) if b1 is not None and need_dw1 else empty
-    db2 = db2.to(b2.dtype) if b2 is not None and need_dw2 else empty
-    return (
-        dx if need_dx else empty,
-        dw1 if need_dw1 else empty,
-        dw2 if need_dw2 else empty,
-        dtopk if need_dtopk else empty,
-        db1,
-        db2,
-    )
+    grads = list(grads)
+    for i, bias_in in ((4, b1), (5, b2)):
+        if bias_in is not None:
+            grads[i] = grads[i].to(bias_in.dtype)
+    wanted = (need_dx, need_dw1, need_dw2, need_dtopk)
+    wanted += (b1 is not None and need_dw1, b2 is not None and need_dw2)
+    # Outputs may not alias each other: each gradient not asked for is its own empty tensor.
+    return tuple(g if w else x.new_empty(0) for g, w in zip(grads, wanted, strict=True))
 
 
 @_moe_experts_backward_op.register_fake
 def _(dout, x, w1, w2, topk_weights, b1, b2, z, o, s2d, d2s, efs, act, lay, ndx, nw1, nw2, ntk, *_):
-    empty = x.new_empty(0)
-    return (
-        torch.empty_like(x) if ndx else empty,
-        torch.empty_like(w1) if nw1 else empty,
-        torch.empty_like(w2) if nw2 else empty,
-        torch.empty_like(topk_weights) if ntk else empty,
-        torch.empty_like(b1) if b1 is not None and nw1 else empty,
-        torch.empty_like(b2) if b2 is not None and nw2 else empty,
+    like = (x, w1, w2, topk_weights, b1, b2)
+    wanted = (ndx, nw1, nw2, ntk, b1 is not None and nw1, b2 is not None and nw2)
+    return tuple(
+        torch.empty_like(t) if w else x.new_empty(0) for t, w in zip(like, wanted, strict=True)
     )
 
 
@@ -277,7 +269,8 @@ def _moe_experts_backward(ctx, dout, _dz):
     dbias = None
     if need[6]:
         ndim, dtype = ctx.bias_meta
-        dbias = (dout if ndim == 2 else dout.sum(0, dtype=torch.float32)).to(dtype)
+        acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+        dbias = (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
     grads = (dx, dw1, dw2, dtopk, db1, db2)
     return (
         tuple(g if n else None for g, n in zip(grads, need[:6], strict=True))

@@ -167,7 +167,13 @@ def _grouped_gemm_kernel(
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         zero_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
         zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-        tl.store(zero_ptrs, zeros, mask=(rows[:, None] < M_ROWS) & (cols[None, :] < N_OUT))
+        zero_mask = (rows[:, None] < M_ROWS) & (cols[None, :] < N_OUT)
+        tl.store(zero_ptrs, zeros, mask=zero_mask)
+        if STORE_PRE:  # z too (all of its 2*N_OUT columns when gated, whatever the layout)
+            z_zero = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
+            tl.store(z_zero, zeros, mask=zero_mask)
+            if GATED:
+                tl.store(z_zero + N_OUT, zeros, mask=zero_mask)
         return
 
     # Expert of this m-tile: the last e with tile_start[e] <= m_tile (it has rows).

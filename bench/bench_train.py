@@ -1,0 +1,192 @@
+"""Benchmark MoE training: forward + backward time, peak memory and saved activations.
+
+Timed in one process, after measuring the copy bandwidth and bf16 matmul rate, each as
+``torch.autograd.grad(out, [x, w1, w2, topk_weights], dout)`` after the forward:
+
+* ``moe_route`` — :func:`moe_route.fused_moe` (saves ``x``, GEMM1's pre-activation, routing);
+* ``grouped_mm`` — ``argsort`` maps + gather + ``torch._grouped_mm`` ×2 + ``index_add_``,
+  differentiated by ``torch.autograd``;
+* ``loop`` — the per-expert loop of usual model code under ``torch.autograd`` (eager).
+
+Roofline floor of forward + backward: ``18·M·H·I`` FLOPs (the forward's ``6·M·H·I``, twice
+that for ``dX`` and ``dW``) against the dense rate, or the bytes of reading the weights twice and
+writing their gradients, whichever is larger. Memory: peak allocated during forward + backward
+above what the inputs hold, and the bytes the forward saves for the backward (measured with
+``saved_tensors_hooks``, parameters and inputs excluded), per token.
+
+Usage: ``python bench/bench_train.py [--quick] [--no-loop] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import moe_route
+from moe_route.bench.harness import (
+    Ceilings,
+    environment,
+    make_row,
+    print_table,
+    time_cuda,
+    write_results,
+)
+
+# name, T, H, I, E, K (DESIGN.md's standard shapes)
+SHAPES = [
+    ("mixtral-8x7b", 4096, 4096, 14336, 8, 2),
+    ("mixtral-8x7b", 32768, 4096, 14336, 8, 2),
+    ("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
+    ("qwen3-30b-a3b", 32768, 2048, 768, 128, 8),
+    ("deepseek-v3", 4096, 7168, 2048, 256, 8),
+    ("deepseek-v3", 16384, 7168, 2048, 256, 8),
+]
+QUICK = [0, 2, 4]
+
+
+def grouped_mm_moe(x, w1, w2, topk_weights, topk_ids):
+    """The ``torch._grouped_mm`` pipeline a user would write, differentiable end to end."""
+    K = topk_ids.shape[1]
+    E = w1.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    token = order // K
+    h = torch._grouped_mm(x[token], w1.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    return torch.zeros_like(x).index_add(0, token, y)
+
+
+def loop_moe(x, w1, w2, topk_weights, topk_ids):
+    """Per-expert loop, as in many model files (one boolean mask and sync per expert)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if token.numel() == 0:
+            continue
+        gate, up = (x[token] @ w1[e].t()).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2[e].t()
+        out = out.index_add(0, token, y.float() * topk_weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def moe_route_moe(x, w1, w2, topk_weights, topk_ids):
+    return moe_route.fused_moe(x, w1, w2, topk_weights, topk_ids)
+
+
+IMPLS = {"moe_route": moe_route_moe, "grouped_mm": grouped_mm_moe, "loop": loop_moe}
+
+
+def step(fn, leaves, ids, dout):
+    out = fn(*leaves, ids)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+def saved_bytes(fn, leaves, ids):
+    """Bytes the forward saves for backward, excluding the leaves' own storage."""
+    own = {t.untyped_storage().data_ptr() for t in leaves}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*leaves, ids)
+    del out
+    return total
+
+
+def peak_bytes(fn, leaves, ids, dout):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = step(fn, leaves, ids, dout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del grads
+    return peak
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
+    dev, dt = "cuda", torch.bfloat16
+    shape = f"{name} T={T}"
+    x = torch.randn(T, H, device=dev, dtype=dt).requires_grad_(True)
+    w1 = (torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H**-0.5).requires_grad_(True)
+    w2 = (torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5).requires_grad_(True)
+    logits = torch.randn(T, E, device=dev)
+    tw, ids = moe_route.reference.topk_routing_reference(logits, K, renormalize=True)
+    tw = tw.requires_grad_(True)
+    dout = torch.randn(T, H, device=dev, dtype=dt)
+    leaves = [x, w1, w2, tw]
+    M = T * K
+    flops = 18 * M * H * I
+    nbytes = 3 * (3 * I * H * 2) * E + 4 * T * H * 2
+    results = {}
+    base_grads = step(grouped_mm_moe, leaves, ids, dout)
+    for impl, fn in IMPLS.items():
+        if impl == "loop" and not with_loop:
+            continue
+        if impl == "loop":
+            t = time_cuda(lambda fn=fn: step(fn, leaves, ids, dout), use_graph=False, inner=1,
+                          outer=5, warmup=1)  # fmt: skip
+        else:
+            t = time_cuda(lambda fn=fn: step(fn, leaves, ids, dout), inner=3, outer=15)
+        results[impl] = t
+        extra = {
+            "peak_gb": peak_bytes(fn, leaves, ids, dout) / 1e9,
+            "saved_bytes_per_token": saved_bytes(fn, leaves, ids) / T,
+        }
+        if impl == "moe_route":
+            grads = step(fn, leaves, ids, dout)
+            extra["max_rel_err_vs_grouped_mm"] = max(
+                rel_err(a, b) for a, b in zip(grads, base_grads, strict=True)
+            )
+            del grads
+        rows.append(make_row("train", shape, impl, t, ceil, nbytes, flops, **extra))
+    ours = rows[-len(results)]
+    base = next(r for r in rows[-len(results) :] if r.impl == "grouped_mm")
+    ours.extra["x_grouped_mm"] = results["grouped_mm"].median_s / results["moe_route"].median_s
+    ours.extra["mem_vs_grouped_mm"] = ours.extra["peak_gb"] / base.extra["peak_gb"]
+    if "loop" in results:
+        ours.extra["x_loop"] = results["loop"].median_s / results["moe_route"].median_s
+    ours.extra["tflops"] = flops / results["moe_route"].median_s / 1e12
+    return ours
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one shape per model")
+    ap.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
+    ap.add_argument("--out", default="bench/results", help="directory for CSV / JSON")
+    args = ap.parse_args(argv)
+    ceil = Ceilings.measure("cuda")
+    env = environment(ceil, "cuda")
+    rows = []
+    shapes = [SHAPES[i] for i in QUICK] if args.quick else SHAPES
+    for s in shapes:
+        r = bench_shape(*s, ceil, rows, with_loop=not args.no_loop)
+        torch.cuda.empty_cache()
+        print(f"{r.shape}: {r.median_us:.0f} us, x_grouped_mm {r.extra['x_grouped_mm']:.2f}, "
+              f"mem {r.extra['mem_vs_grouped_mm']:.2f}", flush=True)  # fmt: skip
+    write_results(rows, env, args.out, "train")
+    print_table(rows, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""fused_moe backward on the CPU: the reference backend's explicit formulas and the Triton
+kernels (through the interpreter) against ``torch.autograd`` through
+``moe_route.reference.moe_forward_reference`` in float64, plus float64 ``gradcheck``,
+``opcheck`` of the training ops, and ``torch.compile`` of forward + backward.
+
+Router weights of dropped slots are NaN for the code under test (never read, so no gradient
+may be NaN) and zero for the autograd oracle (autograd through ``where`` would turn a NaN
+weight into a NaN gradient). bf16 kernels are covered on CUDA (tests/test_gpu_training.py):
+the triton 3.5.1 interpreter's ``tl.dot`` on bf16 returns garbage.
+
+Tolerances (relative Frobenius error per gradient, ``moe_cases.assert_matches``): float32
+1e-5, float16 4e-3 (the backward rounds ``z``, ``h``, ``dz`` to float16 before the next
+product).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from moe_cases import ACT_IDS, ACT_LAYOUTS, assert_matches, f64, make_ids, needs_interpreter
+from moe_cases import moe_case as make_moe
+
+import moe_route
+from moe_route.reference import (
+    activation_backward_reference,
+    activation_reference,
+    moe_forward_reference,
+    routing_maps_reference,
+)
+
+moe_module = importlib.import_module("moe_route.moe")
+
+NAMES = ("x", "w1", "w2", "topk_weights", "b1", "b2", "bias")
+GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3}
+BACKENDS = ["reference", pytest.param("triton", marks=needs_interpreter)]
+
+
+def _case(T=9, K=2, E=4, H=16, inter=8, *, activation="swiglu", dtype=torch.float32,
+          biases=True, bias="TH", ids=None, seed=0):  # fmt: skip
+    c = make_moe(T, K, E, H, inter, activation=activation, dtype=dtype, b1=biases, b2=biases,
+                 bias=bias if biases else None, ids=ids, seed=seed)  # fmt: skip
+    c["topk_weights"] = c["topk_weights"].to(dtype)
+    return c
+
+
+def _grads(case, dout, *, backend, activation="swiglu", layout="concat", wanted=NAMES, **kw):
+    leaves = {n: case[n].clone().requires_grad_(n in wanted) for n in NAMES if case[n] is not None}
+    out = moe_route.fused_moe(
+        leaves["x"], leaves["w1"], leaves["w2"], leaves["topk_weights"], case["topk_ids"],
+        activation=activation, gate_up_layout=layout, b1=leaves.get("b1"), b2=leaves.get("b2"),
+        bias=leaves.get("bias"), backend=backend, **kw,
+    )  # fmt: skip
+    out.backward(dout)
+    return out, {n: t.grad for n, t in leaves.items()}
+
+
+def _oracle(case, dout, *, activation="swiglu", layout="concat"):
+    leaves = {n: f64(case[n]).requires_grad_(True) for n in NAMES if case[n] is not None}
+    tw = leaves["topk_weights"].nan_to_num(0.0)
+    out = moe_forward_reference(
+        leaves["x"], leaves["w1"], leaves["w2"], tw, case["topk_ids"], activation=activation,
+        gate_up_layout=layout, b1=leaves.get("b1"), b2=leaves.get("b2"), bias=leaves.get("bias"),
+    )  # fmt: skip
+    out.backward(dout.double())
+    return {n: t.grad for n, t in leaves.items()}
+
+
+def _check(case, *, backend, activation="swiglu", layout="concat", **kw):
+    dtype = case["x"].dtype
+    g = torch.Generator().manual_seed(7)
+    dout = torch.randn(case["x"].shape, generator=g, dtype=torch.float64).to(dtype)
+    _, got = _grads(case, dout, backend=backend, activation=activation, layout=layout, **kw)
+    want = _oracle(case, dout, activation=activation, layout=layout)
+    for name, ref in want.items():
+        assert got[name].dtype == case[name].dtype, name
+        assert got[name].shape == ref.shape, name
+        if name == "topk_weights":
+            dropped = case["topk_ids"] < 0
+            assert torch.equal(got[name][dropped], torch.zeros_like(got[name][dropped]))
+        w = ref.shape[-1]
+        assert_matches(got[name].reshape(-1, w), ref.reshape(-1, w), GRAD_TOL[dtype],
+                       what=f"d{name}", floor=1.0)  # fmt: skip
+    return got
+
+
+# ----------------------------------------------------------------------------- activations
+@pytest.mark.parametrize(("activation", "layout"), ACT_LAYOUTS, ids=ACT_IDS)
+def test_activation_backward_matches_autograd(activation, layout):
+    g = torch.Generator().manual_seed(1)
+    width = 12 if activation in ("swiglu", "geglu") else 6
+    z = (torch.randn(5, width, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    dh = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    (want,) = torch.autograd.grad(activation_reference(z, activation, layout), z, dh)
+    got = activation_backward_reference(z.detach(), dh, activation, layout)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("activation", "layout"), ACT_LAYOUTS, ids=ACT_IDS)
+def test_grads_match_autograd(backend, activation, layout):
+    _check(_case(activation=activation), backend=backend, activation=activation, layout=layout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+def test_grads_other_dtypes(backend, dtype):
+    _check(_case(11, 3, 5, 24, 12, dtype=dtype, bias="H", seed=2), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("T", "K", "E"), [(1, 1, 1), (6, 4, 4), (13, 2, 9)], ids=["one-expert", "K=E", "sparse"]
+)
+def test_edge_routings(backend, T, K, E):
+    _check(_case(T, K, E, 16, 8, seed=T), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_experts_get_exact_zero_weight_grads(backend):
+    ids = make_ids(10, 2, 3, drop=0.1, seed=4)  # experts 3..6 hold no rows
+    got = _check(_case(10, 2, 7, 16, 8, ids=ids), backend=backend)
+    for n in ("w1", "w2", "b1", "b2"):
+        assert torch.equal(got[n][3:], torch.zeros_like(got[n][3:])), n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_dropped_and_zero_tokens(backend):
+    ids = torch.full((5, 2), -1, dtype=torch.int64)
+    case = _case(5, 2, 3, 16, 8, ids=ids)
+    _, got = _grads(case, torch.ones(5, 16), backend=backend)
+    for n in ("x", "w1", "w2", "topk_weights", "b1", "b2"):
+        assert torch.equal(got[n], torch.zeros_like(got[n])), n
+    assert torch.equal(got["bias"], torch.ones(5, 16))
+    empty = _case(0, 2, 3, 16, 8, ids=torch.zeros(0, 2, dtype=torch.int64))
+    out, got = _grads(empty, torch.zeros(0, 16), backend=backend)
+    assert out.shape == (0, 16) and torch.equal(got["w2"], torch.zeros_like(got["w2"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wanted", [("x",), ("topk_weights",), ("w1", "b1"), ("w2", "b2")])
+def test_only_requested_grads(backend, wanted):
+    case = _case()
+    dout = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(3))
+    _, got = _grads(case, dout, backend=backend, wanted=wanted)
+    want = _oracle(case, dout)
+    for n in NAMES:
+        if n in wanted:
+            w = want[n].shape[-1]
+            assert_matches(got[n].reshape(-1, w), want[n].reshape(-1, w), 1e-5, floor=1.0)
+        else:
+            assert got[n] is None, n
+
+
+@needs_interpreter
+@pytest.mark.parametrize("gather", [True, False])
+def test_gather_and_strided_weights(gather):
+    case = _case(12, 2, 3, 16, 8)
+    case["w1"] = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    got = _check(case, backend="triton", gather=gather)
+    assert got["w1"].stride() == case["w1"].stride()
+
+
+@needs_interpreter
+def test_fused_finalize_path_backward():
+    _check(_case(), backend="triton", finalize="fused", deterministic=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("activation", "layout"), [("swiglu", "interleaved"), ("gelu", "concat")])
+def test_gradcheck_float64(backend, activation, layout):
+    case = _case(5, 2, 3, 6, 4, activation=activation, dtype=torch.float64)
+    ids = case["topk_ids"]
+    leaves = [case[n].nan_to_num(0.0).clone().requires_grad_(True) for n in NAMES]
+
+    def f(x, w1, w2, tw, b1, b2, bias):
+        return moe_route.fused_moe(x, w1, w2, tw, ids, activation=activation,
+                                   gate_up_layout=layout, b1=b1, b2=b2, bias=bias,
+                                   backend=backend)  # fmt: skip
+
+    assert torch.autograd.gradcheck(f, leaves, fast_mode=True)
+
+
+# ----------------------------------------------------------------------------- registration
+def _train_op_args(backend, requires_grad):
+    case = _case(7, 2, 3, 8, 4, bias="TH", seed=5)
+    s2d, d2s, efs, off = routing_maps_reference(case["topk_ids"], 3)
+    floats = [case[n].nan_to_num(0.0).requires_grad_(requires_grad) for n in NAMES]
+    return (*floats, off, s2d, d2s, efs, "swiglu", "concat", "standalone", True, False, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_training_ops(backend):
+    torch.library.opcheck(moe_module._moe_experts_op, _train_op_args(backend, True))
+    args = _train_op_args(backend, False)
+    out, z = moe_module._moe_experts_op(*args)
+    x, w1, w2, tw, b1, b2, _bias, off, s2d, d2s, efs = args[:11]
+    bwd_args = (torch.ones_like(out), x, w1, w2, tw, b1, b2, z, off, s2d, d2s, efs, "swiglu",
+                "concat", True, True, True, True, False, backend)  # fmt: skip
+    torch.library.opcheck(moe_module._moe_experts_backward_op, bwd_args)
+
+
+def test_compile_fullgraph_forward_backward():
+    case = _case(8, 2, 3, 16, 8, seed=9)
+    ids = case["topk_ids"]
+    leaves = [case[n].nan_to_num(0.0).clone().requires_grad_(True) for n in NAMES]
+
+    def loss(x, w1, w2, tw, b1, b2, bias):
+        out = moe_route.fused_moe(x, w1, w2, tw, ids, b1=b1, b2=b2, bias=bias,
+                                  backend="reference")  # fmt: skip
+        return out.square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
