@@ -55,7 +55,7 @@ class KernelCompileError(RuntimeError):
 
 @functools.cache
 def kernel(source: str, name: str, device_index: int):
-    """The ``RawKernel`` ``name`` (a name expression such as ``"expand_rows<uint4>"``) of
+    """The ``RawKernel`` ``name`` (a name expression such as ``"expand_rows<Bytes16>"``) of
     ``source``, compiled for device ``device_index``."""
     cupy = import_cupy()
     module = _module(source, (name,))
@@ -106,6 +106,6 @@ def probe(device_index: int) -> str:
     Raises whatever stops the CuPy backend there (no GPU visible to CuPy, NVRTC failure).
     """
     cupy = import_cupy()
-    kernel("expand.cu", "expand_rows<uint4>", device_index)
+    kernel("expand.cu", "expand_rows<Bytes16>", device_index)
     major, minor = cupy.cuda.nvrtc.getVersion()
     return f"CuPy {cupy.__version__}, NVRTC {major}.{minor}"

@@ -92,7 +92,17 @@ __device__ __forceinline__ float add_rn(float a, float b) {
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
+template <typename T>
+__device__ __forceinline__ T smaller(T a, T b) {
+    return a < b ? a : b;
+}
+
 // ------------------------------------------------------------------------- vectors
+// 16 bytes moved by one 128-bit load or store (NVRTC's built-in vector types are not relied on).
+struct alignas(16) Bytes16 {
+    unsigned int word[4];
+};
+
 // N consecutive elements, aligned to their size up to 16 bytes: a load or a store of a 16-byte
 // Vec is one 128-bit memory instruction (a 32-byte one, two). N = 1 is the scalar case.
 template <typename T, int N>

@@ -6,10 +6,12 @@
 // of dropped slots (expert_for_src == -1) get zeros. Each dest row has exactly one writer
 // (the maps are a permutation): no atomics.
 //
-// A "unit" V is what one thread moves: 16 bytes (uint4) when every row starts on a 16-byte
+// A "unit" V is what one thread moves: 16 bytes (Bytes16) when every row starts on a 16-byte
 // boundary and the row length is a multiple of 16 bytes, else one element (2, 4 or 8 bytes,
 // read through the column stride). Copying bits needs no dtype: zero bits are +0.0 in every
 // float format.
+
+#include "common.cuh"
 
 // Dest rows of up to KCHUNK slots are loaded together, so their latencies overlap.
 constexpr int KCHUNK = 8;
@@ -26,7 +28,7 @@ __global__ void expand_rows(const V* __restrict__ x, V* __restrict__ out,
     const V v = x[t * x_row + c * x_col];
     const V zero{};
     for (long long k0 = 0; k0 < K; k0 += KCHUNK) {
-        long long dest[KCHUNK];
+        int dest[KCHUNK];
         bool routed[KCHUNK];
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
@@ -38,7 +40,9 @@ __global__ void expand_rows(const V* __restrict__ x, V* __restrict__ out,
         }
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
-            if (k0 + j < K) out[dest[j] * out_row + c * out_col] = routed[j] ? v : zero;
+            if (k0 + j < K) {
+                out[static_cast<long long>(dest[j]) * out_row + c * out_col] = routed[j] ? v : zero;
+            }
         }
     }
 }

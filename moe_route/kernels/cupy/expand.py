@@ -37,7 +37,7 @@ def expand_rows_cupy(
     K = out.shape[0] // T
     es = x.element_size()
     if rows_aligned(x, 16) and rows_aligned(out, 16):
-        unit, per_unit = "uint4", 16 // es
+        unit, per_unit = "Bytes16", 16 // es
         width, x_col, out_col = H // per_unit, 1, 1
     else:
         unit, per_unit = _ELEMENT_UNITS[es], 1

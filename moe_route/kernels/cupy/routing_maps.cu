@@ -82,8 +82,8 @@ __device__ void block_exclusive_scan(int* a, int n) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int per = (n + blockDim.x - 1) / blockDim.x;
-    const int lo = min(static_cast<int>(threadIdx.x) * per, n);
-    const int hi = min(lo + per, n);
+    const int lo = smaller(static_cast<int>(threadIdx.x) * per, n);
+    const int hi = smaller(lo + per, n);
     __syncthreads();  // a[] is complete
     int run = 0;
     for (int b = lo; b < hi; ++b) run += a[b];
@@ -193,8 +193,8 @@ __global__ void bin_scan(const int* __restrict__ tile_counts, int* __restrict__ 
     const int y = threadIdx.y;
     const int b = blockIdx.x * 32 + x;
     const long long per = (num_tiles + 31) / 32;
-    const long long p0 = min(y * per, num_tiles);
-    const long long p1 = min(p0 + per, num_tiles);
+    const long long p0 = smaller(y * per, num_tiles);
+    const long long p1 = smaller(p0 + per, num_tiles);
     int sum = 0;
     if (b < num_bins) {
         for (long long p = p0; p < p1; ++p) sum += tile_counts[p * num_bins + b];
