@@ -331,9 +331,10 @@ def write_results(rows: list[Row], env: dict, out_dir: str, name: str, **meta) -
 
 def print_table(rows: list[Row], env: dict, file=None) -> None:
     mm = "bf16" if env.get("mm_dtype", "bfloat16") == "bfloat16" else env["mm_dtype"]
+    copy, rate = env["copy_TB_s"], env["bf16_mm_TFLOP_s"]
     print(
         f"\n{env['gpu']} ({env['capability']}), torch {env['torch']}, triton {env['triton']}: "
-        f"copy {env['copy_TB_s']:.2f} TB/s, {mm} mm {env['bf16_mm_TFLOP_s']:.0f} TFLOP/s",
+        f"copy {copy:.3g} TB/s, {mm} mm {rate:.3g} TFLOP/s",
         file=file,
     )
     head = (

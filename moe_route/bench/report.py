@@ -112,6 +112,15 @@ def fmt_time(us: float) -> str:
     return f"{us:.1f} µs"
 
 
+def fmt_rate(x: float, unit: str) -> str:
+    """``4.2e12, "B/s"`` -> ``"4.20 TB/s"``; three significant digits, SI prefix."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")):
+        if x >= scale:
+            v = x / scale
+            return f"{v:.3g} {prefix}{unit}" if v < 100 else f"{v:.0f} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
 def _fmt_ratio(x: float) -> str:
     return f"{x:.0f}×" if x >= 100 else f"{x:.1f}×" if x >= 10 else f"{x:.2f}×"
 
@@ -133,8 +142,8 @@ def describe_env(env: dict) -> str:
     ceil = ""
     if "copy_TB_s" in env:
         ceil = (
-            f"; measured ceilings: copy {env['copy_TB_s']:.2f} TB/s, {mm} matmul "
-            f"{env['bf16_mm_TFLOP_s']:.0f} TFLOP/s"
+            f"; measured ceilings: copy {fmt_rate(env['copy_TB_s'] * 1e12, 'B/s')}, {mm} matmul "
+            f"{fmt_rate(env['bf16_mm_TFLOP_s'] * 1e12, 'FLOP/s')}"
         )
     return ", ".join(parts) + ceil
 
@@ -246,7 +255,7 @@ def _figure(n: int, ncols: int = 2, height: float = 3.4):
 
     ncols = min(ncols, n)
     nrows = -(-n // ncols)
-    fig = Figure(figsize=(6.5 * ncols, height * nrows), layout="constrained")
+    fig = Figure(figsize=(6.5 * ncols, height * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -257,6 +266,15 @@ def _title(sources: list[Source]) -> str:
     gpus = sorted({str(s.env.get("gpu", "?")) for s in sources})
     dates = sorted({str(s.env.get("timestamp", "?"))[:10] for s in sources})
     return f"moe_route on {', '.join(gpus)} ({', '.join(dates)})"
+
+
+def _plain_log_ticks(ax) -> None:
+    """Log-scale y ticks as plain numbers (``2``, ``0.5``), not powers of ten."""
+    from matplotlib.ticker import FuncFormatter
+
+    fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
 def _bars(ax, shapes, series: dict[str, list[float]]) -> None:
@@ -287,11 +305,13 @@ def plot_roofline(sources: list[Source], path: str) -> str | None:
         _bars(ax, shapes, series)
         if min((v for vs in series.values() for v in vs if v > 0), default=1) < 1:
             ax.set_yscale("log")
+            _plain_log_ticks(ax)
         ax.axhline(100, color="k", lw=0.6, ls="--")
         ax.set_title(f"{stage}: fraction of roofline", fontsize=9)
         ax.set_ylabel("% of roofline floor")
     fig.suptitle(_title(sources), fontsize=10)
-    fig.savefig(path, dpi=110)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     return path
 
 
@@ -319,11 +339,13 @@ def plot_speedup(sources: list[Source], path: str) -> str | None:
                 ]
         _bars(ax, shapes, series)
         ax.set_yscale("log")
+        _plain_log_ticks(ax)
         ax.axhline(1, color="k", lw=0.6)
         ax.set_title(f"{stage}: speed-up over each baseline", fontsize=9)
         ax.set_ylabel("× faster")
     fig.suptitle(_title(sources), fontsize=10)
-    fig.savefig(path, dpi=110)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     return path
 
 
@@ -359,13 +381,17 @@ def plot_decode(sources: list[Source], path: str, max_tokens: int = 128) -> str 
         if floor:
             ax.plot([T for T, _ in floor], [f for _, f in floor], "k--", lw=0.8, label="roofline")
         ax.set_xscale("log", base=2)
+        ticks = sorted({T for T, _ in pts})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(T) for T in ticks])
         ax.set_yscale("log")
         ax.set_xlabel("tokens T")
         ax.set_ylabel("forward latency (µs)")
         ax.set_title(f"{model}: decode latency", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(_title(sources), fontsize=10)
-    fig.savefig(path, dpi=110)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     return path
 
 

@@ -124,7 +124,6 @@ def _finish_outputs(paths: list[str], out_dir: str, args, stem: str) -> list[str
     """Plots, the markdown table, and the README section, from saved JSON files."""
     written = []
     sources = report.load(paths)
-    md_path = os.path.join(out_dir, f"{stem}.md")
     plots = {}
     if not args.no_plots:
         try:
@@ -132,9 +131,11 @@ def _finish_outputs(paths: list[str], out_dir: str, args, stem: str) -> list[str
             written += list(plots.values())
         except ImportError:
             print("plots: matplotlib is not installed (pip install 'moe_route[bench]'); skipped")
-    with open(md_path, "w") as f:
-        f.write(report.markdown(sources, plots=plots, relative_to=out_dir))
-    written.append(md_path)
+    if not (args.render and args.readme):  # a rendered README needs no copy beside it
+        md_path = os.path.join(out_dir, f"{stem}.md")
+        with open(md_path, "w") as f:
+            f.write(report.markdown(sources, plots=plots, relative_to=out_dir))
+        written.append(md_path)
     if args.readme:
         report.update_readme(args.readme, sources, plots=plots)
         written.append(args.readme)
@@ -244,6 +245,17 @@ def run(args) -> int:
     if not ctx.rows:
         return 1
     return 1 if args.strict and ctx.failures else 0
+
+
+def stage_main(stages: list[str], name: str, argv=None, doc: str | None = None) -> int:
+    """The command line of one stage script (``bench/bench_<stage>.py``): the suite's options,
+    with ``--stages`` and ``--name`` defaulting to that stage."""
+    p = argparse.ArgumentParser(
+        prog=os.path.basename(sys.argv[0]), description=(doc or __doc__).splitlines()[0]
+    )
+    add_arguments(p)
+    p.set_defaults(stages=stages, name=name)
+    return run(p.parse_args(argv))
 
 
 def main(argv=None) -> int:

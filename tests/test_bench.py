@@ -1,0 +1,304 @@
+"""The benchmark harness and suite on the CPU: roofline arithmetic, CSV/JSON schema, plots, CLI.
+
+The suite itself runs here in its CPU-comparison mode (what ``python -m moe_route bench`` does
+on a machine without a GPU), at two tiny sizes and a few milliseconds of timing per
+implementation.
+"""
+
+import csv
+import importlib.util
+import io
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from moe_route.__main__ import main as cli_main
+from moe_route.bench import harness, report, stages, suite
+from moe_route.bench.harness import Ceilings, Row, Timing, add_speedups, make_row
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "bench", "data")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _row(stage, shape, impl, us, **extra):
+    return make_row(stage, shape, impl, Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, 5),
+                    Ceilings(1e12, 1e15), 1e6, 1e9, **extra)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- roofline arithmetic
+
+
+def test_floor_is_the_slower_of_memory_and_compute():
+    c = Ceilings(copy_bytes_per_s=2e12, mm_flops_per_s=500e12)
+    assert c.floor_s(4e9) == pytest.approx(2e-3)  # memory-bound: 4 GB at 2 TB/s
+    assert c.floor_s(4e9, 5e12) == pytest.approx(1e-2)  # compute-bound: 5 TFLOP at 500 TFLOP/s
+    assert c.floor_s(0, 0) == 0
+
+
+def test_make_row_fraction_of_roofline_and_bandwidth():
+    c = Ceilings(copy_bytes_per_s=1e12, mm_flops_per_s=1e15)
+    t = Timing(median_s=4e-3, p20_s=3.9e-3, p80_s=4.2e-3, samples=30)
+    r = make_row("forward", "m T=8", "moe_route", t, c, bytes_moved=2e9, flops=1e12, x_loop=3.0)
+    assert r.floor_us == pytest.approx(2000.0)  # 2 GB / 1 TB/s beats 1 TFLOP / 1 PFLOP/s
+    assert r.roofline_fraction == pytest.approx(0.5)
+    assert (r.median_us, r.p20_us, r.p80_us) == pytest.approx((4000.0, 3900.0, 4200.0))
+    assert r.achieved_gb_s == pytest.approx(500.0)
+    assert r.extra == {"x_loop": 3.0}
+    noted = make_row("s", "x", "i", Timing(1, 1, 1, 1, note="eager"), c, 1)
+    assert noted.extra["timing"] == "eager"
+
+
+def test_add_speedups_per_stage_and_shape():
+    rows = [
+        _row("forward", "a T=1", "grouped_mm", 30.0),
+        _row("forward", "a T=1", "loop", 300.0),
+        _row("forward", "a T=1", "moe_route", 10.0),
+        _row("forward", "a T=2", "moe_route", 10.0),  # no baseline at this shape
+        _row("maps", "a T=1", "moe_route", 5.0, x_argsort=7.0),  # computed by the stage: kept
+        _row("maps", "a T=1", "torch argsort", 50.0),
+    ]
+    add_speedups(rows)
+    assert rows[2].extra == pytest.approx({"x_grouped_mm": 3.0, "x_loop": 30.0})
+    assert rows[3].extra == {}
+    assert rows[4].extra == {"x_argsort": 7.0}
+    assert "x_loop" not in rows[0].extra  # baselines get no speed-up
+
+
+def test_timers_order_their_percentiles():
+    calls = []
+    t = harness.time_cpu(lambda: calls.append(1), inner=2, outer=7, warmup=1)
+    assert len(calls) == 1 + 2 * 7
+    assert t.samples == 7 and t.p20_s <= t.median_s <= t.p80_s
+    t = harness.time_auto(lambda: sum(range(100)), "cpu", budget_s=0.01)
+    assert t.samples >= 5 and 0 < t.p20_s <= t.median_s <= t.p80_s
+
+
+# --------------------------------------------------------------------------- CSV / JSON schema
+
+
+def test_write_results_json_and_csv_schema(tmp_path):
+    env = {"gpu": "Test GPU", "capability": "SM90", "torch": "2", "triton": "3",
+           "moe_route": "0.1", "timestamp": "2026-01-01T00:00:00+00:00", "copy_TB_s": 1.0,
+           "bf16_mm_TFLOP_s": 1000.0}  # fmt: skip
+    rows = add_speedups(
+        [_row("forward", "m T=8", "loop", 40.0), _row("forward", "m T=8", "moe_route", 10.0,
+                                                        rel_err=1e-3)]
+    )  # fmt: skip
+    paths = harness.write_results(rows, env, str(tmp_path), "r", schema="s/1", failures=[])
+    assert [os.path.basename(p) for p in paths] == ["r.json", "r.csv"]
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data) == {"environment", "schema", "failures", "rows"}
+    assert data["environment"] == env
+    fields = set(Row.__dataclass_fields__)
+    assert all(set(r) == fields for r in data["rows"])
+    assert data["rows"][1]["extra"] == {"x_loop": 4.0, "rel_err": 1e-3}
+    with open(tmp_path / "r.csv", newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert list(lines[0])[:6] == list(harness.ENV_COLUMNS)
+    assert {"median_us", "p20_us", "p80_us", "roofline_fraction", "x_loop"} <= set(lines[0])
+    assert lines[0]["gpu"] == "Test GPU" and lines[0]["x_loop"] == ""
+    assert float(lines[1]["x_loop"]) == 4.0 and json.loads(lines[1]["extra"]) == {"rel_err": 1e-3}
+    # the saved rows come back unchanged
+    back = report.load([str(tmp_path / "r.json")])[0].rows
+    assert [(r.impl, r.median_us, r.extra) for r in back] == [
+        (r.impl, r.median_us, r.extra) for r in rows
+    ]
+
+
+def test_bench_harness_script_reexports_the_package():
+    spec = importlib.util.spec_from_file_location("bench_harness", f"{REPO}/bench/harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name in ("Ceilings", "time_cuda", "make_row", "write_results", "print_table", "Row"):
+        assert getattr(mod, name) is getattr(harness, name)
+
+
+# --------------------------------------------------------------------------- shapes and stages
+
+
+def test_shape_selection():
+    std = stages.select_shapes()
+    assert [s.label for s in std if s.model == "qwen3-30b-a3b"] == [
+        "qwen3-30b-a3b T=1", "qwen3-30b-a3b T=8", "qwen3-30b-a3b T=64",
+        "qwen3-30b-a3b T=8192", "qwen3-30b-a3b T=32768",
+    ]  # fmt: skip
+    assert {(s.H, s.I, s.E, s.K) for s in std if s.model == "deepseek-v3"} == {(7168, 2048, 256, 8)}
+    quick = stages.select_shapes(quick=True)
+    assert [s.T for s in quick if not s.decode] == [4096, 8192, 4096]
+    assert [s.T for s in stages.select_shapes(["mix", "decode"])] == [1, 8, 64]
+    assert [s.T for s in stages.select_shapes(["deepseek"], tokens=[2, 4])] == [2, 4]
+    (c,) = stages.select_shapes(["prefill"], custom=["16,64,32,4,2"])[-1:]
+    assert (c.T, c.H, c.I, c.E, c.K) == (16, 64, 32, 4, 2) and c.label.startswith("custom-")
+    with pytest.raises(ValueError, match="llama"):
+        stages.select_shapes(["llama"])
+    with pytest.raises(ValueError, match="T,H,I,E,K"):
+        stages.custom_shape("1,2,3")
+
+
+def test_stage_selection():
+    assert [s.name for s in stages.select_stages(["routing"])] == ["maps", "expand", "finalize"]
+    assert [s.name for s in stages.select_stages(["train,maps"])] == ["maps", "train"]
+    assert len(stages.select_stages(["all"])) == len(stages.STAGES)
+    with pytest.raises(ValueError, match="expected one of"):
+        stages.select_stages(["nope"])
+
+
+def test_progress_bar_in_a_log():
+    out = io.StringIO()
+    p = suite.Progress(4, stream=out)
+    p.step("first", 1)
+    p.step("second", 3)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and "first" in lines[0] and "0%" in lines[0]
+    assert " 25%" in lines[1] and lines[2].startswith("[" + "#" * 24 + "] 100%")
+
+
+# --------------------------------------------------------------------------- report and plots
+
+
+def test_label_parsing():
+    assert report.parse_label("qwen3-30b-a3b T=8192") == ("qwen3-30b-a3b", {"T": 8192})
+    assert report.parse_label("decode T=64 K=8 E=256") == ("decode", {"T": 64, "K": 8, "E": 256})
+
+
+def test_legacy_h200_results_load_and_render(tmp_path):
+    sources = report.load([f"{DATA}/routing_h200.json", f"{DATA}/moe_h200.json"])
+    routing, moe = sources
+    assert routing.env["gpu"] == "NVIDIA H200"
+    keys = [(r.stage, r.shape, r.impl) for s in sources for r in s.rows]
+    assert len(keys) == len(set(keys))  # sweep rows and repeats dropped
+    assert not any(r.impl.startswith(("tile=", "block=")) for r in routing.rows)
+    # bench_moe.py's second "decode T=64" shape had deepseek-v3's dimensions
+    assert {r.impl for r in moe.rows if r.shape == "deepseek-v3 T=64"} >= {"moe_route", "loop"}
+    table = report.stage_table(moe.rows, "forward")
+    assert table.splitlines()[0] == (
+        "| shape | moe_route | moe_route fused | grouped_mm | loop | moe_route roofline |"
+    )
+    assert "| qwen3-30b-a3b T=8192 | 1.46 ms | 2.18 ms (1.49×) | 2.98 ms (2.04×) | 21.3 ms" in table
+    md = report.markdown(sources)
+    assert "**NVIDIA H200** (SM90)" in md and "### finalize (`routing_h200.json`)" in md
+
+
+def test_readme_section_is_replaced_between_markers(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text(f"# B\n\nintro\n\n{report.BEGIN}\nold table\n{report.END}\n\ntail\n")
+    sources = report.load([f"{DATA}/moe_h200.json"])
+    report.update_readme(str(path), sources)
+    once = path.read_text()
+    report.update_readme(str(path), sources)
+    assert path.read_text() == once
+    assert once.startswith("# B\n\nintro\n\n" + report.BEGIN) and once.endswith(
+        report.END + "\ntail\n"
+    )
+    assert "old table" not in once and "| deepseek-v3 T=4096 | 8.63 ms" in once
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = []
+    for T in (1, 8, 64, 4096):
+        for impl, us in (("moe_route", 10.0 * T**0.5), ("grouped_mm", 25.0 * T**0.5),
+                         ("loop", 400.0)):  # fmt: skip
+            rows.append(_row("forward", f"m T={T}", impl, us))
+        rows.append(_row("maps", f"m T={T}", "moe_route", 2.0))
+        rows.append(_row("maps", f"m T={T}", "torch argsort", 40.0))
+    src = report.Source("x.json", {"gpu": "Test GPU", "timestamp": "2026"}, add_speedups(rows))
+    plots = report.plot_all([src], str(tmp_path), prefix="t_")
+    assert sorted(plots) == ["decode", "roofline", "speedup"]
+    for path in plots.values():
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+        assert os.path.getsize(path) > 5000
+
+
+# --------------------------------------------------------------------------- the CLI on a CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what runs without a GPU")
+def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# bench\n\n{report.BEGIN}\n{report.END}\n")
+    rc = cli_main(["bench", "--tokens", "8", "64", "--budget", "0.003", "--out", str(out),
+                   "--readme", str(readme)])  # fmt: skip
+    text = capsys.readouterr()
+    assert rc == 0
+    assert "no CUDA device here" in text.out and "CPU comparison" in text.out
+    assert "100%" in text.err  # the progress bar
+    data = json.loads((out / "suite.json").read_text())
+    assert data["schema"] == suite.SCHEMA and data["environment"]["device"] == "cpu"
+    assert data["failures"] == []
+    assert set(data["shapes"]) == {"cpu-tiny T=8", "cpu-tiny T=64"}
+    got = {(r["stage"], r["shape"], r["impl"]) for r in data["rows"]}
+    for stage in ("maps", "expand", "finalize", "gemm1", "gemm2+fin", "forward"):
+        assert (stage, "cpu-tiny T=8", "moe_route") in got
+    assert {i for s, sh, i in got if s == "forward"} == {"moe_route", "grouped_mm", "loop"}
+    assert {i for s, sh, i in got if s == "train"} == {"moe_route", "grouped_mm", "loop"}
+    for r in data["rows"]:
+        assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"]
+        assert math.isfinite(r["roofline_fraction"])
+        if r["impl"] == "moe_route" and "rel_err" in r["extra"]:
+            assert r["extra"]["rel_err"] < 1e-4, r
+    ours = next(r for r in data["rows"] if r["stage"] == "forward" and r["impl"] == "moe_route")
+    assert {"x_grouped_mm", "x_loop"} <= set(ours["extra"])
+    for name in ("suite.csv", "suite.md", "suite_roofline.png", "suite_speedup.png",
+                 "suite_decode.png"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    assert "### forward" in readme.read_text() and "cpu-tiny T=64" in readme.read_text()
+
+
+def test_a_failing_stage_is_reported_and_the_rest_continue(tmp_path, capsys, monkeypatch):
+    def boom(shape, ctx):
+        raise RuntimeError("kaput")
+
+    monkeypatch.setitem(stages.STAGES, "boom", stages.Stage("boom", boom, "fails", ("boom",)))
+    rc = suite.main(["--device", "cpu", "--stages", "boom", "maps", "--tokens", "8",
+                     "--budget", "0.003", "--no-plots", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    assert "RuntimeError: kaput" in capsys.readouterr().out
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert [(f["stage"], f["impl"]) for f in data["failures"]] == [("boom", "*")]
+    assert {r["stage"] for r in data["rows"]} == {"maps"}
+    strict = suite.main(["--device", "cpu", "--stages", "boom", "--tokens", "8", "--strict",
+                         "--no-plots", "--out", str(tmp_path)])  # fmt: skip
+    assert strict == 1
+
+
+def test_render_from_saved_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc = cli_main(["bench", "--render", f"{DATA}/moe_h200.json", "--out", str(tmp_path)])
+    assert rc == 0
+    assert sorted(os.listdir(tmp_path)) == [
+        "results.md", "results_decode.png", "results_roofline.png", "results_speedup.png",
+    ]  # fmt: skip
+    assert "![decode](results_decode.png)" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_readme_table_is_generated_from_the_json():
+    """bench/README.md's results section is exactly what the renderer makes of its sources."""
+    with open(f"{REPO}/bench/README.md") as f:
+        text = f.read()
+    section = text.split(report.BEGIN, 1)[1].split(report.END, 1)[0]
+    sources = [line.split("`")[1] for line in section.splitlines() if line.startswith("- `")]
+    assert sources, "no source files named in bench/README.md"
+    cwd = os.getcwd()
+    try:
+        os.chdir(REPO)
+        plots = {
+            name: os.path.join(REPO, rel)
+            for name, rel in (
+                (line[2 : line.index("]")], "bench/" + line[line.index("(") + 1 : -1])
+                for line in section.splitlines()
+                if line.startswith("![")
+            )
+        }
+        expect = report.markdown(report.load(sources), plots, relative_to=f"{REPO}/bench")
+    finally:
+        os.chdir(cwd)
+    assert section.strip("\n") == expect.strip("\n")
