@@ -338,7 +338,7 @@ def print_table(rows: list[Row], env: dict, file=None) -> None:
         file=file,
     )
     head = (
-        f"{'stage':<10}{'shape':<30}{'impl':<16}{'median us':>11}{'p20-p80':>18}"
+        f"{'stage':<10}{'shape':<30}{'impl':<16}{'median us':>11}{'p20-p80':>22}"
         f"{'GB/s':>8}{'roof':>7}  vs"
     )
     print(head, file=file)
@@ -351,7 +351,7 @@ def print_table(rows: list[Row], env: dict, file=None) -> None:
             vs += f" peak {r.extra['peak_mib']:.0f} MiB"
         print(
             f"{r.stage:<10}{r.shape:<30}{r.impl:<16}{r.median_us:>11.1f}"
-            f"{f'{r.p20_us:.1f}-{r.p80_us:.1f}':>18}{r.achieved_gb_s:>8.0f}"
+            f"{f'{r.p20_us:.1f}-{r.p80_us:.1f}':>22}{r.achieved_gb_s:>8.0f}"
             f"{100 * r.roofline_fraction:>6.0f}%  {vs.strip()}",
             file=file,
         )

@@ -213,6 +213,8 @@ class Context:
     with_loop: bool = True
     loop_max_tokens: int = 8192  # the per-expert loop syncs per expert: slow past this
     backend: str = "auto"  # moe_route's backend= ("reference" for the CPU comparison)
+    # Other backends of the memory-bound stages to time too (e.g. "cupy" where it works).
+    alt_backends: tuple[str, ...] = ()
     seed: int = 0
     rows: list[Row] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
@@ -333,6 +335,25 @@ def _exact(ref):
     return check
 
 
+def _variants(ctx: Context) -> list[tuple[str, str]]:
+    """(impl, backend) pairs of the memory-bound stages: moe_route, then "moe_route cupy", ..."""
+    return [("moe_route", ctx.backend)] + [(f"moe_route {b}", b) for b in ctx.alt_backends]
+
+
+def available_alt_backends(device: torch.device) -> tuple[str, ...]:
+    """Backends besides the default that work on ``device`` (CuPy, where installed)."""
+    if device.type != "cuda":
+        return ()
+    probe = getattr(moe_route.arch, "backend_availability", None)
+    if probe is None:
+        return ()
+    try:
+        found = probe(device)
+    except Exception:
+        return ()
+    return tuple(b for b in ("cupy",) if b in found and found[b].value == "yes")
+
+
 def _maps_tuple(m):
     return (
         m.expanded_source_row_to_expanded_dest_row,
@@ -352,11 +373,12 @@ def stage_maps(shape: Shape, ctx: Context) -> None:
     nbytes = N * 4 + 3 * N * 4 + (E + 1) * 8  # read the ids, write three maps and the offsets
     ref = B.argsort_maps(ids, E)
     ctx.measure("maps", shape, "torch argsort", lambda: B.argsort_maps(ids, E), nbytes)
-    ctx.measure(
-        "maps", shape, "moe_route",
-        lambda: moe_route.build_routing_maps(ids, E, backend=ctx.backend), nbytes,
-        check=lambda m: _exact(ref)(_maps_tuple(m)),
-    )  # fmt: skip
+    for impl, backend in _variants(ctx):
+        ctx.measure(
+            "maps", shape, impl,
+            lambda b=backend: moe_route.build_routing_maps(ids, E, backend=b), nbytes,
+            check=lambda m: _exact(ref)(_maps_tuple(m)),
+        )  # fmt: skip
 
 
 def stage_expand(shape: Shape, ctx: Context) -> None:
@@ -368,10 +390,11 @@ def stage_expand(shape: Shape, ctx: Context) -> None:
     nbytes = T * shape.H * es + N * shape.H * es + N * 4  # read x once, write N rows, one map
     ref = B.torch_expand(x, d2s)
     ctx.measure("expand", shape, "torch gather", lambda: B.torch_expand(x, d2s), nbytes)
-    ctx.measure(
-        "expand", shape, "moe_route", lambda: moe_route.expand_rows(x, maps, backend=ctx.backend),
-        nbytes, check=_exact(ref),
-    )  # fmt: skip
+    for impl, backend in _variants(ctx):
+        ctx.measure(
+            "expand", shape, impl, lambda b=backend: moe_route.expand_rows(x, maps, backend=b),
+            nbytes, check=_exact(ref),
+        )  # fmt: skip
 
 
 def stage_finalize(shape: Shape, ctx: Context) -> None:
@@ -389,11 +412,12 @@ def stage_finalize(shape: Shape, ctx: Context) -> None:
     ctx.measure(
         "finalize", shape, "torch gather+sum", lambda: B.torch_finalize(y, w, s2d, bias), nbytes
     )
-    ctx.measure(
-        "finalize", shape, "moe_route",
-        lambda: moe_route.finalize_moe_routing(y, w, maps, bias, backend=ctx.backend), nbytes,
-        check=lambda out: rel_err(out, ref), tol=_tol(ctx),
-    )  # fmt: skip
+    for impl, backend in _variants(ctx):
+        ctx.measure(
+            "finalize", shape, impl,
+            lambda b=backend: moe_route.finalize_moe_routing(y, w, maps, bias, backend=b), nbytes,
+            check=lambda out: rel_err(out, ref), tol=_tol(ctx),
+        )  # fmt: skip
 
 
 def _weight_bytes(shape: Shape, inp: Inputs) -> int:

@@ -19,7 +19,15 @@ import torch
 
 from . import report
 from .harness import Ceilings, add_speedups, environment, print_table, write_results
-from .stages import GROUPS, STAGES, Context, Shape, select_shapes, select_stages
+from .stages import (
+    GROUPS,
+    STAGES,
+    Context,
+    Shape,
+    available_alt_backends,
+    select_shapes,
+    select_stages,
+)
 
 SCHEMA = "moe_route.bench/1"
 DEFAULT_README = os.path.join("bench", "README.md")
@@ -91,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds of timing per implementation (default 1, --quick 0.4, CPU 0.05)",
     )
     p.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
+    p.add_argument(
+        "--no-alt-backends", action="store_true",
+        help="time only the default backend (not also CuPy for maps / expand / finalize)",
+    )  # fmt: skip
     p.add_argument(
         "--loop-max-tokens", type=int, default=8192, help="largest T for the loop baseline"
     )
@@ -194,10 +206,12 @@ def run(args) -> int:
     ceilings = Ceilings.measure(device)
     env = environment(ceilings, device)
     env["backend"] = "reference" if cpu else "auto"
+    alt = () if cpu or args.no_alt_backends else available_alt_backends(device)
+    env["alt_backends"] = list(alt)
     ctx = Context(
         device=device, ceilings=ceilings, dtype=torch.float32 if cpu else torch.bfloat16,
         budget_s=budget, with_loop=not args.no_loop, loop_max_tokens=args.loop_max_tokens,
-        backend="reference" if cpu else "auto", seed=args.seed,
+        backend="reference" if cpu else "auto", alt_backends=alt, seed=args.seed,
     )  # fmt: skip
     meta = {
         "schema": SCHEMA,
