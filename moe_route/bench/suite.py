@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -71,6 +72,19 @@ class Progress:
         line = f"[{'#' * self.width}] 100% {elapsed}  {label}"
         self.stream.write(("\r\033[K" + line + "\n") if self.tty else line + "\n")
         self.stream.flush()
+
+
+def _raise_on_sigterm():
+    """Make SIGTERM (``timeout``, a job limit) end the run like Ctrl-C: the table and the plots
+    of what was measured are still written. Returns the previous handler (None if not set)."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):  # not the main thread
+        return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,6 +245,7 @@ def run(args) -> int:
 
     interrupted = False
     current: Shape | None = None
+    previous = _raise_on_sigterm()
     try:
         for shape, stage in units:
             if current is not None and shape != current:
@@ -244,6 +259,9 @@ def run(args) -> int:
             save()
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     ctx.release()
     progress.close("interrupted" if interrupted else "done")
     paths = save()
