@@ -309,3 +309,18 @@ def test_bench_readme_table_is_generated_from_the_json():
     finally:
         os.chdir(cwd)
     assert section.strip("\n") == expect.strip("\n")
+
+
+def test_runs_split_over_files_render_as_one_table(tmp_path):
+    env = {"gpu": "Test GPU", "timestamp": "2026-01-01T00:00:00+00:00"}
+    for name, T in (("decode", 8), ("prefill", 4096)):
+        rows = [
+            _row("forward", f"m T={T}", "moe_route", T),
+            _row("forward", f"m T={T}", "loop", 9 * T),
+        ]
+        harness.write_results(add_speedups(rows), env, str(tmp_path), name)
+    md = report.markdown(
+        report.load([str(tmp_path / "decode.json"), str(tmp_path / "prefill.json")])
+    )
+    assert md.count("### forward") == 1 and "### forward (`decode.json`, `prefill.json`)" in md
+    assert "| m T=8 | 8.0 µs | 72.0 µs (9.00×) |" in md and "| m T=4096 | 4.10 ms |" in md

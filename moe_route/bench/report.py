@@ -205,12 +205,15 @@ def markdown(sources: list[Source], plots: dict | None = None, relative_to: str 
         "rate)` over the measured time, from the ceilings measured in the same run; memory = "
         "peak allocated beyond the inputs.",
     ]
-    for s in sources:
-        for stage in _stages(s.rows):
-            title = f"### {stage}"
-            if len(sources) > 1:
-                title += f" (`{os.path.basename(s.path)}`)"
-            out += ["", title, "", stage_table(s.rows, stage)]
+    rows = all_rows(sources)  # one table per stage, whichever files its rows come from
+    for stage in _stages(rows):
+        title = f"### {stage}"
+        if len(sources) > 1:
+            names = [
+                os.path.basename(s.path) for s in sources if any(r.stage == stage for r in s.rows)
+            ]
+            title += " (" + ", ".join(f"`{n}`" for n in names) + ")"
+        out += ["", title, "", stage_table(rows, stage)]
     if plots:
         out += ["", "### plots", ""]
         for name, path in plots.items():
