@@ -32,7 +32,7 @@ from moe_route.kernels.triton.routing_maps import routing_maps_triton
 
 K, E = 8, 256  # deepseek-v3 routing
 ROW_SHAPES = [(4096, 4096), (4096, 7168), (16384, 4096), (16384, 7168)]  # (T, H)
-MAPS_TOKENS = [64, 4096, 16384]
+MAPS_TOKENS = [64, 256, 4096, 16384, 32768]
 
 
 def random_ids(T, device="cuda"):
@@ -169,7 +169,7 @@ def main(argv=None):
     bench_maps(ceil, args.repeats, rows, summary)
     bench_rows(ceil, args.repeats, rows, summary)
     if args.sweep:
-        for threads in (64, 256, 512):
+        for threads in (64, 128, 256):
             bench_rows(ceil, 1, rows, summary, threads=threads)
     write_results(rows, env, args.out, "cupy_vs_triton")
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")

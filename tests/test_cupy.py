@@ -227,10 +227,11 @@ def test_finalize_vector_width():
 
 
 def test_routing_maps_warps_fit_shared_memory(monkeypatch):
-    cpu = torch.device("cpu")
-    assert cupy_maps._warps(264, cpu) == cupy_maps.MAX_WARPS  # deepseek: E=256, K=8
-    assert cupy_maps._warps(4008, cpu) == 2  # 4 * 4008 * 3 bytes fit in 48 KiB
+    cpu, tile, one = torch.device("cpu"), cupy_maps.TILE_WARPS, cupy_maps.ONE_TILE_WARPS
+    assert cupy_maps._warps(264, cpu, tile) == 8  # deepseek: E=256, K=8
+    assert cupy_maps._warps(264, cpu, one) == 32  # one block places 2048 slots
+    assert cupy_maps._warps(4008, cpu, one) == 2  # 4 * 4008 * 3 bytes fit in 48 KiB
     monkeypatch.setattr(cupy_maps._nvrtc, "max_shared_memory", lambda device: 227 * 1024)
-    assert cupy_maps._warps(20008, cpu) == 1  # opts in to 160 KB
+    assert cupy_maps._warps(20008, cpu, tile) == 1  # opts in to 160 KB
     with pytest.raises(ValueError, match=r"E \+ K = 40000 bin counters .* backend='triton'"):
-        cupy_maps._warps(40000, cpu)
+        cupy_maps._warps(40000, cpu, tile)

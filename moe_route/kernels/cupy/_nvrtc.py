@@ -8,8 +8,9 @@ recompiles too).
 
 Launches go to torch's current stream of the tensors' device (wrapped as a
 ``cupy.cuda.ExternalStream``), so they order with the surrounding torch work and are captured
-by ``torch.cuda.graph``. Arguments are passed by value: pointers as ``numpy.uint64``, integers
-as ``numpy.int64`` (every integer parameter of the kernels is ``long long`` unless stated).
+by ``torch.cuda.graph``. Arguments are passed by value and must match the kernel's parameter
+types: pointers as ``numpy.uint64``, ``long long`` as ``numpy.int64``, ``int`` as
+``numpy.int32``.
 """
 
 from __future__ import annotations
@@ -78,8 +79,21 @@ def ints(*values: int) -> tuple[np.int64, ...]:
     return tuple(np.int64(v) for v in values)
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol (``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 @functools.lru_cache(maxsize=64)
 def _external_stream(handle: int, device_index: int):
+    stream = import_cupy().cuda.Stream
+    if hasattr(stream, "from_external"):  # CuPy >= 14 (ExternalStream is deprecated there)
+        return stream.from_external(_StreamHandle(handle))
     return import_cupy().cuda.ExternalStream(handle, device_index)
 
 

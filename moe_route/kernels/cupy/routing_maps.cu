@@ -8,50 +8,54 @@
 //
 // A block owns a tile of blockDim.x * ITEMS consecutive slots; in round r = 0..ITEMS-1 thread j
 // holds slot first + r * blockDim.x + j (each round one coalesced row of the tile). One tile
-// (the decode sizes) runs maps_one_tile in a single launch; more run three launches:
+// (up to 1024 threads: the decode sizes) runs maps_one_tile in a single launch; more run three
+// launches:
 //   tile_histogram  block p: tile_counts[p][b] = slots of tile p in bin b
 //   bin_scan        per bin b: tiles_before[p][b] = slots of b in tiles < p, totals[b]
 //   tile_place      block p: the first slot of bin b in tile p lands at
 //                   bin_start[b] + tiles_before[p][b], the next ones after it in slot order
 // Shared-memory integer atomics only count (the sum does not depend on their order) and
 // nothing depends on the launch order of blocks: the maps are the same bits on every run.
+//
+// Slot indices are 32-bit (T*K < 2**31 is checked by the caller): a 64-bit division costs
+// ~10x more, which shows at decode sizes where a few warps run every instruction back to back.
 
 #include "common.cuh"
 
-constexpr int ITEMS = 8;  // slots per thread per tile
+// NOTE: slots per thread per tile. Few rounds keep a block short (each round is two block
+// barriers) and tiles small enough that large inputs spread over all SMs; on an H200 8 items
+// per thread (2048-slot tiles) ran the maps at half the speed of the Triton kernels.
+constexpr int ITEMS = 2;
 constexpr unsigned FULL_WARP = 0xffffffffu;
 
 // Bin of slot i (token-major) and its expert (-1 if dropped). Ids outside [-1, E) were either
 // rejected by the caller or count as dropped: never an out-of-bounds write.
 template <typename Id>
-__device__ __forceinline__ int slot_bin(const Id* __restrict__ ids, long long i, long long K,
-                                        long long E, long long stride_t, long long stride_k,
-                                        int* expert) {
-    const long long t = i / K;
-    const long long k = i - t * K;
+__device__ __forceinline__ int slot_bin(const Id* __restrict__ ids, int i, int K, int E,
+                                        long long stride_t, long long stride_k, int* expert) {
+    const int t = i / K;
+    const int k = i - t * K;
     const Id id = ids[t * stride_t + k * stride_k];
     const bool routed = id >= 0 && id < E;
     *expert = routed ? static_cast<int>(id) : -1;
-    return routed ? static_cast<int>(id) : static_cast<int>(E + k);
+    return routed ? static_cast<int>(id) : E + k;
 }
 
 // This thread's bins of the tile starting at slot `first`; slots past the end get the padding
 // bin num_bins, counted and placed nowhere. Also writes expert_for_src when it is given.
 template <typename Id>
-__device__ __forceinline__ void load_tile(const Id* __restrict__ ids, long long first, long long T,
-                                          long long K, long long E, long long stride_t,
-                                          long long stride_k, int (&bins)[ITEMS],
-                                          int* __restrict__ expert_for_src) {
-    const int num_bins = static_cast<int>(E + K);
+__device__ __forceinline__ void load_tile(const Id* __restrict__ ids, int first, int T, int K,
+                                          int E, long long stride_t, long long stride_k,
+                                          int (&bins)[ITEMS], int* __restrict__ expert_for_src) {
 #pragma unroll
     for (int r = 0; r < ITEMS; ++r) {
-        const long long i = first + static_cast<long long>(r) * blockDim.x + threadIdx.x;
-        bins[r] = num_bins;
+        const int i = first + r * blockDim.x + threadIdx.x;
+        bins[r] = E + K;
         if (i < T * K) {
             int expert;
             bins[r] = slot_bin(ids, i, K, E, stride_t, stride_k, &expert);
             if (expert_for_src != nullptr) {
-                const long long t = i / K;
+                const int t = i / K;
                 expert_for_src[(i - t * K) * T + t] = expert;
             }
         }
@@ -108,8 +112,8 @@ __device__ void block_exclusive_scan(int* a, int n) {
 // maps. cursor[b] is the dest row of the next slot of bin b (advanced here); warp_counts is
 // [num_warps][num_bins] of zeros (left zeroed). Per round: slots of the same bin are ranked
 // inside a warp with __match_any_sync, then after the slots of that bin in lower warps.
-__device__ void place_tile(const int (&bins)[ITEMS], long long first, long long T, long long K,
-                           int num_bins, int* cursor, int* warp_counts,
+__device__ void place_tile(const int (&bins)[ITEMS], int first, int T, int K, int num_bins,
+                           int* cursor, int* warp_counts,
                            int* __restrict__ src_to_dest, int* __restrict__ dest_to_src) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -126,11 +130,11 @@ __device__ void place_tile(const int (&bins)[ITEMS], long long first, long long 
         if (placed) {
             int dest = cursor[bin] + rank;
             for (int w = 0; w < warp; ++w) dest += warp_counts[w * num_bins + bin];
-            const long long i = first + static_cast<long long>(r) * blockDim.x + threadIdx.x;
-            const long long t = i / K;
-            const long long s = (i - t * K) * T + t;
+            const int i = first + r * blockDim.x + threadIdx.x;
+            const int t = i / K;
+            const int s = (i - t * K) * T + t;
             src_to_dest[s] = dest;
-            dest_to_src[dest] = static_cast<int>(s);
+            dest_to_src[dest] = s;
         }
         __syncthreads();
         if (placed && leader) {
@@ -149,10 +153,10 @@ __device__ __forceinline__ void zero_shared(int* a, int n) {
 template <typename Id>
 __global__ void maps_one_tile(const Id* __restrict__ ids, int* __restrict__ src_to_dest,
                               int* __restrict__ dest_to_src, int* __restrict__ expert_for_src,
-                              long long* __restrict__ offsets, long long T, long long K,
-                              long long E, long long stride_t, long long stride_k) {
+                              long long* __restrict__ offsets, int T, int K, int E,
+                              long long stride_t, long long stride_k) {
     extern __shared__ int smem[];
-    const int num_bins = static_cast<int>(E + K);
+    const int num_bins = E + K;
     int* cursor = smem;
     int* warp_counts = smem + num_bins;
     int bins[ITEMS];
@@ -167,11 +171,11 @@ __global__ void maps_one_tile(const Id* __restrict__ ids, int* __restrict__ src_
 
 template <typename Id>
 __global__ void tile_histogram(const Id* __restrict__ ids, int* __restrict__ tile_counts,
-                               int* __restrict__ expert_for_src, long long T, long long K,
-                               long long E, long long stride_t, long long stride_k) {
+                               int* __restrict__ expert_for_src, int T, int K, int E,
+                               long long stride_t, long long stride_k) {
     extern __shared__ int hist[];
-    const int num_bins = static_cast<int>(E + K);
-    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x * ITEMS;
+    const int num_bins = E + K;
+    const int first = blockIdx.x * blockDim.x * ITEMS;
     int bins[ITEMS];
     load_tile(ids, first, T, K, E, stride_t, stride_k, bins, expert_for_src);
     zero_shared(hist, num_bins);
@@ -219,13 +223,12 @@ template <typename Id>
 __global__ void tile_place(const Id* __restrict__ ids, const int* __restrict__ tiles_before,
                            const int* __restrict__ totals, int* __restrict__ src_to_dest,
                            int* __restrict__ dest_to_src, long long* __restrict__ offsets,
-                           long long T, long long K, long long E, long long stride_t,
-                           long long stride_k) {
+                           int T, int K, int E, long long stride_t, long long stride_k) {
     extern __shared__ int smem[];
-    const int num_bins = static_cast<int>(E + K);
+    const int num_bins = E + K;
     int* cursor = smem;
     int* warp_counts = smem + num_bins;
-    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x * ITEMS;
+    const int first = blockIdx.x * blockDim.x * ITEMS;
     int bins[ITEMS];
     load_tile(ids, first, T, K, E, stride_t, stride_k, bins, static_cast<int*>(nullptr));
     zero_shared(warp_counts, num_bins * (blockDim.x >> 5));

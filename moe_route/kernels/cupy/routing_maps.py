@@ -7,8 +7,9 @@ import torch
 
 from . import _nvrtc
 
-ITEMS = 8  # slots per thread per tile: ITEMS in routing_maps.cu
-MAX_WARPS = 8  # warps per block, when the bins' shared memory allows
+ITEMS = 2  # slots per thread per tile: ITEMS in routing_maps.cu
+TILE_WARPS = 8  # warps per block of the multi-tile kernels, when shared memory allows
+ONE_TILE_WARPS = 32  # a block of up to 1024 threads places up to 2048 slots in one launch
 _DEFAULT_SHARED = 48 * 1024  # shared memory a block gets without opting in
 _ID_TYPES = {torch.int32: "int", torch.int64: "long long"}
 
@@ -17,12 +18,12 @@ def _placing_shared_bytes(num_bins: int, warps: int) -> int:
     return 4 * num_bins * (1 + warps)  # cursor[num_bins] + warp_counts[warps][num_bins]
 
 
-def _warps(num_bins: int, device: torch.device) -> int:
-    """Warps per block: as many as fit the default shared memory, up to MAX_WARPS; at least one
+def _warps(num_bins: int, device: torch.device, most: int) -> int:
+    """Warps per placing block: as many as fit the default shared memory, up to ``most``; one
     with opt-in shared memory for very large E."""
     fit = _DEFAULT_SHARED // (4 * num_bins) - 1
     if fit >= 1:
-        return min(MAX_WARPS, fit)
+        return min(most, fit)
     if _placing_shared_bytes(num_bins, 1) > _nvrtc.max_shared_memory(device):
         raise ValueError(
             f"the CuPy routing-maps kernels keep E + K = {num_bins} bin counters in shared memory, "
@@ -41,8 +42,9 @@ def routing_maps_cupy(
 ) -> None:
     """Fill the four (preallocated) routing tables from ``topk_ids [T, K]``.
 
-    Up to one tile of slots (``32 * warps * ITEMS``) runs one launch; more run a histogram,
-    a scan over tiles and a placement launch (see ``routing_maps.cu``).
+    Up to one block's worth of slots (``32 * ONE_TILE_WARPS * ITEMS``, fewer for large E) runs
+    one launch; more run a histogram, a scan over tiles and a placement launch, on tiles of
+    ``32 * TILE_WARPS * ITEMS`` slots (see ``routing_maps.cu``).
     """
     T, K = topk_ids.shape
     E = num_experts
@@ -52,12 +54,10 @@ def routing_maps_cupy(
         return
     device = topk_ids.device
     num_bins = E + K
-    warps = _warps(num_bins, device)
     idt = _ID_TYPES[topk_ids.dtype]
-    problem = _nvrtc.ints(T, K, E, *topk_ids.stride())
+    problem = (np.int32(T), np.int32(K), np.int32(E), *_nvrtc.ints(*topk_ids.stride()))
     ptr = _nvrtc.ptr
-    tile = 32 * warps * ITEMS
-    if slots <= tile:
+    if slots <= 32 * ITEMS * _warps(num_bins, device, ONE_TILE_WARPS):
         threads = 32 * -(-slots // (32 * ITEMS))
         k = _nvrtc.kernel("routing_maps.cu", f"maps_one_tile<{idt}>", device.index)
         args = (ptr(topk_ids), ptr(src_to_dest), ptr(dest_to_src), ptr(expert_for_src),
@@ -65,6 +65,8 @@ def routing_maps_cupy(
         shared = _placing_shared_bytes(num_bins, threads // 32)
         _nvrtc.launch(k, device, (1,), (threads,), args, shared)
         return
+    warps = _warps(num_bins, device, TILE_WARPS)
+    tile = 32 * warps * ITEMS
     num_tiles = -(-slots // tile)
     scratch = torch.empty((2 * num_tiles + 1) * num_bins, dtype=torch.int32, device=device)
     tile_counts = scratch[: num_tiles * num_bins]
