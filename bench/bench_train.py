@@ -120,6 +120,9 @@ def peak_bytes(fn, leaves, ids, dout):
 
 
 def rel_err(a, b):
+    """Relative error on at most the first two experts (no float32 copies of whole grads)."""
+    if a.dim() == 3:
+        a, b = a[:2], b[:2]
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
@@ -169,16 +172,97 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
     return ours
 
 
+def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
+    """Time each kernel of the training step alone (TFLOP/s against the dense rate)."""
+    from moe_route.kernels.triton import weight_grad
+    from moe_route.kernels.triton.finalize import finalize_triton
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+
+    dev, dt = "cuda", torch.bfloat16
+    shape = f"{name} T={T}"
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H**-0.5
+    w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5
+    tw, ids = moe_route.reference.topk_routing_reference(torch.randn(T, E, device=dev), K)
+    maps = moe_route.build_routing_maps(ids, E)
+    off = maps.expert_first_token_offset
+    s2d, d2s = (
+        maps.expanded_source_row_to_expanded_dest_row,
+        maps.expanded_dest_row_to_expanded_source_row,
+    )
+    efs = maps.expert_for_source_row
+    M = T * K
+    dout = torch.randn(T, H, device=dev, dtype=dt)
+    z = torch.randn(M, 2 * I, device=dev, dtype=dt)
+    h = torch.empty(M, I, device=dev, dtype=dt)
+    dz = torch.empty_like(z)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    dx_perm = torch.empty(M, H, device=dev, dtype=dt)
+    dx = torch.empty(T, H, device=dev, dtype=dt)
+    dtw = torch.empty_like(tw)
+    unit = torch.ones((), device=dev).expand(T, K)
+    partial = grouped_gemm_triton(dout, w2.transpose(1, 2), off, h, activation="swiglu",
+                                  dest_to_src=d2s, gather=True, num_rows=M,
+                                  act_backward=(z, dz, tw))  # fmt: skip
+    g = 2 * M * H * I
+    stages = {
+        "fwd_gemm1_store_z": (lambda: grouped_gemm_triton(
+            x, w1, off, h, activation="swiglu", dest_to_src=d2s, gather=True, num_rows=M,
+            pre_activation=z), 2 * g),
+        "bwd_gemm2_act": (lambda: grouped_gemm_triton(
+            dout, w2.transpose(1, 2), off, h, activation="swiglu", dest_to_src=d2s, gather=True,
+            num_rows=M, act_backward=(z, dz, tw)), g),
+        "bwd_router_w": (lambda: weight_grad.router_weight_grad_triton(
+            partial, dout, None, s2d, efs, dtw), 0),
+        "bwd_dw2": (lambda: weight_grad.expert_weight_grad_triton(
+            dout, h, off, dw2, dest_to_src=d2s, a_gather=True, a_scale=tw, num_rows=M), g),
+        "bwd_dw1": (lambda: weight_grad.expert_weight_grad_triton(
+            dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M), 2 * g),
+        "bwd_dx_gemm": (lambda: grouped_gemm_triton(dz, w1.transpose(1, 2), off, dx_perm), 2 * g),
+        "bwd_dx_sum": (lambda: finalize_triton(dx_perm, unit, s2d, efs, None, dx), 0),
+    }  # fmt: skip
+    for stage, (fn, flops) in stages.items():
+        t = time_cuda(fn)
+        nbytes = 2 * M * (2 * I + H) * 2
+        rows.append(make_row(stage, shape, "moe_route", t, ceil, nbytes, flops,
+                             of_dense=flops / t.median_s / ceil.mm_flops_per_s))  # fmt: skip
+        print(f"  {shape} {stage}: {t.median_s * 1e6:.0f} us, "
+              f"{flops / t.median_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
+    dense = time_cuda(lambda: torch.mm(dz[:, : 2 * I].t(), dx_perm[:, :H]))
+    print(f"  dense dz^T @ rows [{2 * I}x{M}]x[{M}x{H}]: "
+          f"{2 * M * 2 * I * H / dense.median_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
+    if sweep:
+        for cfg in [(64, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
+                    (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (128, 128, 128, 8, 2)]:  # fmt: skip
+            try:
+                t = time_cuda(
+                    lambda cfg=cfg: weight_grad.expert_weight_grad_triton(
+                        dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M, config=cfg
+                    )
+                )
+                print(f"  dw1 config {cfg}: {2 * g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
+            except Exception as exc:  # a config that does not compile
+                print(f"  dw1 config {cfg}: failed {type(exc).__name__}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one shape per model")
     ap.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
     ap.add_argument("--out", default="bench/results", help="directory for CSV / JSON")
+    ap.add_argument("--stages", action="store_true", help="time each kernel of the step")
+    ap.add_argument("--sweep", action="store_true", help="with --stages: dW tile sweep")
     args = ap.parse_args(argv)
     ceil = Ceilings.measure("cuda")
     env = environment(ceil, "cuda")
     rows = []
     shapes = [SHAPES[i] for i in QUICK] if args.quick else SHAPES
+    if args.stages:
+        for s in shapes:
+            stage_breakdown(*s, ceil, rows, sweep=args.sweep)
+            torch.cuda.empty_cache()
+        write_results(rows, env, args.out, "train_stages")
+        return
     for s in shapes:
         r = bench_shape(*s, ceil, rows, with_loop=not args.no_loop)
         torch.cuda.empty_cache()

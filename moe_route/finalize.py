@@ -13,7 +13,7 @@ from . import _checks, _interop
 from .arch import backend_for
 from .maps import RoutingMaps
 from .permute import check_maps
-from .reference import finalize_moe_routing_reference
+from .reference import finalize_moe_routing_backward_reference, finalize_moe_routing_reference
 
 
 @torch.library.custom_op("moe_route::finalize_moe_routing", mutates_args=())
@@ -43,6 +43,74 @@ def _finalize_op(
 @_finalize_op.register_fake
 def _(y_perm, topk_weights, src_to_dest, expert_for_src, bias, backend):
     return y_perm.new_empty(topk_weights.shape[0], y_perm.shape[1])
+
+
+@torch.library.custom_op("moe_route::finalize_moe_routing_backward", mutates_args=())
+def _finalize_backward_op(
+    dout: torch.Tensor,
+    y_perm: torch.Tensor,
+    topk_weights: torch.Tensor,
+    src_to_dest: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    need_dy: bool,
+    need_dw: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d y_perm, d topk_weights)``; one not asked for is an empty tensor."""
+    if backend_for(dout.device, backend).value == "reference":
+        dy, dw = finalize_moe_routing_backward_reference(
+            dout, y_perm, topk_weights, src_to_dest, expert_for_src
+        )
+    else:  # the Triton kernel (also for backend="cupy": the CuPy backend is forward-only)
+        from .kernels.triton.finalize import finalize_backward_triton
+
+        dy = torch.zeros_like(y_perm) if need_dy else None  # rows no slot owns stay zero
+        dw = torch.empty_like(topk_weights) if need_dw else None
+        finalize_backward_triton(dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy, dw)
+    return (
+        dy if need_dy else y_perm.new_empty(0),
+        dw if need_dw else topk_weights.new_empty(0),
+    )
+
+
+@_finalize_backward_op.register_fake
+def _(dout, y_perm, topk_weights, src_to_dest, expert_for_src, need_dy, need_dw, backend):
+    return (
+        torch.empty_like(y_perm) if need_dy else y_perm.new_empty(0),
+        torch.empty_like(topk_weights) if need_dw else topk_weights.new_empty(0),
+    )
+
+
+def _finalize_setup_context(ctx, inputs, output):
+    y_perm, topk_weights, src_to_dest, expert_for_src, bias, backend = inputs
+    ctx.save_for_backward(y_perm, topk_weights, src_to_dest, expert_for_src)
+    ctx.backend = backend
+    ctx.bias_meta = None if bias is None else (bias.dim(), bias.dtype)
+
+
+def _finalize_backward(ctx, dout):
+    y_perm, topk_weights, src_to_dest, expert_for_src = ctx.saved_tensors
+    need_dy, need_dw, need_bias = (
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+        ctx.needs_input_grad[4],
+    )
+    dy = dw = dbias = None
+    if need_dy or need_dw:
+        dy, dw = _finalize_backward_op(
+            dout, y_perm, topk_weights, src_to_dest, expert_for_src, need_dy, need_dw,
+            ctx.backend,
+        )  # fmt: skip
+    if need_bias:
+        ndim, dtype = ctx.bias_meta
+        acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+        dbias = (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
+    return (dy if need_dy else None), (dw if need_dw else None), None, None, dbias, None
+
+
+torch.library.register_autograd(
+    "moe_route::finalize_moe_routing", _finalize_backward, setup_context=_finalize_setup_context
+)
 
 
 def finalize_moe_routing(

@@ -37,6 +37,31 @@ def _(x, src_to_dest, dest_to_src, expert_for_src, offsets, backend):
     return x.new_empty(src_to_dest.numel(), x.shape[1])
 
 
+def _expand_rows_setup_context(ctx, inputs, output):
+    x, src_to_dest, _, expert_for_src, _, backend = inputs
+    ctx.save_for_backward(src_to_dest, expert_for_src)
+    ctx.meta = (x.shape[0], x.dtype, backend)
+
+
+def _expand_rows_backward(ctx, d_x_perm):
+    """``dx[t] = Σ_k d_x_perm[dest(k*T+t)]`` over routed slots, ``k`` ascending: the finalize
+    reduction with unit weights (deterministic, float32 accumulation)."""
+    from .finalize import _finalize_op
+
+    src_to_dest, expert_for_src = ctx.saved_tensors
+    T, dtype, backend = ctx.meta
+    K = src_to_dest.numel() // T if T else 1
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    unit = torch.ones(T, K, dtype=acc, device=d_x_perm.device)
+    dx = _finalize_op(d_x_perm, unit, src_to_dest, expert_for_src, None, backend)
+    return dx, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "moe_route::expand_rows", _expand_rows_backward, setup_context=_expand_rows_setup_context
+)
+
+
 def check_maps(maps: object, num_tokens: int, device: torch.device, arg: str) -> RoutingMaps:
     if not isinstance(maps, RoutingMaps):
         raise TypeError(

@@ -238,6 +238,33 @@ def finalize_moe_routing_reference(
     return acc.to(y_perm.dtype)
 
 
+def finalize_moe_routing_backward_reference(
+    dout: torch.Tensor,
+    y_perm: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expanded_source_row_to_expanded_dest_row: torch.Tensor,
+    expert_for_source_row: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`finalize_moe_routing_reference` w.r.t. ``y_perm`` and the weights.
+
+    ``d y_perm[dest(k*T+t)] = w[t,k] dout[t]`` and ``d w[t,k] = <dout[t], y_perm[dest]>`` for
+    routed slots; zero for dropped slots (whatever their weight or row hold).
+    """
+    T, K = topk_weights.shape
+    cdt = _compute_dtype(dout, y_perm, topk_weights)
+    dest = expanded_source_row_to_expanded_dest_row.to(torch.int64).view(K, T)
+    routed = (expert_for_source_row >= 0).view(K, T)
+    g = dout.to(cdt)
+    dy = torch.zeros(y_perm.shape, dtype=cdt, device=y_perm.device)
+    dw = torch.zeros(T, K, dtype=cdt, device=y_perm.device)
+    for k in range(K):
+        w = torch.where(routed[k], topk_weights[:, k].to(cdt), 0)
+        dy[dest[k]] = w.unsqueeze(1) * g
+        dot = (g * y_perm[dest[k]].to(cdt)).sum(1)
+        dw[:, k] = torch.where(routed[k], dot, 0)
+    return dy.to(y_perm.dtype), dw.to(topk_weights.dtype)
+
+
 # --------------------------------------------------------------------------- whole chain
 def moe_forward_reference(
     x: torch.Tensor,

@@ -111,16 +111,43 @@ def test_opcheck_empty_batch():
         torch.library.opcheck(op, _args_for(op, _arg_pool("reference", T=0)))
 
 
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
 @pytest.mark.parametrize("name", ["expand_rows", "finalize_moe_routing"])
-def test_opcheck_with_grad_inputs(name):
+def test_opcheck_with_grad_inputs(name, backend):
+    """Registered autograd: opcheck differentiates the op (test_aot_dispatch_dynamic)."""
     op = getattr(torch.ops.moe_route, name).default
-    args = _args_for(op, _arg_pool("reference", requires_grad=True))
-    try:
-        torch.library.opcheck(op, args)
-    except Exception as exc:  # OpCheckError
-        if "no autograd formula was registered" in str(exc):
-            pytest.xfail(
-                f"{name} has no registered autograd yet (backward comes in a later issue): "
-                "test_aot_dispatch_dynamic cannot differentiate it"
-            )
-        raise
+    torch.library.opcheck(op, _args_for(op, _arg_pool(backend, requires_grad=True)))
+
+
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+@pytest.mark.parametrize("bias_kind", [None, "H", "TH"])
+def test_expand_finalize_gradients(backend, bias_kind):
+    """Backward of expand and finalize against autograd through the float64 reference."""
+    pool = _arg_pool(backend, bias_kind=bias_kind, requires_grad=True)
+    maps = moe_route.build_routing_maps(pool["topk_ids"], E, backend="reference")
+    x, y, w, bias = pool["x"], pool["y_perm"], pool["topk_weights"], pool["bias"]
+    leaves = [t for t in (x, y, w, bias) if t is not None]
+    g = torch.Generator().manual_seed(8)
+    d_perm = torch.randn(y.shape, generator=g).to(y.device)
+    d_out = torch.randn(x.shape, generator=g).to(x.device)
+
+    def loss(x, y, w, bias, backend):
+        x_perm = moe_route.expand_rows(x, maps, backend=backend)
+        out = moe_route.finalize_moe_routing(y, w, maps, bias, backend=backend)
+        return (x_perm * d_perm).sum() + (out * d_out).sum()
+
+    got = torch.autograd.grad(loss(x, y, w, bias, backend), leaves)
+    ref_leaves = [t.detach().cpu().double().requires_grad_(True) for t in leaves]
+    rx, ry, rw, *rb = ref_leaves
+    maps_cpu = moe_route.build_routing_maps(pool["topk_ids"].cpu(), E, backend="reference")
+    ref_out = moe_route.reference.finalize_moe_routing_reference(
+        ry, rw, maps_cpu.expanded_source_row_to_expanded_dest_row,
+        maps_cpu.expert_for_source_row, rb[0] if rb else None,
+    )  # fmt: skip
+    ref_perm = moe_route.reference.expand_rows_reference(
+        rx, maps_cpu.expanded_dest_row_to_expanded_source_row, maps_cpu.expert_first_token_offset
+    )
+    ref_loss = (ref_perm * d_perm.cpu().double()).sum() + (ref_out * d_out.cpu().double()).sum()
+    want = torch.autograd.grad(ref_loss, ref_leaves)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)

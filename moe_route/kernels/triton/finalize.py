@@ -93,3 +93,87 @@ def finalize_triton(
         K=K, HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4,
         ACC=tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32,
     )  # fmt: skip
+
+
+@triton.jit
+def _finalize_backward_kernel(
+    dout_ptr,
+    y_ptr,
+    w_ptr,
+    src_to_dest_ptr,
+    expert_for_src_ptr,
+    dy_ptr,
+    dw_ptr,
+    T,
+    H,
+    stride_dt,
+    stride_dh,
+    stride_yd,
+    stride_yh,
+    stride_wt,
+    stride_wk,
+    stride_gt,
+    stride_gk,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    NEED_DY: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Program ``t``: ``dy[dest] = w[t,k] dout[t]`` (zero rows for dropped slots) and
+    ``dw[t,k] = <dout[t], y[dest]>``, reading ``dout[t]`` once per column block for all K."""
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, K_POW2)
+    dots = tl.zeros([K_POW2], dtype=ACC)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        in_row = cols < H
+        g = tl.load(dout_ptr + t * stride_dt + cols * stride_dh, mask=in_row, other=0.0).to(ACC)
+        for k in tl.static_range(K):
+            src = k * T + t
+            routed = tl.load(expert_for_src_ptr + src) >= 0
+            dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
+            if NEED_DY:
+                w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0)
+                dy = tl.where(routed, w.to(ACC) * g, 0.0)
+                tl.store(dy_ptr + dest * stride_yd + cols * stride_yh,
+                         dy.to(dy_ptr.dtype.element_ty), mask=in_row)  # fmt: skip
+            if NEED_DW:
+                row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed,
+                              other=0.0)  # fmt: skip
+                dots = tl.where(ks == k, dots + tl.sum(g * row.to(ACC)), dots)
+    if NEED_DW:
+        routed_k = tl.load(expert_for_src_ptr + ks * T + t, mask=ks < K, other=-1) >= 0
+        dots = tl.where(routed_k, dots, 0.0)
+        tl.store(dw_ptr + t * stride_gt + ks * stride_gk, dots.to(dw_ptr.dtype.element_ty),
+                 mask=ks < K)  # fmt: skip
+
+
+def finalize_backward_triton(
+    dout: torch.Tensor,
+    y_perm: torch.Tensor,
+    topk_weights: torch.Tensor,
+    src_to_dest: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    dy: torch.Tensor | None,
+    dw: torch.Tensor | None,
+) -> None:
+    """Gradients of :func:`finalize_triton` w.r.t. ``y_perm`` (into ``dy``, same strides as
+    ``y_perm``) and ``topk_weights`` (into ``dw``), each skipped when ``None``. Rows of
+    ``dy`` that no slot owns (past ``T*K``) are not written; dropped slots' rows get zeros."""
+    T, K = topk_weights.shape
+    H = dout.shape[1]
+    if T == 0:
+        return
+    acc = tl.float64 if torch.float64 in (dout.dtype, y_perm.dtype) else tl.float32
+    dy_arg = dy if dy is not None else y_perm
+    dw_arg = dw if dw is not None else topk_weights
+    block_h = min(triton.next_power_of_2(max(H, 1)), 1024)
+    _finalize_backward_kernel[(T,)](
+        dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy_arg, dw_arg, T, H,
+        dout.stride(0), dout.stride(1), y_perm.stride(0), y_perm.stride(1),
+        topk_weights.stride(0), topk_weights.stride(1), dw_arg.stride(0), dw_arg.stride(1),
+        K=K, K_POW2=triton.next_power_of_2(K), NEED_DY=dy is not None, NEED_DW=dw is not None,
+        ACC=acc, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip

@@ -92,9 +92,13 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b``; ``"fma"`` (float64) multiplies on the CUDA cores."""
+    # One return after the branch: a `return` inside a constexpr `if` does not stop the
+    # compiler from generating (and rejecting) the code after it.
     if DOT_PRECISION == "fma":
-        return acc + tl.sum(a[:, :, None].to(acc.dtype) * b[None, :, :].to(acc.dtype), axis=1)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        out = acc + tl.sum(a[:, :, None].to(acc.dtype) * b[None, :, :].to(acc.dtype), axis=1)
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return out
 
 
 @triton.jit
