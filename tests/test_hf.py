@@ -1,0 +1,441 @@
+"""moe_route as a Hugging Face transformers experts implementation (moe_route.integrations.hf).
+
+Two kinds of test:
+
+* whole models, tiny random configs of two families (Mixtral, Qwen3-MoE), no download: logits
+  and every parameter's gradient with ``experts_implementation="moe_route"`` against
+  ``"eager"``;
+* one experts module per combination of the layout flags (``has_gate``, ``has_bias``,
+  ``is_transposed``, ``is_concatenated``) and per activation, against an eager forward written
+  here from the flags' documented meaning (and against transformers' own ``grouped_mm`` where
+  transformers agrees with that meaning), plus the fallbacks.
+
+Tolerance, as in flash-attention's ``check_tensor_vs_ref``: the result is compared with the
+same model run eagerly in float64, and may be off by at most twice the error of the eager run in
+the test dtype, plus a few ulps of the result's scale. On CPU the kernels run under the Triton
+interpreter (``tests/conftest.py``), except bf16, whose ``tl.dot`` the interpreter gets wrong:
+there the reference backend runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+from helpers import DEVICE  # noqa: E402
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig  # noqa: E402
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations.moe import (  # noqa: E402
+    ALL_EXPERTS_FUNCTIONS,
+    use_experts_implementation,
+)
+
+from moe_route.integrations import hf as moe_hf  # noqa: E402
+
+# bf16 on the CPU: the interpreter's bf16 tl.dot is wrong, so the reference backend runs there.
+BF16_NAME = "moe_route" if DEVICE.type == "cuda" else "moe_route_reference"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    moe_hf.register()
+    moe_hf.register("moe_route_reference", backend="reference")
+    moe_hf.register("moe_route_strict", fallback="error")
+
+
+# ----------------------------------------------------------------------------- tolerance
+def assert_vs_exact(actual, low, exact, *, name, ulps=4):
+    """``|actual - exact| <= 2 |low - exact| + ulps * eps(dtype) * max|exact|`` (max norms)."""
+    a, lo, ex = (t.detach().to("cpu", torch.float64) for t in (actual, low, exact))
+    assert a.shape == ex.shape, f"{name}: shape {tuple(a.shape)} != {tuple(ex.shape)}"
+    err = (a - ex).abs().max().item()
+    base = (lo - ex).abs().max().item()
+    scale = ex.abs().max().item()
+    bound = 2 * base + ulps * torch.finfo(actual.dtype).eps * scale
+    assert err <= bound, (
+        f"{name}: max error {err:.3g} vs float64 exceeds {bound:.3g} (eager {actual.dtype} "
+        f"error {base:.3g}, scale {scale:.3g})"
+    )
+
+
+# ----------------------------------------------------------------------------- whole models
+def tiny_config(family: str):
+    common = dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "mixtral":
+        return MixtralConfig(
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common
+        )
+    return Qwen3MoeConfig(
+        intermediate_size=64, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], **common,
+    )  # fmt: skip
+
+
+def tiny_models(family: str, dtype: torch.dtype):
+    """``(model in dtype, the same weights in float64)``, eager, eval mode, on DEVICE."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), experts_implementation="eager")
+    # Random init is small (std 0.02); widen it so that the experts dominate the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0, 0.2)
+    model.eval()
+    exact = copy.deepcopy(model).to(DEVICE, torch.float64)
+    return model.to(DEVICE, dtype), exact
+
+
+def token_ids(seed=0, batch=2, seq=6, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(DEVICE)
+
+
+def experts_hit(model, ids):
+    """How many distinct experts each MoE layer's tokens go to."""
+    seen = []
+
+    def hook(_mod, args):
+        seen.append(args[1].unique().numel())
+
+    handles = [
+        m.register_forward_pre_hook(hook)
+        for m in model.modules()
+        if hasattr(m, "has_gate") and hasattr(m, "down_proj")
+    ]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_logits_and_gradients_match_eager(family):
+    """float32: logits, then the gradient of every parameter (router and experts included)."""
+    model, exact = tiny_models(family, torch.float32)
+    ours = copy.deepcopy(model)
+    ours.set_experts_implementation("moe_route")
+    assert ours.config._experts_implementation == "moe_route"
+    ids = token_ids()
+    assert min(experts_hit(model, ids)) >= 3  # not a trivial routing
+    g = torch.Generator().manual_seed(2)
+    probe = torch.randn(*ids.shape, 96, generator=g, dtype=torch.float64).to(DEVICE)
+    logits = {}
+    for key, m in (("eager", model), ("exact", exact), ("ours", ours)):
+        logits[key] = m(ids).logits
+        (logits[key] * probe.to(m.dtype)).sum().backward()
+    assert_vs_exact(logits["ours"], logits["eager"], logits["exact"], name=f"{family} logits")
+    grads, grads64 = dict(model.named_parameters()), dict(exact.named_parameters())
+    checked = 0
+    for name, p in ours.named_parameters():
+        if grads64[name].grad is None:
+            continue
+        assert p.grad is not None, f"{name}: no gradient through moe_route"
+        assert_vs_exact(p.grad, grads[name].grad, grads64[name].grad, name=f"d {name}")
+        checked += "experts" in name or name.endswith("mlp.gate.weight")
+    moe_layers = len(moe_hf.describe(model))  # Mixtral: 2; Qwen3-MoE: 1 (layer 0 is dense)
+    assert checked == 3 * moe_layers  # router, gate_up_proj, down_proj of every MoE layer
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bf16_experts_match_eager(family):
+    """bf16, one experts module of each family on a given routing.
+
+    Whole-model bf16 logits are no test: a bf16 rounding difference upstream can flip a
+    near-tie in the next layer's router, and then the two runs route differently.
+    """
+    model, exact = tiny_models(family, torch.bfloat16)
+    name = next(iter(moe_hf.describe(model)))  # the first experts module
+    experts, experts64 = model.get_submodule(name), exact.get_submodule(name)
+    g = torch.Generator().manual_seed(3)
+    T, E, K = 13, experts.num_experts, model.config.num_experts_per_tok
+    x = torch.randn(T, 32, generator=g, dtype=torch.float64).to(DEVICE)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(DEVICE)
+    weights = torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1).to(DEVICE)
+    with torch.no_grad():
+        ref64 = run(experts64, "eager", x, ids, weights)
+        low = (x.bfloat16(), ids, weights.float())  # as the routers hand them over
+        eager = run(experts, "eager", *low)
+        ours = run(experts, BF16_NAME, *low)
+    assert ours.dtype == torch.bfloat16
+    assert_vs_exact(ours, eager, ref64, name=f"{family} bf16 experts")
+
+
+def test_from_config_by_name():
+    cfg = tiny_config("mixtral")
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moe_route").to(DEVICE)
+    assert model.config._experts_implementation == "moe_route"
+    assert set(moe_hf.describe(model).values()) == {"moe_route: swiglu concat"}
+
+
+# ----------------------------------------------------------------------------- layout grid
+E, H, INTER, T, K = 4, 16, 24, 11, 2
+
+
+def eager_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts computation from the flags' documented meaning, one (token, slot) at a time."""
+    out = torch.zeros_like(hidden_states)
+    w1 = self.gate_up_proj if self.has_gate else self.up_proj
+    b1 = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    for t in range(hidden_states.shape[0]):
+        for k in range(top_k_index.shape[1]):
+            e = int(top_k_index[t, k])
+            if e >= self.num_experts:  # another expert-parallel rank's slot
+                continue
+            a = w1[e].t() if self.is_transposed else w1[e]  # [N, H]
+            z = a @ hidden_states[t] + (b1[e] if b1 is not None else 0)
+            if self.has_gate:
+                n = z.shape[0] // 2
+                gate, up = (z[:n], z[n:]) if self.is_concatenated else (z[0::2], z[1::2])
+                h = self.act_fn(gate) * up
+            else:
+                h = self.act_fn(z)
+            d = self.down_proj[e].t() if self.is_transposed else self.down_proj[e]  # [H, I]
+            y = d @ h + (self.down_proj_bias[e] if self.has_bias else 0)
+            if self.has_post_expert_norm:
+                y = self.post_expert_norm(y)
+            out[t] += top_k_weights[t, k] * y
+    return out
+
+
+def make_experts(
+    *, has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, act="silu",
+    apply_gate=None, post_norm=False, dtype=torch.float32, seed=0,
+):  # fmt: skip
+    """An experts module as transformers' models declare them, with random weights."""
+    n1 = 2 * INTER if has_gate else INTER
+    name1 = "gate_up_proj" if has_gate else "up_proj"
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.num_experts = config.num_experts
+            s1 = (E, H, n1) if is_transposed else (E, n1, H)
+            s2 = (E, INTER, H) if is_transposed else (E, H, INTER)
+            setattr(self, name1, nn.Parameter(torch.randn(s1, generator=g) * H**-0.5))
+            self.down_proj = nn.Parameter(torch.randn(s2, generator=g) * INTER**-0.5)
+            if has_bias:
+                setattr(self, f"{name1}_bias", nn.Parameter(torch.randn(E, n1, generator=g) / 4))
+                self.down_proj_bias = nn.Parameter(torch.randn(E, H, generator=g) / 4)
+            if post_norm:
+                self.post_expert_norm = nn.LayerNorm(H)
+            self.act_fn = ACT2FN[act]
+
+        forward = eager_forward
+
+    if apply_gate is not None:
+        Experts._apply_gate = apply_gate
+    Experts = use_experts_implementation(
+        Experts, has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed,
+        is_concatenated=is_concatenated, has_post_expert_norm=post_norm,
+    )  # fmt: skip
+    config = types.SimpleNamespace(num_experts=E, _experts_implementation="eager")
+    return Experts(config).to(DEVICE, dtype)
+
+
+def routing(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    return x.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE, dtype)
+
+
+def run(module, impl, x, ids, weights):
+    module.config._experts_implementation = impl
+    return module(x, ids, weights)
+
+
+def run_exact(module, x, ids, weights):
+    m64 = copy.deepcopy(module).to(torch.float64)
+    return run(m64, "eager", x.double(), ids, weights.double())
+
+
+LAYOUTS = [
+    dict(has_gate=g, has_bias=b, is_transposed=tr, is_concatenated=c)
+    for g in (True, False)
+    for b in (False, True)
+    for tr in (False, True)
+    for c in ((True, False) if g else (True,))
+]
+
+
+def layout_id(flags):
+    return "-".join(k.removeprefix("has_").removeprefix("is_") for k, v in flags.items() if v) or (
+        "plain"
+    )
+
+
+@pytest.mark.parametrize("flags", LAYOUTS, ids=[layout_id(f) for f in LAYOUTS])
+def test_layouts_forward(flags):
+    module = make_experts(**flags)
+    x, ids, weights = routing()
+    assert moe_hf.describe(module)[""].startswith("moe_route:")
+    with torch.no_grad():
+        exact = run_exact(module, x, ids, weights)
+        eager = run(module, "eager", x, ids, weights)
+        ours = run(module, "moe_route_strict", x, ids, weights)
+        assert_vs_exact(ours, eager, exact, name=f"{flags} vs eager")
+        if flags["is_concatenated"]:
+            # transformers' grouped_mm splits gate/up in halves whatever is_concatenated says,
+            # so it is a second witness only for the concatenated layout.
+            theirs = run(module, "grouped_mm", x, ids, weights)
+            assert_vs_exact(theirs, eager, exact, name="grouped_mm witness")
+
+
+def test_layout_check_can_fail():
+    """The comparison above is sharp: reading the gate/up rows in the other layout fails it."""
+    module = make_experts(is_concatenated=False)
+    x, ids, weights = routing()
+    with torch.no_grad():
+        exact = run_exact(module, x, ids, weights).float()
+        ours = run(module, "moe_route_strict", x, ids, weights)
+        module.is_concatenated = True
+        wrong = run(module, "moe_route_strict", x, ids, weights)
+    assert (wrong - exact).abs().max() > 1e4 * (ours - exact).abs().max()
+
+
+@pytest.mark.parametrize(
+    "has_gate,act,expected",
+    [
+        (True, "gelu", "geglu"),
+        (False, "silu", "silu"),
+        (False, "gelu", "gelu"),
+        (False, "relu", "relu"),
+        (False, "linear", "identity"),
+    ],
+)
+def test_activations(has_gate, act, expected):
+    module = make_experts(has_gate=has_gate, act=act, has_bias=True)
+    assert moe_hf.plan_for(module).activation == expected
+    x, ids, weights = routing(seed=3)
+    with torch.no_grad():
+        exact = run_exact(module, x, ids, weights)
+        eager = run(module, "eager", x, ids, weights)
+        ours = run(module, "moe_route_strict", x, ids, weights)
+    assert_vs_exact(ours, eager, exact, name=f"{act} (gated={has_gate})")
+
+
+def test_expert_parallel_sentinels_are_dropped():
+    module = make_experts(has_bias=True)
+    module._is_expert_parallel = True
+    x, ids, weights = routing(seed=4)
+    ids = ids.clone()
+    ids[::3, 1] = E  # slots owned by another rank: transformers zeroes their weights
+    weights = weights.masked_fill(ids >= E, 0.0)
+    with torch.no_grad():
+        exact = run_exact(module, x, ids, weights)
+        eager = run(module, "eager", x, ids, weights)
+        ours = run(module, "moe_route_strict", x, ids, weights)
+    assert_vs_exact(ours, eager, exact, name="expert-parallel sentinels")
+
+
+@pytest.mark.parametrize(
+    "flags", [LAYOUTS[0], dict(has_gate=True, has_bias=True, is_transposed=True)], ids=layout_id
+)
+def test_layouts_backward(flags):
+    module = make_experts(**flags)
+    x, ids, weights = routing(seed=5)
+    g = torch.Generator().manual_seed(6)
+    probe = torch.randn(T, H, generator=g, dtype=torch.float64).to(DEVICE)
+
+    def grads(mod, impl, dtype):
+        mod = copy.deepcopy(mod).to(dtype)
+        xx = x.to(dtype).requires_grad_()
+        ww = weights.to(dtype).requires_grad_()
+        (run(mod, impl, xx, ids, ww) * probe.to(dtype)).sum().backward()
+        return {"x": xx.grad, "topk_weights": ww.grad} | {
+            n: p.grad for n, p in mod.named_parameters()
+        }
+
+    exact = grads(module, "eager", torch.float64)
+    eager = grads(module, "eager", torch.float32)
+    ours = grads(module, "moe_route_strict", torch.float32)
+    for name in exact:
+        assert_vs_exact(ours[name], eager[name], exact[name], name=f"d {name}")
+
+
+# ----------------------------------------------------------------------------- fallbacks
+def clamped_gate(self, gate_up):  # gpt-oss-like: not a plain SwiGLU
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate.clamp(max=0.5)) * up
+
+
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        (dict(apply_gate=clamped_gate), "overrides _apply_gate"),
+        (dict(act="gelu_pytorch_tanh"), "no fused moe_route activation"),
+        (dict(has_gate=False, act="relu2"), "no moe_route activation"),
+        (dict(has_gate=True, act="relu"), "no fused moe_route activation"),
+        (dict(post_norm=True), "has_post_expert_norm"),
+    ],
+    ids=["custom_gate", "tanh_gelu", "relu2", "gated_relu", "post_norm"],
+)
+def test_unsupported_falls_back_with_a_warning(kwargs, reason):
+    module = make_experts(**kwargs)
+    x, ids, weights = routing(seed=7)
+    assert reason in moe_hf.describe(module)[""]
+    with torch.no_grad():
+        eager = run(module, "eager", x, ids, weights)
+        with pytest.warns(moe_hf.MoeRouteFallbackWarning, match=reason):
+            ours = run(module, "moe_route", x, ids, weights)
+        with pytest.raises(NotImplementedError, match=reason):
+            run(module, "moe_route_strict", x, ids, weights)
+    if "apply_gate" in kwargs or "post_norm" in kwargs:
+        # The fallback is transformers' grouped_mm, which runs the module's own gate / norm.
+        torch.testing.assert_close(ours, run(module, "grouped_mm", x, ids, weights))
+    else:
+        torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_fallback_runs_the_modules_own_forward():
+    moe_hf.register("moe_route_eager_fallback", fallback="eager")
+    module = make_experts(apply_gate=clamped_gate)
+    x, ids, weights = routing(seed=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", moe_hf.MoeRouteFallbackWarning)
+        ours = run(module, "moe_route_eager_fallback", x, ids, weights)
+    torch.testing.assert_close(ours, run(module, "eager", x, ids, weights), rtol=0, atol=0)
+
+
+def test_register_validates_its_arguments():
+    with pytest.raises(ValueError, match="fallback"):
+        moe_hf.register("x", fallback="nope")
+    with pytest.raises(TypeError, match="activation"):
+        moe_hf.register("x", activation="relu")
+    assert "x" not in ALL_EXPERTS_FUNCTIONS
+    assert moe_hf.register("moe_route") == "moe_route"
+    assert "moe_route" in ALL_EXPERTS_FUNCTIONS
+
+
+# ----------------------------------------------------------------------------- the example
+def test_hf_swap_example_runs(capsys):
+    """examples/hf_swap.py: tiny Mixtral, logits of the three implementations agree (fp32)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_swap.py"
+    spec = importlib.util.spec_from_file_location("hf_swap_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--device", str(DEVICE), "--seq", "4", "--warmup", "0", "--iters", "1"]
+    if DEVICE.type == "cpu":
+        args += ["--backend", "reference"]  # a smoke test: the interpreter runs above
+    try:
+        assert example.main(args) == 0
+    finally:
+        moe_hf.register()  # the example re-registered "moe_route" with its own options
+    out = capsys.readouterr().out
+    assert "OK: logits agree" in out and "moe_route: swiglu concat" in out
