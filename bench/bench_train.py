@@ -215,7 +215,7 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
         "bwd_router_w": (lambda: weight_grad.router_weight_grad_triton(
             partial, dout, None, s2d, efs, dtw), 0),
         "bwd_dw2": (lambda: weight_grad.expert_weight_grad_triton(
-            dout, h, off, dw2, dest_to_src=d2s, a_gather=True, a_scale=tw, num_rows=M), g),
+            dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M), g),
         "bwd_dw1": (lambda: weight_grad.expert_weight_grad_triton(
             dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M), 2 * g),
         "bwd_dx_gemm": (lambda: grouped_gemm_triton(dz, w1.transpose(1, 2), off, dx_perm), 2 * g),
@@ -232,6 +232,22 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     print(f"  dense dz^T @ rows [{2 * I}x{M}]x[{M}x{H}]: "
           f"{2 * M * 2 * I * H / dense.median_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
     if sweep:
+        for cfg in [(128, 64, 64, 4, 8, 3), (64, 128, 64, 4, 8, 3), (128, 128, 64, 8, 8, 4),
+                    (64, 64, 64, 4, 4, 4), (128, 256, 64, 8, 8, 3)]:  # fmt: skip
+            t = time_cuda(lambda cfg=cfg: grouped_gemm_triton(
+                dout, w2.transpose(1, 2), off, h, activation="swiglu", dest_to_src=d2s,
+                gather=True, num_rows=M, act_backward=(z, dz, tw), config=cfg))  # fmt: skip
+            print(f"  gemm2_act config {cfg}: {g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
+        for cfg in [(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]:
+            t = time_cuda(lambda cfg=cfg: weight_grad.expert_weight_grad_triton(
+                dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M,
+                config=cfg))  # fmt: skip
+            print(f"  dw2 config {cfg}: {g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
+        for use_tma in (False, True):
+            t = time_cuda(lambda use_tma=use_tma: weight_grad.expert_weight_grad_triton(
+                dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M,
+                use_tma=use_tma))  # fmt: skip
+            print(f"  dw1 use_tma={use_tma}: {2 * g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
         for cfg in [(64, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
                     (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (128, 128, 128, 8, 2)]:  # fmt: skip
             try:

@@ -6,11 +6,11 @@ returns GEMM1's pre-activation ``z``; its registered backward, ``moe_route::moe_
 needs only ``x``, ``z``, the weights and the routing (never ``x_perm``, ``h`` or GEMM2's output):
 
 1. GEMM2's backward with the activation's backward in its epilogue: ``g = dout[t] @ W2[e]``
-   (rows read from ``dout`` through the maps), recompute ``h = act(z)``, write ``h`` (for
-   ``dW2``), ``dz = act'(z) · w[t,k] g`` and the partial router-weight gradients
+   (rows read from ``dout`` through the maps), recompute ``h = act(z)``, write ``w[t,k]·h``
+   (for ``dW2``), ``dz = act'(z) · w[t,k] g`` and the partial router-weight gradients
    ``<g, h>`` per column tile;
 2. ``d w[t,k]``: those partials summed in fixed order (+ ``<dout[t], b2[e]>``);
-3. ``dW2[e] = Σ (w dout[t])^T h``, ``dW1[e] = Σ dz^T x[t]`` (and the bias gradients) by the
+3. ``dW2[e] = Σ dout[t]^T (w h)``, ``dW1[e] = Σ dz^T x[t]`` (and the bias gradients) by the
    deterministic per-expert reduction of :mod:`moe_route.kernels.triton.weight_grad`;
 4. ``dx_perm = dz @ W1[e]`` (grouped GEMM over ``W1`` seen k-major) and ``dx[t]``, the sum of
    its ``K`` copies in fixed ``k`` order (the finalize kernel with unit weights).
@@ -210,11 +210,11 @@ def _moe_backward_triton(
     K = topk_weights.shape[1]
     M = dest_to_src.numel()
     empty = x.new_empty(0)
-    # 1. g = dout[t] @ W2[e]; h = act(z); dz = act'(z) w g; partial <g, h> per column tile.
-    h = x.new_empty(M, w2.shape[2])
+    # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
+    wh = x.new_empty(M, w2.shape[2])
     dz = torch.empty_like(z)
     partial = grouped_gemm_triton(
-        dout, w2.transpose(1, 2), offsets, h, activation=activation,
+        dout, w2.transpose(1, 2), offsets, wh, activation=activation,
         interleaved=gate_up_layout == "interleaved", dest_to_src=dest_to_src, gather=True,
         num_rows=M, act_backward=(z, dz, topk_weights), allow_tf32=allow_tf32,
     )  # fmt: skip
@@ -227,9 +227,19 @@ def _moe_backward_triton(
         dw2 = torch.empty_like(w2)
         db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
         expert_weight_grad_triton(
-            dout, h, offsets, dw2, db=db2, dest_to_src=dest_to_src, a_gather=True,
-            a_scale=topk_weights, num_rows=M, allow_tf32=allow_tf32,
+            dout, wh, offsets, dw2, db=db2, dest_to_src=dest_to_src, a_gather=True,
+            db_scale=topk_weights, num_rows=M, allow_tf32=allow_tf32,
         )  # fmt: skip
+    del wh
+    dx = empty
+    if need_dx:
+        dx_perm = x.new_empty(M, H)
+        grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, allow_tf32=allow_tf32)
+        dx = x.new_empty(T, H)
+        unit = torch.ones((), dtype=torch.float32, device=x.device).expand(T, K)
+        finalize_triton(dx_perm, unit, src_to_dest, expert_for_src, None, dx)
+        del dx_perm
+    # dW1 last: dx_perm is freed by then, so the peak holds dz, dW1 and dW2 but no [M, H].
     dw1 = db1 = empty
     if need_dw1:
         dw1 = torch.empty_like(w1)
@@ -238,13 +248,6 @@ def _moe_backward_triton(
             dz, x, offsets, dw1, db=db1, dest_to_src=dest_to_src, b_gather=True, num_rows=M,
             allow_tf32=allow_tf32,
         )  # fmt: skip
-    dx = empty
-    if need_dx:
-        dx_perm = x.new_empty(M, H)
-        grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, allow_tf32=allow_tf32)
-        dx = x.new_empty(T, H)
-        unit = torch.ones((), dtype=torch.float32, device=x.device).expand(T, K)
-        finalize_triton(dx_perm, unit, src_to_dest, expert_for_src, None, dx)
     return dx, dw1, dw2, dtopk, db1 if db1 is not None else empty, db2 if db2 is not None else empty
 
 

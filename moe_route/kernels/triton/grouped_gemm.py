@@ -27,7 +27,7 @@ Epilogues (constexpr-selected):
   backward, which recomputes ``h = act(z)`` from the saved ``z``, sees the forward's bits.
 * ``ACT_BWD`` (backward of GEMM2 and of the activation): the product is
   ``g[d] = dout[t] @ W2[e]`` (``A`` gathered from ``dout``, ``W = W2`` seen as ``[E, I, H]``).
-  The epilogue recomputes ``h[d] = act(z[d])`` and writes it (for ``dW2``), writes the partial
+  The epilogue recomputes ``h[d] = act(z[d])`` and writes ``w[t,k]·h[d]`` (for ``dW2``), the partial
   router-weight gradient ``<g[d], h[d]>`` of its column tile to ``partial[d, n_tile]`` (summed
   in fixed order by :mod:`.weight_grad`), scales ``g`` by the router weight and writes the
   pre-activation gradient ``dz`` (gate and up columns in ``W1``'s layout).
@@ -173,8 +173,9 @@ def _grouped_gemm_kernel(
         zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
         zero_mask = (rows[:, None] < M_ROWS) & (cols[None, :] < N_OUT)
         tl.store(zero_ptrs, zeros, mask=zero_mask)
-        if STORE_PRE:  # z too (all of its 2*N_OUT columns when gated, whatever the layout)
-            z_zero = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
+        if STORE_PRE or ACT_BWD:  # z or dz too (all 2*N_OUT columns when gated, any layout)
+            zero_base = dz_ptr if ACT_BWD else z_ptr
+            z_zero = zero_base + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
             tl.store(z_zero, zeros, mask=zero_mask)
             if GATED:
                 tl.store(z_zero + N_OUT, zeros, mask=zero_mask)
@@ -279,7 +280,9 @@ def _grouped_gemm_kernel(
             h = (act * zu).to(out_ptr.dtype.element_ty)  # the forward's h, bit for bit
         else:
             h = act.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptrs, h, mask=mask)
+        # w·h for dW2 = Σ dout[t]^T (w h): the weight-gradient kernel then scales nothing.
+        tl.store(out_ptrs, (h.to(ACC) * wt.to(ACC)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
         part = tl.sum(acc * h.to(ACC), axis=1)  # this tile's share of <dout[t] W2[e], h[d]>
         tl.store(partial_ptr + rows.to(tl.int64) * n_tiles + n_tile, part, mask=row_ok)
         dh = acc * wt.to(ACC)[:, None]
@@ -407,9 +410,9 @@ def grouped_gemm_triton(
             (the activation is then computed from the rounded ``z``).
         act_backward: ``(z [M, 2I or I], dz like z, topk_weights [T, K])``: ``a`` is
             ``dout [T, H]`` (gathered), ``w`` is ``W2`` seen as ``[E, I, H]``, ``out`` receives
-            ``h = act(z)`` ``[M, I]``, ``activation`` and ``interleaved`` describe ``z``; see the
-            module docstring. Returns the partial router-weight gradients
-            ``[M, cdiv(I, BLOCK_N)]`` float32 (float64 for float64 inputs).
+            ``w[t,k]·act(z)`` ``[M, I]`` (zero in dropped rows, as ``dz``), ``activation`` and
+            ``interleaved`` describe ``z``; see the module docstring. Returns the partial
+            router-weight gradients ``[M, cdiv(I, BLOCK_N)]`` float32 (float64 for float64).
         use_tma: load tiles through TMA tensor descriptors where the layout allows it
             (16-bit dtypes, unit stride along K or N, 16-byte aligned pitches; ``w`` not
             interleaved; ``a`` not gathered). Default: on SM90+ GPUs.

@@ -11,8 +11,10 @@ float64 inputs) and rounding once. Every output element has one owner and a fixe
 order: no atomics, the same bits on every run; an expert with no rows gets exact zeros.
 ``A`` and ``B`` rows can be read through the maps (``row = dest_to_src[d] mod T``) so that
 neither ``dout`` nor ``x`` is ever permuted in memory, and ``A`` rows can be scaled by the
-router weight of their slot (``dW2`` reads ``w[t,k] * dout[t]``). The bias gradient is the
-column sum of the same (scaled) ``A`` tiles, taken by the programs of the first ``Kd`` tile.
+router weight of their slot for the bias gradient, the column sum of the ``A`` tiles taken by
+the programs of the first ``Kd`` tile. (``dW2 = Σ dout[t]^T (w h)``: GEMM2's backward writes
+``w·h``, so no MMA operand is rescaled here.) On Hopper the operand that is not gathered is
+loaded through TMA.
 
 **Router-weight gradient** (:func:`router_weight_grad_triton`):
 ``d w[t,k] = <dout[t], y[d]> = Σ_j partial[d, j] + <dout[t], b2[e]>`` with ``d = dest(k*T+t)``,
@@ -27,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...arch import compute_capability
 from .grouped_gemm import _mma
 
 
@@ -34,6 +37,8 @@ from .grouped_gemm import _mma
 def _expert_weight_grad_kernel(
     a_ptr,
     b_ptr,
+    a_desc,
+    b_desc,
     dw_ptr,
     db_ptr,
     offsets_ptr,
@@ -57,6 +62,8 @@ def _expert_weight_grad_kernel(
     B_GATHER: tl.constexpr,
     A_SCALE: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
+    A_DESC: tl.constexpr,
+    B_DESC: tl.constexpr,
     ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -83,23 +90,31 @@ def _expert_weight_grad_kernel(
             t = (src % T).to(tl.int64)
         a_rows = t if A_GATHER else r.to(tl.int64)
         b_rows = t if B_GATHER else r.to(tl.int64)
-        a = tl.load(
-            a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
-            mask=r_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        if A_SCALE:
-            w = tl.load(scale_ptr + t * stride_st + (src // T) * stride_sk, mask=r_ok, other=0.0)
-            a_scaled = a.to(ACC) * w.to(ACC)[:, None]
-            col_sum += tl.sum(a_scaled, axis=0)
-            a = a_scaled.to(a_ptr.dtype.element_ty)
-        elif HAS_DBIAS:
-            col_sum += tl.sum(a.to(ACC), axis=0)
-        b = tl.load(
-            b_ptr + b_rows[:, None] * stride_bm + ks[None, :] * stride_bk,
-            mask=r_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        # With a descriptor (TMA, Hopper) the tile may run past the expert into rows that
+        # belong to the next one (or are zero-filled past M); the other operand is masked to
+        # zero there, and those rows hold finite values, so they add nothing.
+        if A_DESC:
+            a = a_desc.load([r0.to(tl.int32), pid_n * BLOCK_N])
+        else:
+            a = tl.load(
+                a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
+                mask=r_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+        if HAS_DBIAS:
+            if A_SCALE:  # db = Σ w a (the MMA operand itself is not scaled)
+                w = tl.load(scale_ptr + t * stride_st + (src // T) * stride_sk, mask=r_ok, other=0)
+                col_sum += tl.sum(a.to(ACC) * w.to(ACC)[:, None], axis=0)
+            else:
+                col_sum += tl.sum(tl.where(r_ok[:, None], a.to(ACC), 0.0), axis=0)
+        if B_DESC:
+            b = b_desc.load([r0.to(tl.int32), pid_k * BLOCK_K])
+        else:
+            b = tl.load(
+                b_ptr + b_rows[:, None] * stride_bm + ks[None, :] * stride_bk,
+                mask=r_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
         acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
     dw_ptrs = (
         dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
@@ -122,6 +137,20 @@ def _pick_config(rows_per_expert: float, dtype: torch.dtype):
     return 64, 128, 128, 8, 3
 
 
+def _descriptor(t: torch.Tensor, block: list[int], use_tma: bool | None):
+    """A TMA descriptor over ``t [M, C]`` (Hopper, 16-bit, aligned), else ``None``."""
+    from .grouped_gemm import _tma_ok
+
+    if use_tma is None:
+        cc = compute_capability(t.device)
+        use_tma = cc is not None and cc >= 90
+    if not use_tma or t.dtype not in (torch.float16, torch.bfloat16) or not _tma_ok(t):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
 def expert_weight_grad_triton(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -132,12 +161,13 @@ def expert_weight_grad_triton(
     dest_to_src: torch.Tensor | None = None,
     a_gather: bool = False,
     b_gather: bool = False,
-    a_scale: torch.Tensor | None = None,
+    db_scale: torch.Tensor | None = None,
     num_rows: int,
     allow_tf32: bool = False,
     config: tuple | None = None,
+    use_tma: bool | None = None,
 ) -> None:
-    """``dw[e] = Σ_d A[d]^T B[d]`` and ``db[e] = Σ_d A[d]`` over the rows of each expert.
+    """``dw[e] = Σ_d A[d]^T B[d]`` and ``db[e] = Σ_d s_d A[d]`` over the rows of each expert.
 
     Args:
         a: ``[M, N]`` permuted rows, or ``[T, N]`` token rows with ``a_gather``.
@@ -146,33 +176,40 @@ def expert_weight_grad_triton(
         dw: ``[E, N, Kd]`` output, any strides (e.g. ``torch.empty_like(weight)``).
         db: optional ``[E, N]`` bias-gradient output.
         dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for gathers and scaling.
-        a_scale: ``topk_weights [T, K]``: scale ``A`` row ``d`` by its slot's router weight.
+        db_scale: ``topk_weights [T, K]``: ``s_d`` is the router weight of row ``d``'s slot
+            (``1`` without it). ``dW2`` takes ``B = w·h`` from GEMM2's backward instead of
+            scaling an MMA operand.
         num_rows: ``M = T*K``.
+        use_tma: load the operand that is not gathered through a TMA descriptor (only when the
+            other one is gathered and masked; default on SM90+).
     """
     E, N, KD = dw.shape
     if N == 0 or KD == 0:
         return
     br, bn, bk, warps, stages = config or _pick_config(num_rows / max(E, 1), a.dtype)
     T = a.shape[0] if a_gather else b.shape[0] if b_gather else max(num_rows, 1)
-    if a_scale is not None:
-        T = a_scale.shape[0]
+    if db_scale is not None:
+        T = db_scale.shape[0]
     if a.dtype == torch.float64:
         precision = "fma"
     else:
         precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
+    a_desc = _descriptor(a, [br, bn], use_tma) if b_gather and not a_gather else None
+    b_desc = _descriptor(b, [br, bk], use_tma) if a_gather and not b_gather else None
     idx = dest_to_src if dest_to_src is not None else offsets
-    scale = a_scale if a_scale is not None else dw
+    scale = db_scale if db_scale is not None else dw
     dbt = db if db is not None else dw
     grid = (triton.cdiv(N, bn) * triton.cdiv(KD, bk), E)
     _expert_weight_grad_kernel[grid](
-        a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1),
+        a, b, a_desc if a_desc is not None else a, b_desc if b_desc is not None else b,
+        dw, dbt, offsets, idx, scale, N, KD, max(T, 1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
         db.stride(0) if db is not None else 0, db.stride(1) if db is not None else 0,
-        scale.stride(0) if a_scale is not None else 0,
-        scale.stride(1) if a_scale is not None else 0,
-        A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=a_scale is not None,
-        HAS_DBIAS=db is not None,
+        scale.stride(0) if db_scale is not None else 0,
+        scale.stride(1) if db_scale is not None else 0,
+        A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
+        HAS_DBIAS=db is not None, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
         ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
         BLOCK_R=br, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
