@@ -2,8 +2,10 @@
 
 The token path: router top-k → :func:`build_routing_maps` → :func:`expand_rows` →
 :func:`grouped_gemm` (GEMM1 + activation, GEMM2) → :func:`finalize_moe_routing`;
-:func:`fused_moe` runs all of it in one call. Every op has a pure-PyTorch oracle in
-:mod:`moe_route.reference`; :mod:`moe_route.arch` says which implementation runs where.
+:func:`fused_moe` runs all of it in one call, and :class:`MoELayer` wraps the routers,
+auxiliary losses and capacity of :mod:`moe_route.routing` around it as a trainable module.
+Every op has a pure-PyTorch oracle in :mod:`moe_route.reference`; :mod:`moe_route.arch`
+says which implementation runs where.
 """
 
 __version__ = "0.1.0"
@@ -11,18 +13,37 @@ __version__ = "0.1.0"
 from . import arch, reference
 from .finalize import finalize_moe_routing
 from .grouped_gemm import grouped_gemm
+from .layer import MoELayer, MoEOutput
 from .maps import RoutingMaps, build_routing_maps
 from .moe import fused_moe
 from .permute import expand_rows
+from .routing import (
+    apply_capacity,
+    expert_capacity,
+    load_balancing_loss,
+    router_z_loss,
+    sigmoid_grouped_topk,
+    softmax_topk,
+    tokens_per_expert,
+)
 
 __all__ = [
+    "MoELayer",
+    "MoEOutput",
     "RoutingMaps",
     "__version__",
+    "apply_capacity",
     "arch",
     "build_routing_maps",
     "expand_rows",
+    "expert_capacity",
     "finalize_moe_routing",
     "fused_moe",
     "grouped_gemm",
+    "load_balancing_loss",
     "reference",
+    "router_z_loss",
+    "sigmoid_grouped_topk",
+    "softmax_topk",
+    "tokens_per_expert",
 ]

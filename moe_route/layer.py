@@ -1,0 +1,584 @@
+"""MoELayer: a trainable mixture-of-experts block (router + experts + shared expert).
+
+The layer owns the parameters and the routing policy; the expert computation is one
+:func:`moe_route.fused_moe` call (forward and backward), with the shared expert's output fed
+in as finalize's per-token ``bias``, so it is added inside the same reduction (no extra pass
+over ``[T, H]``). See :class:`MoELayer` for the parameter layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _checks
+from .arch import BACKENDS
+from .grouped_gemm import GEMM_DTYPES
+from .moe import fused_moe
+from .reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, activation_reference
+from .routing import (
+    ROUTERS,
+    apply_capacity,
+    check_groups,
+    expert_capacity,
+    load_balancing_loss,
+    router_z_loss,
+    sigmoid_grouped_topk,
+    softmax_topk,
+    tokens_per_expert,
+)
+
+FINALIZE_CHOICES = ("auto", "fused", "standalone")
+
+
+class MoEOutput(NamedTuple):
+    """What :meth:`MoELayer.forward` returns (a tuple: ``out, aux, *_ = layer(x)`` works)."""
+
+    #: ``[..., H]`` in ``x.dtype``: routed experts + shared expert.
+    output: torch.Tensor
+    #: float32 scalar: ``aux_loss_coef · load_balancing_loss + z_loss_coef · z_loss``, to add
+    #: to the training loss (a zero tensor when both coefficients are 0).
+    aux_loss: torch.Tensor
+    #: ``[T, E]`` router logits in ``router_dtype`` (``T`` = tokens of ``x`` flattened).
+    router_logits: torch.Tensor
+    #: ``[E]`` int64: slots each expert computed (after capacity drops); feed it (summed over
+    #: steps or ranks if you like) to :meth:`MoELayer.update_expert_bias`.
+    tokens_per_expert: torch.Tensor
+    #: ``[T, K]`` int32 expert ids as run (``-1`` = dropped by the capacity).
+    topk_ids: torch.Tensor
+    #: ``[T, K]`` float32 router weights (float64 for a float64 router).
+    topk_weights: torch.Tensor
+    #: Unscaled load-balancing loss (before capacity); zero unless ``aux_loss_coef > 0``.
+    load_balancing_loss: torch.Tensor
+    #: Unscaled router z-loss; zero unless ``z_loss_coef > 0``.
+    z_loss: torch.Tensor
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}={value}: expected >= {minimum}")
+    return value
+
+
+def _nonneg_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value}: expected a finite number >= 0")
+    return float(value)
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-experts block: ``y_t = Σ_k w[t,k] · expert_{e[t,k]}(x_t) + shared(x_t)``.
+
+    Args:
+        hidden_size: ``H``. intermediate_size: ``I``, width of one expert.
+        num_experts: ``E``. top_k: ``K``, experts per token (``1 <= K <= E``).
+        router: ``"softmax"`` (Mixtral, Qwen2/3-MoE) or ``"sigmoid_grouped"`` (DeepSeek-V3); see
+            :mod:`moe_route.routing`.
+        renormalize: renormalise the ``K`` weights to sum 1 (Mixtral: True; Qwen3:
+            ``norm_topk_prob``; DeepSeek-V3: True).
+        n_group, topk_group: group-limited routing (``sigmoid_grouped`` only; ``n_group``
+            must divide ``E``). routed_scaling_factor: multiplies the router weights.
+        router_dtype: dtype of the router matmul and logits (default float32, whatever the
+            layer's dtype; ``None``: the input's dtype). Scores are float32 in any case.
+        aux_loss_coef: weight of the Switch/Mixtral load-balancing loss in ``aux_loss``.
+        z_loss_coef: weight of the router z-loss in ``aux_loss``.
+        capacity_factor: ``None`` (no limit) or ``c > 0``: each expert keeps at most
+            ``ceil(c · T · K / E)`` slots, earliest tokens first; the others are dropped (their
+            token gets the other slots and the shared expert only).
+        num_shared_experts, shared_intermediate_size: a dense shared expert of width
+            ``num_shared_experts · shared_intermediate_size`` (default ``I``) added to every
+            token (DeepSeek / Qwen2-MoE), same activation and gate/up layout, no biases.
+        shared_expert_gate: scale the shared expert by ``sigmoid(x @ shared_gate.weight.T)``
+            (Qwen2-MoE).
+        activation, gate_up_layout: as :func:`moe_route.fused_moe` (``swiglu``, ``geglu``,
+            ``silu``, ``gelu``, ``relu``, ``identity``; ``concat`` or ``interleaved``).
+        bias: per-expert biases ``b1``, ``b2``.
+        finalize, deterministic, backend: passed to :func:`moe_route.fused_moe` (``backend``
+            also builds the capacity's routing maps).
+        device, dtype: of the parameters (``dtype`` one of fp32 / bf16 / fp16 / fp64).
+
+    Parameter layout (``N1 = 2I`` for gated activations, else ``I``; ``S`` the shared width):
+
+    ===========================  ==============  =============================================
+    name                         shape           meaning
+    ===========================  ==============  =============================================
+    ``gate.weight``              ``[E, H]``      router: ``logits = x @ gate.weight.T``
+    ``w1``                       ``[E, N1, H]``  expert ``e``'s first linear map, rows ``[gate;
+                                                 up]`` (``concat``) or alternating (``interleaved``)
+    ``w2``                       ``[E, H, I]``   expert ``e``'s down projection
+    ``b1`` / ``b2`` (bias=True)  ``[E, N1]`` /   biases; ``b2`` is scaled by the router weight
+                                 ``[E, H]``
+    ``shared_w1``                ``[N1(S), H]``  shared expert, same row layout as ``w1[e]``
+    ``shared_w2``                ``[H, S]``      shared expert's down projection
+    ``shared_gate.weight``       ``[1, H]``      shared expert gate (``shared_expert_gate``)
+    ``expert_bias`` (buffer)     ``[E]`` fp32    DeepSeek aux-loss-free bias (``sigmoid_grouped``)
+    ===========================  ==============  =============================================
+
+    Expert ``e`` is ``x ↦ w2[e] @ act(w1[e] @ x + b1[e]) + b2[e]``, i.e. ``nn.Linear`` weights
+    stacked along dim 0: :meth:`load_experts_` copies per-expert ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` (or Mixtral's ``w1`` / ``w3`` / ``w2``) modules in.
+
+    ``forward(x [..., H])`` returns a :class:`MoEOutput`; nothing in it synchronises with the
+    host, so it runs under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, and with
+    ``deterministic=True`` it gives the same bits on every run, backward included.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        router: str = "softmax",
+        renormalize: bool = True,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        routed_scaling_factor: float = 1.0,
+        router_dtype: torch.dtype | None = torch.float32,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        capacity_factor: float | None = None,
+        num_shared_experts: int = 0,
+        shared_intermediate_size: int | None = None,
+        shared_expert_gate: bool = False,
+        activation: str = "swiglu",
+        gate_up_layout: str = "concat",
+        bias: bool = False,
+        finalize: str = "auto",
+        deterministic: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        H = _positive_int("hidden_size", hidden_size)
+        inter = _positive_int("intermediate_size", intermediate_size)
+        E = _positive_int("num_experts", num_experts)
+        K = _positive_int("top_k", top_k)
+        if K > E:
+            raise ValueError(f"top_k={K} > num_experts={E}: a token cannot pick more experts")
+        if router not in ROUTERS:
+            raise ValueError(f"router={router!r}: expected one of {ROUTERS}")
+        if router == "sigmoid_grouped":
+            n_group, topk_group = check_groups(E, K, 1 if n_group is None else n_group, topk_group)
+        elif n_group is not None or topk_group is not None:
+            raise ValueError(
+                f"n_group={n_group}, topk_group={topk_group}: group-limited routing needs "
+                "router='sigmoid_grouped'"
+            )
+        if isinstance(routed_scaling_factor, bool) or not isinstance(
+            routed_scaling_factor, (int, float)
+        ):
+            raise TypeError(
+                f"routed_scaling_factor must be a number, got {type(routed_scaling_factor)}"
+            )
+        if not 0 < routed_scaling_factor < math.inf:
+            raise ValueError(f"routed_scaling_factor={routed_scaling_factor}: expected > 0")
+        if router_dtype is not None and router_dtype not in _checks.FLOAT_DTYPES:
+            raise ValueError(
+                f"router_dtype={router_dtype}: expected None or one of {_checks.FLOAT_DTYPES}"
+            )
+        aux_loss_coef = _nonneg_float("aux_loss_coef", aux_loss_coef)
+        z_loss_coef = _nonneg_float("z_loss_coef", z_loss_coef)
+        if capacity_factor is not None:
+            expert_capacity(capacity_factor, 1, K, E)  # validates the factor
+        n_shared = _positive_int("num_shared_experts", num_shared_experts, minimum=0)
+        if shared_intermediate_size is not None:
+            _positive_int("shared_intermediate_size", shared_intermediate_size)
+        if shared_expert_gate and not n_shared:
+            raise ValueError("shared_expert_gate=True needs num_shared_experts >= 1")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+        if gate_up_layout not in GATE_UP_LAYOUTS:
+            raise ValueError(
+                f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}"
+            )
+        if finalize not in FINALIZE_CHOICES:
+            raise ValueError(f"finalize={finalize!r}: expected one of {FINALIZE_CHOICES}")
+        if finalize == "fused" and deterministic:
+            raise ValueError(
+                "finalize='fused' with deterministic=True: the epilogue-fused finalize reduces "
+                "with float atomics; pass deterministic=False or finalize='standalone'"
+            )
+        if backend not in ("auto", *BACKENDS):
+            raise ValueError(f"backend={backend!r}: expected 'auto' or one of {BACKENDS}")
+        if dtype is not None and dtype not in GEMM_DTYPES:
+            raise ValueError(f"dtype={dtype}: expected one of {GEMM_DTYPES}")
+
+        self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, inter, E, K
+        self.router = router
+        self.renormalize = bool(renormalize)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.router_dtype = router_dtype
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.num_shared_experts = n_shared
+        self.shared_intermediate_size = (shared_intermediate_size or inter) if n_shared else None
+        self.activation, self.gate_up_layout = activation, gate_up_layout
+        self.finalize, self.deterministic, self.backend = finalize, bool(deterministic), backend
+
+        fk = dict(device=device, dtype=dtype)
+        n1 = 2 * inter if activation in GATED_ACTIVATIONS else inter
+        self.gate = nn.Linear(H, E, bias=False, **fk)
+        self.w1 = nn.Parameter(torch.empty(E, n1, H, **fk))
+        self.w2 = nn.Parameter(torch.empty(E, H, inter, **fk))
+        self.b1 = nn.Parameter(torch.empty(E, n1, **fk)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(E, H, **fk)) if bias else None
+        if n_shared:
+            S = n_shared * self.shared_intermediate_size
+            s1 = 2 * S if activation in GATED_ACTIVATIONS else S
+            self.shared_w1 = nn.Parameter(torch.empty(s1, H, **fk))
+            self.shared_w2 = nn.Parameter(torch.empty(H, S, **fk))
+        else:
+            self.shared_w1 = self.shared_w2 = None
+        self.shared_gate = nn.Linear(H, 1, bias=False, **fk) if shared_expert_gate else None
+        bias_buf = torch.zeros(E, device=device) if router == "sigmoid_grouped" else None
+        self.register_buffer("expert_bias", bias_buf)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ parameters
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as the per-expert ``nn.Linear`` modules a model would otherwise hold.
+
+        Every weight of fan-in ``n`` is drawn from ``U(-1/√n, 1/√n)`` (``nn.Linear``'s
+        default: ``gate.weight``, ``w1``, ``shared_w1``, ``shared_gate.weight`` with
+        ``n = H``; ``w2`` with ``n = I``; ``shared_w2`` with ``n = S``); the biases ``b1``,
+        ``b2`` and ``expert_bias`` start at zero. Models with their own scheme (e.g.
+        ``normal(0, 0.02)``) re-initialise the parameters after construction.
+        """
+
+        def uniform(p: torch.Tensor | None, fan_in: int) -> None:
+            if p is not None:
+                bound = 1.0 / math.sqrt(fan_in)
+                p.uniform_(-bound, bound)
+
+        uniform(self.gate.weight, self.hidden_size)
+        uniform(self.w1, self.hidden_size)
+        uniform(self.w2, self.intermediate_size)
+        for p in (self.b1, self.b2, self.expert_bias):
+            if p is not None:
+                p.zero_()
+        uniform(self.shared_w1, self.hidden_size)
+        if self.shared_w2 is not None:
+            uniform(self.shared_w2, self.shared_w2.shape[1])
+        if self.shared_gate is not None:
+            uniform(self.shared_gate.weight, self.hidden_size)
+
+    def _apply(self, fn, recurse=True):
+        # ``layer.to(torch.bfloat16)`` would round the expert bias, whose updates are ~1e-3:
+        # keep it float32 (on whatever device ``fn`` moved it to).
+        before = self.expert_bias
+        super()._apply(fn, recurse)
+        after = self.expert_bias
+        if before is not None and after is not None and after.dtype != torch.float32:
+            self._buffers["expert_bias"] = before.to(device=after.device, dtype=torch.float32)
+        return self
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}",
+            f"num_experts={self.num_experts}, top_k={self.top_k}, router={self.router!r}",
+            f"renormalize={self.renormalize}",
+        ]
+        if self.router == "sigmoid_grouped":
+            parts.append(f"n_group={self.n_group}, topk_group={self.topk_group}")
+        if self.routed_scaling_factor != 1.0:
+            parts.append(f"routed_scaling_factor={self.routed_scaling_factor}")
+        parts.append(f"router_dtype={self.router_dtype}")
+        if self.aux_loss_coef or self.z_loss_coef:
+            parts.append(f"aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}")
+        if self.capacity_factor is not None:
+            parts.append(f"capacity_factor={self.capacity_factor}")
+        if self.num_shared_experts:
+            parts.append(
+                f"num_shared_experts={self.num_shared_experts}, "
+                f"shared_intermediate_size={self.shared_intermediate_size}, "
+                f"shared_expert_gate={self.shared_gate is not None}"
+            )
+        parts.append(f"activation={self.activation!r}, gate_up_layout={self.gate_up_layout!r}")
+        parts.append(f"bias={self.b1 is not None}")
+        parts.append(
+            f"finalize={self.finalize!r}, deterministic={self.deterministic}, "
+            f"backend={self.backend!r}"
+        )
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------ forward
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, K], topk_ids [T, K])`` of this layer's router for ``[T, E]``
+        logits (before any capacity drop)."""
+        if self.router == "softmax":
+            weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
+            if self.routed_scaling_factor != 1.0:
+                weights = weights * self.routed_scaling_factor
+            return weights, ids
+        return sigmoid_grouped_topk(
+            logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+            expert_bias=self.expert_bias, routed_scaling_factor=self.routed_scaling_factor,
+            renormalize=self.renormalize,
+        )  # fmt: skip
+
+    def router_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` distributions for the load-balancing loss: the softmax of the logits, or
+        the sigmoid scores normalised per token (DeepSeek-V3's balance loss) for the
+        ``sigmoid_grouped`` router."""
+        scores = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        if self.router == "softmax":
+            return torch.softmax(scores, dim=-1)
+        s = torch.sigmoid(scores)
+        return s / s.sum(dim=-1, keepdim=True)
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``[T, H]`` output of the shared expert (gated if asked), or None without one."""
+        if self.shared_w1 is None:
+            return None
+        h = activation_reference(F.linear(x, self.shared_w1), self.activation, self.gate_up_layout)
+        out = F.linear(h, self.shared_w2)
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(x)) * out
+        return out
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        """Route, run the experts, add the shared expert.
+
+        Args:
+            x: ``[..., H]`` in the layer's dtype, on its device.
+
+        Returns:
+            :class:`MoEOutput` (``output`` has ``x``'s shape; per-token tensors are flattened
+            to ``T = x.numel() // H`` rows).
+        """
+        _checks.check_tensor("x", x)
+        H = self.hidden_size
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(
+                f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}"
+            )
+        if x.dtype != self.w1.dtype:
+            raise TypeError(
+                f"x has dtype {x.dtype} but the layer's parameters are {self.w1.dtype}: convert "
+                "one of them (layer.to(dtype) or x.to(dtype))"
+            )
+        x2 = x.reshape(-1, H)
+        T, E = x2.shape[0], self.num_experts
+        rdt = x.dtype if self.router_dtype is None else self.router_dtype
+        logits = F.linear(x2.to(rdt), self.gate.weight.to(rdt))
+        weights, ids = self.route(logits)
+
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        lb = z = zero
+        if self.aux_loss_coef:
+            lb = load_balancing_loss(self.router_probs(logits), ids, E)
+        if self.z_loss_coef:
+            z = router_z_loss(logits)
+        aux = (self.aux_loss_coef * lb + self.z_loss_coef * z).float()
+
+        if self.capacity_factor is not None:
+            cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
+            ids = apply_capacity(ids, E, cap, backend=self.backend)
+
+        out = fused_moe(
+            x2, self.w1, self.w2, weights, ids, activation=self.activation,
+            gate_up_layout=self.gate_up_layout, b1=self.b1, b2=self.b2,
+            bias=self.shared_expert(x2), finalize=self.finalize,
+            deterministic=self.deterministic, backend=self.backend,
+        )  # fmt: skip
+        return MoEOutput(
+            output=out.view(x.shape),
+            aux_loss=aux,
+            router_logits=logits,
+            tokens_per_expert=tokens_per_expert(ids, E),
+            topk_ids=ids,
+            topk_weights=weights,
+            load_balancing_loss=lb,
+            z_loss=z,
+        )
+
+    # ------------------------------------------------------------------ expert bias
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: ``expert_bias += rate · sign(mean - count)``.
+
+        An overloaded expert's bias falls, an idle one's rises, by ``rate`` per call; the bias
+        only steers the choice of experts, never the weights. Call it after the optimizer
+        step with ``MoEOutput.tokens_per_expert`` (summed over micro-batches, or all-reduced
+        over data-parallel ranks, as you see fit). In place, on the device, no host sync.
+        """
+        if self.expert_bias is None:
+            raise ValueError(
+                f"update_expert_bias needs router='sigmoid_grouped' (this layer's router is "
+                f"{self.router!r}, which has no expert bias)"
+            )
+        counts = _checks.check_tensor("tokens_per_expert", tokens_per_expert, ndim=1)
+        if counts.shape[0] != self.num_experts:
+            raise ValueError(
+                f"tokens_per_expert must be [E] = [{self.num_experts}], got "
+                f"{_checks.describe(counts)}"
+            )
+        counts = counts.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=float(rate))
+
+    # ------------------------------------------------------------------ loading
+    @torch.no_grad()
+    def load_experts_(
+        self,
+        experts: Sequence[nn.Module],
+        *,
+        gate: nn.Module | torch.Tensor | None = None,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | torch.Tensor | None = None,
+    ) -> MoELayer:
+        """Copy per-expert modules into the stacked layout (either ``gate_up_layout``).
+
+        Args:
+            experts: ``E`` modules, each with ``nn.Linear`` children ``gate_proj [I, H]``,
+                ``up_proj [I, H]``, ``down_proj [H, I]`` (Llama / Qwen / DeepSeek) or Mixtral's
+                ``w1`` (gate), ``w3`` (up), ``w2`` (down). For a plain activation: ``up_proj``
+                and ``down_proj`` (or ``w1`` and ``w2``). Linear biases go to ``b1`` / ``b2``
+                (a missing one counts as zero; a bias into a ``bias=False`` layer is an error).
+            gate: the router, an ``nn.Linear(H, E)`` without bias or its ``[E, H]`` weight.
+            shared_expert: a module of the same form, of width ``S`` (``shared_w1``/``w2``).
+            shared_expert_gate: ``nn.Linear(H, 1)`` or its ``[1, H]`` weight (Qwen2-MoE).
+
+        Returns:
+            ``self``. Values are copied (converted to the layer's dtype and device).
+        """
+        if len(experts) != self.num_experts:
+            raise ValueError(f"experts has {len(experts)} modules, expected num_experts = "
+                             f"{self.num_experts}")  # fmt: skip
+        for e, module in enumerate(experts):
+            w1, b1, w2, b2 = self._expert_tensors(module, f"experts[{e}]", self.intermediate_size)
+            self.w1[e].copy_(w1)
+            self.w2[e].copy_(w2)
+            if self.b1 is not None:
+                self.b1[e].copy_(b1)
+                self.b2[e].copy_(b2)
+        if gate is not None:
+            self._copy_weight(self.gate.weight, gate, "gate")
+        if shared_expert is not None:
+            if self.shared_w1 is None:
+                raise ValueError("shared_expert given but the layer has num_shared_experts=0")
+            S = self.shared_w2.shape[1]
+            w1, b1, w2, b2 = self._expert_tensors(shared_expert, "shared_expert", S, bias=False)
+            self.shared_w1.copy_(w1)
+            self.shared_w2.copy_(w2)
+        if shared_expert_gate is not None:
+            if self.shared_gate is None:
+                raise ValueError("shared_expert_gate given but the layer has no shared gate")
+            self._copy_weight(self.shared_gate.weight, shared_expert_gate, "shared_expert_gate")
+        return self
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: Sequence[nn.Module],
+        top_k: int,
+        *,
+        gate: nn.Module | torch.Tensor | None = None,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | torch.Tensor | None = None,
+        **kwargs,
+    ) -> MoELayer:
+        """A layer holding copies of per-expert modules (see :meth:`load_experts_`).
+
+        ``H``, ``I``, ``E``, ``bias``, the shared expert's width, ``dtype`` and ``device`` come
+        from the modules; ``kwargs`` are the other :class:`MoELayer` options (``activation``
+        must match the modules: gated ones need a gate projection).
+        """
+        if not experts:
+            raise ValueError("experts is empty: expected one module per expert")
+        down = _linear_of(experts[0], ("down_proj", "w2"), "experts[0]")
+        H, inter = down.weight.shape
+        kwargs.setdefault("bias", down.bias is not None)
+        kwargs.setdefault("dtype", down.weight.dtype)
+        kwargs.setdefault("device", down.weight.device)
+        if shared_expert is not None:
+            s_down = _linear_of(shared_expert, ("down_proj", "w2"), "shared_expert")
+            kwargs.setdefault("num_shared_experts", 1)
+            kwargs.setdefault(
+                "shared_intermediate_size", s_down.weight.shape[1] // kwargs["num_shared_experts"]
+            )
+        if shared_expert_gate is not None:
+            kwargs.setdefault("shared_expert_gate", True)
+        layer = cls(H, inter, len(experts), top_k, **kwargs)
+        return layer.load_experts_(
+            experts, gate=gate, shared_expert=shared_expert, shared_expert_gate=shared_expert_gate
+        )
+
+    def _expert_tensors(self, module: nn.Module, where: str, width: int, *, bias: bool = True):
+        """``(w1 [N1, H], b1 [N1], w2 [H, width], b2 [H])`` of one per-expert module."""
+        H = self.hidden_size
+        gated = self.activation in GATED_ACTIVATIONS
+        if gated:
+            if hasattr(module, "gate_proj"):
+                names = ("gate_proj", "up_proj", "down_proj")
+            else:
+                names = ("w1", "w3", "w2")
+            g, u, d = (_linear_of(module, (n,), where) for n in names)
+            parts = (g, u)
+        else:
+            u = _linear_of(module, ("up_proj", "w1"), where)
+            d = _linear_of(module, ("down_proj", "w2"), where)
+            parts = (u,)
+        for lin in parts:
+            _expect_shape(lin.weight, (width, H), f"{where} {_name_in(module, lin)}.weight")
+        _expect_shape(d.weight, (H, width), f"{where} {_name_in(module, d)}.weight")
+        has_bias = self.b1 is not None and bias
+        for lin in (*parts, d):
+            if lin.bias is not None and not has_bias:
+                raise ValueError(
+                    f"{where} {_name_in(module, lin)} has a bias but the layer has bias=False: "
+                    "build it with bias=True (shared experts take no bias)"
+                )
+        ws = [p.weight for p in parts]
+        bs = [p.bias if p.bias is not None else p.weight.new_zeros(width) for p in parts]
+        if gated and self.gate_up_layout == "interleaved":
+            w1 = torch.stack(ws, dim=1).reshape(2 * width, H)
+            b1 = torch.stack(bs, dim=1).reshape(2 * width)
+        else:
+            w1, b1 = torch.cat(ws, dim=0), torch.cat(bs, dim=0)
+        b2 = d.bias if d.bias is not None else d.weight.new_zeros(H)
+        return w1, b1, d.weight, b2
+
+    @staticmethod
+    def _copy_weight(dst: torch.Tensor, src: nn.Module | torch.Tensor, what: str) -> None:
+        if isinstance(src, nn.Module):
+            if getattr(src, "bias", None) is not None:
+                raise ValueError(f"{what} has a bias; the layer's router and gate have none")
+            src = src.weight
+        _expect_shape(src, tuple(dst.shape), f"{what} weight")
+        dst.copy_(src)
+
+
+def _linear_of(module: nn.Module, names: tuple[str, ...], where: str) -> nn.Module:
+    for name in names:
+        lin = getattr(module, name, None)
+        if lin is not None:
+            if not isinstance(getattr(lin, "weight", None), torch.Tensor):
+                raise TypeError(f"{where}.{name} must be an nn.Linear-like module with .weight")
+            return lin
+    raise ValueError(
+        f"{where} ({type(module).__name__}) has none of {names}: expected per-expert modules "
+        "with gate_proj/up_proj/down_proj (or Mixtral's w1/w3/w2) linear layers"
+    )
+
+
+def _name_in(module: nn.Module, child: nn.Module) -> str:
+    return next((n for n, m in module.named_children() if m is child), "?")
+
+
+def _expect_shape(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what} must be {list(shape)}, got {_checks.describe(t)}")

@@ -1,0 +1,276 @@
+"""Routers, auxiliary losses and expert capacity: the first stage of the MoE token path.
+
+Every function here is plain PyTorch on device tensors: no ``.item()``, ``.tolist()``, no
+boolean indexing, no op whose output size depends on values, so all of it runs under
+``torch.compile(fullgraph=True)`` and CUDA-graph capture. Counts are integer sums (same bits on
+every run); the only float reductions are torch's deterministic ``sum`` / ``mean``.
+
+Routers (``[T, E]`` logits in, ``(topk_weights [T, K], topk_ids [T, K])`` out):
+
+* :func:`softmax_topk` — ``softmax`` over experts, top-``K``, optionally renormalised over the
+  ``K`` chosen (Mixtral always, Qwen2/3-MoE by ``norm_topk_prob``).
+* :func:`sigmoid_grouped_topk` — DeepSeek-V3: sigmoid scores, an additive (aux-loss-free)
+  expert bias for the *choice* only, group-limited top-``K``, weights from the unbiased scores.
+
+Both score in float32 whatever the logits' dtype (float64 stays float64, for ``gradcheck``);
+the caller picks the dtype of the router *matmul* (:class:`moe_route.MoELayer`'s
+``router_dtype``). Ids come in descending order of the choice score, ties to the lower expert
+id on every device (a stable sort, not ``torch.topk``, whose tie order is unspecified); the
+weights are differentiable w.r.t. the logits, the ids are not.
+
+Plain-loop oracles of everything here live at the end of :mod:`moe_route.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _checks
+from .maps import build_routing_maps
+
+ROUTERS = ("softmax", "sigmoid_grouped")
+
+
+def _score_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` along the last dim, ties to the lower index on every device.
+
+    ``torch.topk`` leaves the order of equal values unspecified (on the CPU it put expert 5
+    before expert 4 on a tie), and ties are common with bf16 router weights; a stable
+    descending sort pins them. NOTE: sorting ``E <= 256`` scores per token costs little next
+    to the experts' GEMMs, so the defined order is worth it.
+    """
+    values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], ids[..., :k]
+
+
+def _check_logits(logits: object, k: object) -> tuple[int, int]:
+    t = _checks.check_tensor("logits", logits, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    T, E = t.shape
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= E:
+        raise ValueError(f"k={k}: expected 1 <= k <= num_experts = logits.shape[1] = {E}")
+    return T, E
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router (Mixtral: ``renormalize=True``; Qwen3-MoE: ``norm_topk_prob``).
+
+    Args:
+        logits: ``[T, E]`` router logits, any float dtype.
+        k: ``K``, experts per token, ``1 <= K <= E``.
+        renormalize: divide the ``K`` chosen probabilities by their sum (then they sum to 1).
+
+    Returns:
+        ``topk_weights [T, K]`` float32 (float64 for float64 logits), differentiable w.r.t.
+        ``logits``, and ``topk_ids [T, K]`` int32, in descending probability order (ties:
+        lower expert id first).
+    """
+    _check_logits(logits, k)
+    probs = torch.softmax(logits.to(_score_dtype(logits)), dim=-1)
+    weights, ids = _topk(probs, k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def check_groups(num_experts: int, k: int, n_group: object, topk_group: object) -> tuple[int, int]:
+    """Validate the group-limited routing sizes; returns ``(n_group, topk_group)``."""
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
+        raise ValueError(f"n_group={n_group!r}: expected an int >= 1")
+    if num_experts % n_group:
+        raise ValueError(
+            f"n_group={n_group} does not divide num_experts={num_experts}: every group must "
+            "hold the same number of experts"
+        )
+    if topk_group is None:
+        topk_group = n_group
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int):
+        raise ValueError(f"topk_group={topk_group!r}: expected an int or None")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group}: expected 1 <= topk_group <= n_group={n_group}")
+    kept = topk_group * (num_experts // n_group)
+    if k > kept:
+        raise ValueError(
+            f"k={k} experts per token but topk_group={topk_group} groups of "
+            f"{num_experts // n_group} experts keep only {kept}: expected k <= {kept}"
+        )
+    return n_group, topk_group
+
+
+def sigmoid_grouped_topk(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int | None = None,
+    expert_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 router: sigmoid scores, group-limited top-k, aux-loss-free expert bias.
+
+    With ``s = sigmoid(logits)`` and choice scores ``c = s + expert_bias``:
+
+    1. the ``E`` experts form ``n_group`` consecutive groups of ``G = E / n_group``; a group's
+       score is the sum of its top-2 choice scores (its top-1 when ``G = 1``);
+    2. the ``topk_group`` best groups are kept (ties: lower group index; likewise below);
+    3. the ids are the top-``K`` choice scores among the kept experts (the others are ``-inf``;
+       transformers fills them with ``0``, which differs only when a kept choice score is
+       negative, i.e. with a negative bias);
+    4. the weights are the *unbiased* ``s`` of those ids, divided by their sum
+       (``+ 1e-20``) when ``renormalize``, then multiplied by ``routed_scaling_factor``.
+
+    Args:
+        logits: ``[T, E]``, any float dtype (scored in float32).
+        k: ``K``, experts per token.
+        n_group, topk_group: group limit (``topk_group=None``: all groups, no limit).
+        expert_bias: optional ``[E]`` float; steers the choice only, never the weights, and
+            gets no gradient (``MoELayer.update_expert_bias`` learns it from the load).
+        routed_scaling_factor: multiplies the final weights.
+        renormalize: ``norm_topk_prob`` of DeepSeek-V3 (True there).
+
+    Returns:
+        ``topk_weights [T, K]`` float32 (float64 for float64 logits), differentiable w.r.t.
+        ``logits``, and ``topk_ids [T, K]`` int32, in descending choice-score order.
+    """
+    T, E = _check_logits(logits, k)
+    n_group, topk_group = check_groups(E, k, n_group, topk_group)
+    scores = torch.sigmoid(logits.to(_score_dtype(logits)))
+    choice = scores.detach()
+    if expert_bias is not None:
+        _checks.check_tensor("expert_bias", expert_bias, ndim=1, dtypes=_checks.FLOAT_DTYPES)
+        if expert_bias.shape[0] != E:
+            raise ValueError(
+                f"expert_bias must be [E] = [{E}], got {_checks.describe(expert_bias)}"
+            )
+        choice = choice + expert_bias.detach().to(choice.dtype)
+    if topk_group < n_group:
+        G = E // n_group
+        grouped = choice.view(T, n_group, G)
+        group_scores = grouped.topk(min(2, G), dim=-1).values.sum(dim=-1)  # [T, n_group]
+        keep = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
+        keep.scatter_(1, _topk(group_scores, topk_group)[1], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+    ids = _topk(choice, k)[1]
+    weights = scores.gather(1, ids)  # unique ids per row: the backward's scatter is exact
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- counts, losses
+def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E] int64``: routed slots per expert (``-1`` and out-of-range ids not counted).
+
+    An integer ``scatter_add`` (exact in any order, so deterministic), with no host sync and
+    no ``[T, K, E]`` one-hot in memory.
+    """
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    routed = (ids >= 0) & (ids < num_experts)
+    slot = torch.where(routed, ids, num_experts)  # a trash bin past the last expert
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, slot, torch.ones_like(slot))
+    return counts[:num_experts]
+
+
+def load_balancing_loss(
+    router_probs: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Switch / Mixtral load-balancing loss, exactly as transformers'
+    ``load_balancing_loss_func`` for one layer without attention mask::
+
+        loss = E · Σ_e f_e · P_e
+        f_e = (1/T) · #{(t, k) : topk_ids[t, k] = e}   # fraction of tokens whose top-k holds e
+        P_e = (1/T) · Σ_t router_probs[t, e]            # mean router probability of e
+
+    (transformers sums ``f`` per slot ``k`` against ``P``, which is the same since a token's
+    ``K`` ids are distinct.) Uniform routing (``P_e = 1/E``, ``f_e = K/E``) gives ``K``; the
+    minimum over all routings is ``K`` as well when the probabilities follow the counts.
+    Dropped slots (``-1``) count for no expert. Only ``P`` carries a gradient.
+
+    Args:
+        router_probs: ``[T, E]`` float, each row a distribution (the softmax of the logits;
+            :class:`moe_route.MoELayer` passes the normalised sigmoid scores for the
+            DeepSeek router).
+        topk_ids: ``[T, K]`` int, the router's choice (before any capacity drop).
+        num_experts: ``E``.
+
+    Returns:
+        A float32 scalar (float64 for float64 probabilities); zero when ``T = 0``.
+    """
+    _checks.check_tensor("router_probs", router_probs, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    _checks.check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_checks.INDEX_DTYPES)
+    T, E = router_probs.shape
+    if num_experts != E or topk_ids.shape[0] != T:
+        raise ValueError(
+            f"router_probs {_checks.describe(router_probs)} must be [T, E] with E = "
+            f"num_experts = {num_experts} and T = topk_ids.shape[0] = {topk_ids.shape[0]}"
+        )
+    dtype = _score_dtype(router_probs)
+    denom = max(T, 1)  # a static shape, never a device value
+    f = tokens_per_expert(topk_ids, E).to(dtype) / denom
+    P = router_probs.to(dtype).sum(dim=0) / denom
+    return E * (f * P).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: ``mean_t (logsumexp_e logits[t, e])²`` in float32 (float64 stays).
+
+    Zero when ``T = 0``. Keeps the logits small, so the router's softmax stays well-conditioned.
+    """
+    _checks.check_tensor("logits", logits, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    lse = torch.logsumexp(logits.to(_score_dtype(logits)), dim=-1)
+    return lse.square().sum() / max(logits.shape[0], 1)
+
+
+# --------------------------------------------------------------------------- capacity
+def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """``ceil(capacity_factor · T · K / E)``: the most slots one expert keeps (static shapes)."""
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise TypeError(f"capacity_factor must be a number, got {type(capacity_factor).__name__}")
+    if not capacity_factor > 0 or math.isinf(capacity_factor):
+        raise ValueError(f"capacity_factor={capacity_factor}: expected a finite number > 0")
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def apply_capacity(
+    topk_ids: torch.Tensor, num_experts: int, capacity: int, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Drop (set to ``-1``) every slot beyond its expert's ``capacity``, earliest tokens first.
+
+    An expert keeps its slots in the order token ``t`` ascending, then slot ``k``, which is the
+    routing maps' permuted order inside one expert: a slot's rank in its expert is its dest row
+    minus ``expert_first_token_offset[e]``, so this builds the maps of
+    :func:`moe_route.build_routing_maps` (``backend`` picks their kernel) and keeps the slots
+    of rank ``< capacity``. Deterministic, no host sync.
+
+    Args:
+        topk_ids: ``[T, K]`` int32/int64; ``-1`` slots stay dropped.
+        num_experts: ``E``.
+        capacity: slots per expert, ``>= 0`` (see :func:`expert_capacity`).
+
+    Returns:
+        ``[T, K]`` ids of ``topk_ids``'s dtype (a new tensor).
+    """
+    E = _checks.check_num_experts(num_experts)
+    ids = _checks.check_topk_ids(topk_ids, E)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity={capacity!r}: expected an int >= 0")
+    T, K = ids.shape
+    maps = build_routing_maps(ids, E, backend=backend)
+    dest = maps.expanded_source_row_to_expanded_dest_row.view(K, T).t().to(torch.int64)
+    expert = maps.expert_for_source_row.view(K, T).t().to(torch.int64)
+    first = maps.expert_first_token_offset[expert.clamp(min=0)]
+    keep = (expert >= 0) & (dest - first < capacity)
+    return torch.where(keep, ids, torch.full_like(ids, -1))
