@@ -87,17 +87,20 @@ def _bench_maps_shape(T, ceil, repeats, rows, summary):
     compare("maps", f"T={T} K={K} E={E}", nbytes, impls, ceil, repeats, rows, summary)
 
 
-def bench_rows(ceil, repeats, rows, summary, dtype=torch.bfloat16, threads=None):
+def bench_rows(ceil, repeats, rows, summary, dtype=torch.bfloat16, expand=True, **launch):
+    """Expand (unless ``expand=False``) and finalize at ROW_SHAPES; ``launch`` (threads=,
+    rows_in_flight=) goes to the CuPy launchers, for sweeps."""
     for T, H in ROW_SHAPES:
-        maps = moe_route.build_routing_maps(random_ids(T), E)
-        tag = "" if threads is None else f" threads={threads}"
-        shape = f"T={T} K={K} H={H}{tag}"
-        kw = {} if threads is None else {"threads": threads}
-        y = _bench_expand(shape, maps, H, dtype, kw, ceil, repeats, rows, summary)
-        _bench_finalize(shape, maps, y, kw, ceil, repeats, rows, summary)
+        maps = moe_route.build_routing_maps(random_ids(T), E, backend="triton")
+        shape = " ".join([f"T={T} K={K} H={H}", *(f"{k}={v}" for k, v in launch.items())])
+        if expand:
+            y = _bench_expand(shape, maps, H, dtype, launch, ceil, repeats, rows, summary)
+        else:
+            y = torch.randn(T * K, H, device="cuda", dtype=dtype)
+        _bench_finalize(shape, maps, y, launch, ceil, repeats, rows, summary)
 
 
-def _bench_expand(shape, maps, H, dtype, kw, ceil, repeats, rows, summary):
+def _bench_expand(shape, maps, H, dtype, launch, ceil, repeats, rows, summary):
     """Times expand; returns its output, the permuted rows finalize then reads."""
     T, n, es = maps.num_tokens, maps.num_expanded_rows, dtype.itemsize
     s2d = maps.expanded_source_row_to_expanded_dest_row
@@ -105,18 +108,18 @@ def _bench_expand(shape, maps, H, dtype, kw, ceil, repeats, rows, summary):
     x = torch.randn(T, H, device="cuda", dtype=dtype)
     xp = {name: torch.empty(n, H, device="cuda", dtype=dtype) for name in ("triton", "cupy")}
     expand_rows_triton(x, s2d, e4s, xp["triton"])
-    expand_rows_cupy(x, s2d, e4s, xp["cupy"], **kw)
+    expand_rows_cupy(x, s2d, e4s, xp["cupy"], **launch)
     assert torch.equal(xp["triton"], xp["cupy"]), shape
     nbytes = T * H * es + n * H * es + n * 4  # as bench_routing.py counts it
     impls = {
         "triton": lambda: expand_rows_triton(x, s2d, e4s, xp["triton"]),
-        "cupy": lambda: expand_rows_cupy(x, s2d, e4s, xp["cupy"], **kw),
+        "cupy": lambda: expand_rows_cupy(x, s2d, e4s, xp["cupy"], **launch),
     }
     compare("expand", shape, nbytes, impls, ceil, repeats, rows, summary)
     return xp["cupy"]
 
 
-def _bench_finalize(shape, maps, y, kw, ceil, repeats, rows, summary):
+def _bench_finalize(shape, maps, y, launch, ceil, repeats, rows, summary):
     T, K, n = maps.num_tokens, maps.top_k, maps.num_expanded_rows
     H, dtype, es = y.shape[1], y.dtype, y.element_size()
     s2d = maps.expanded_source_row_to_expanded_dest_row
@@ -125,12 +128,12 @@ def _bench_finalize(shape, maps, y, kw, ceil, repeats, rows, summary):
     bias = torch.randn(H, device="cuda", dtype=dtype)
     out = {name: torch.empty(T, H, device="cuda", dtype=dtype) for name in ("triton", "cupy")}
     finalize_triton(y, w, s2d, e4s, bias, out["triton"])
-    finalize_cupy(y, w, s2d, e4s, bias, out["cupy"], **kw)
+    finalize_cupy(y, w, s2d, e4s, bias, out["cupy"], **launch)
     assert torch.equal(out["triton"], out["cupy"]), shape
     nbytes = n * H * es + T * H * es + n * 12 + H * es  # as bench_routing.py counts it
     impls = {
         "triton": lambda: finalize_triton(y, w, s2d, e4s, bias, out["triton"]),
-        "cupy": lambda: finalize_cupy(y, w, s2d, e4s, bias, out["cupy"], **kw),
+        "cupy": lambda: finalize_cupy(y, w, s2d, e4s, bias, out["cupy"], **launch),
     }
     compare("finalize", shape, nbytes, impls, ceil, repeats, rows, summary)
 
@@ -139,7 +142,7 @@ def print_summary(summary, ceil):
     copy = ceil.copy_bytes_per_s
     print(f"\ncopy bandwidth {copy / 1e12:.3f} TB/s; spread = (max - min) / median of repeats")
     head = (
-        f"{'stage':<9}{'shape':<32}{'triton us':>10}{'GB/s':>7}{'copy%':>7}{'spread':>8}"
+        f"{'stage':<9}{'shape':<48}{'triton us':>10}{'GB/s':>7}{'copy%':>7}{'spread':>8}"
         f"{'cupy us':>10}{'GB/s':>7}{'copy%':>7}{'spread':>8}{'cupy/triton':>12}  winner"
     )
     print(head)
@@ -151,13 +154,13 @@ def print_summary(summary, ceil):
             cols.append(
                 f"{t * 1e6:>10.1f}{gbs:>7.0f}{100 * nbytes / t / copy:>6.1f}%{100 * s:>7.1f}%"
             )
-        print(f"{stage:<9}{shape:<32}{cols[0]}{cols[1]}{ratio:>11.3f}x  {verdict}")
+        print(f"{stage:<9}{shape:<48}{cols[0]}{cols[1]}{ratio:>11.3f}x  {verdict}")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sweep", action="store_true", help="also sweep CuPy threads per block")
+    p.add_argument("--sweep", action="store_true", help="also sweep the CuPy launch settings")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -168,9 +171,13 @@ def main(argv=None):
     rows, summary = [], []
     bench_maps(ceil, args.repeats, rows, summary)
     bench_rows(ceil, args.repeats, rows, summary)
-    if args.sweep:
-        for threads in (64, 128, 256):
-            bench_rows(ceil, 1, rows, summary, threads=threads)
+    if args.sweep:  # finalize only: expand's sweep is in the note of kernels/cupy/expand.py
+        for rows_in_flight in (8, 4):
+            for threads in (64, 128, 256):
+                bench_rows(
+                    ceil, 1, rows, summary, expand=False, threads=threads,
+                    rows_in_flight=rows_in_flight,
+                )  # fmt: skip
     write_results(rows, env, args.out, "cupy_vs_triton")
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")
     print_summary(summary, ceil)

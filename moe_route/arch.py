@@ -7,7 +7,8 @@ Two questions are answered here, never at import time and never from "device 0":
   ``TRITON_INTERPRET=1`` is set), ``"cupy"`` (CUDA C kernels of the memory-bound stages —
   routing maps, expand, standalone finalize — compiled by NVRTC through CuPy, an optional
   dependency; the other stages run Triton) or ``"reference"`` (the pure-PyTorch oracle of
-  :mod:`moe_route.reference`, the CPU fallback). ``"auto"`` picks Triton on CUDA.
+  :mod:`moe_route.reference`, the CPU fallback). ``"auto"`` picks Triton on CUDA, except the
+  routing maps at the sizes where the CuPy kernels measured faster (when CuPy is installed).
 * **finalize path** — ``"standalone"`` (GEMM2 writes permuted rows, a separate
   finalize kernel reduces them) or ``"fused"`` (finalize inside GEMM2's epilogue, SM90+,
   float atomics: only when the caller passes ``deterministic=False``).
@@ -112,11 +113,37 @@ class Choice:
     why: str
 
 
-def backend_for(device: torch.device | str, requested: str = "auto") -> Choice:
+# NOTE: measured on an H200 by bench/bench_cupy.py (E=256, K=8, 3 alternating repeats): the
+# CuPy routing-maps kernels ran 1.15x the Triton ones at 512 slots (T=64; run-to-run spread
+# 4.2 %), 1.25x at 131072 slots (T=16384) and 1.43x at 262144 (T=32768) (spread <= 1.1 %), and
+# tied at 2048 and 32768 slots. "auto" picks them where they won, when CuPy is installed.
+# Expand tied (0.99-1.00x) and finalize was slower, so "auto" keeps Triton for those.
+CUPY_MAPS_MAX_SMALL_SLOTS = 512
+CUPY_MAPS_MIN_LARGE_SLOTS = 131072
+
+
+def _cupy_maps_faster(slots: int) -> bool:
+    return slots <= CUPY_MAPS_MAX_SMALL_SLOTS or slots >= CUPY_MAPS_MIN_LARGE_SLOTS
+
+
+@functools.cache
+def _cupy_usable() -> bool:
+    """CuPy imports (cached: "auto" asks on every call and must not pay for a failed import)."""
+    try:
+        import_cupy()
+    except Exception:  # not installed, or installed without working CUDA libraries
+        return False
+    return True
+
+
+def backend_for(
+    device: torch.device | str, requested: str = "auto", *, op: str = "", slots: int = 0
+) -> Choice:
     """Which implementation runs an op whose tensors live on ``device``.
 
     ``requested`` is the caller's ``backend=`` argument; ``MOE_ROUTE_BACKEND`` overrides an
-    ``"auto"`` request for the whole process.
+    ``"auto"`` request for the whole process. ``op="routing_maps"`` with its ``slots`` (``T*K``)
+    lets ``"auto"`` pick the CuPy kernels where they measured faster (see the note above).
     """
     device = torch.device(device)
     if requested not in ("auto", *BACKENDS):
@@ -137,6 +164,14 @@ def backend_for(device: torch.device | str, requested: str = "auto") -> Choice:
                 f"{source} but the tensors are on {device}: the CuPy kernels need a CUDA device"
             )
         return Choice("cupy", source)
+    if (
+        requested == "auto"
+        and op == "routing_maps"
+        and device.type == "cuda"
+        and _cupy_maps_faster(slots)
+        and _cupy_usable()
+    ):
+        return Choice("cupy", f"CUDA device; CuPy routing maps measured faster at {slots} slots")
     ok, err = _triton_importable()
     if device.type == "cuda":
         if not ok:
@@ -262,6 +297,10 @@ def describe(device: torch.device | str) -> dict[str, str]:
         "compute capability": f"SM{cc}" if cc is not None else "-",
         "backend": chosen,
     }
+    if chosen.startswith("triton") and device.type == "cuda":
+        small, large = CUPY_MAPS_MAX_SMALL_SLOTS, CUPY_MAPS_MIN_LARGE_SLOTS
+        which = "cupy" if _cupy_usable() else "triton (cupy if CuPy were installed)"
+        info["  routing maps"] = f"{which} at T*K <= {small} or >= {large} slots [measured faster]"
     for backend_name, available in backend_availability(device).items():
         info[f"  {backend_name}"] = f"{available.value:<4} [{available.why}]"
     info["finalize path"] = f"{path.value}  [{path.why}]"

@@ -77,7 +77,7 @@ class RoutingMaps:
 def _routing_maps_op(
     topk_ids: torch.Tensor, num_experts: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    chosen = backend_for(topk_ids.device, backend).value
+    chosen = backend_for(topk_ids.device, backend, op="routing_maps", slots=topk_ids.numel()).value
     if chosen == "reference":
         return routing_maps_reference(topk_ids, num_experts)
     if chosen == "cupy":
@@ -119,8 +119,9 @@ def build_routing_maps(
             array (viewed without a copy); ``-1`` marks a dropped slot. ``T = 0`` is allowed;
             ``K <= num_experts``.
         num_experts: ``E >= 1``.
-        backend: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"``, ``"cupy"`` or
-            ``"reference"``.
+        backend: ``"auto"`` (Triton on CUDA, or the CuPy kernels at the sizes where they
+            measured faster when CuPy is installed; reference on CPU), ``"triton"``,
+            ``"cupy"`` or ``"reference"``.
         check_ids: verify every id is in ``[-1, E)`` and raise ``ValueError`` otherwise.
             Reading the ids synchronises with the host, so the default (``None``) checks CPU
             tensors only, and GPU tensors when ``MOE_ROUTE_CHECK_IDS=1``. Unchecked ids outside
@@ -133,7 +134,7 @@ def build_routing_maps(
     """
     E = _checks.check_num_experts(num_experts)
     ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
-    backend_for(ids.device, backend)  # validates the request before anything runs
+    backend_for(ids.device, backend, op="routing_maps", slots=ids.numel())  # before any launch
     if _checks.ids_value_check_wanted(ids, check_ids):
         _checks.check_topk_id_values(ids, E)
     T, K = ids.shape

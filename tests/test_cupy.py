@@ -28,6 +28,9 @@ INSTALL = r"pip install 'moe_route\[cupy-cuda\d+\]' \(or pip install cupy-cuda\d
 def no_cupy(monkeypatch):
     """CuPy absent: ``import cupy`` raises ImportError, as on a machine without it."""
     monkeypatch.setitem(sys.modules, "cupy", None)
+    arch._cupy_usable.cache_clear()
+    yield
+    arch._cupy_usable.cache_clear()
 
 
 # ----------------------------------------------------------------------------- optional dependency
@@ -117,7 +120,9 @@ def fake_cupy(monkeypatch):
     module.__version__ = "0.fake"
     module.from_dlpack = lambda obj: FakeCupyArray(torch.from_dlpack(obj))
     monkeypatch.setitem(sys.modules, "cupy", module)
-    return module
+    arch._cupy_usable.cache_clear()
+    yield module
+    arch._cupy_usable.cache_clear()
 
 
 class FakeCupyArray:
@@ -143,6 +148,26 @@ def test_backend_cupy_needs_a_cuda_device(fake_cupy):
 
 def test_auto_keeps_triton_on_cuda(fake_cupy):
     assert arch.backend_for("cuda:0").value == "triton"
+    assert arch.backend_for("cuda:0", op="expand_rows", slots=1 << 20).value == "triton"
+
+
+@pytest.mark.parametrize(
+    "slots,chosen", [(8, "cupy"), (512, "cupy"), (513, "triton"), (131071, "triton"),
+                     (131072, "cupy"), (1 << 24, "cupy")],
+)  # fmt: skip
+def test_auto_routing_maps_pick_cupy_where_it_measured_faster(fake_cupy, slots, chosen):
+    choice = arch.backend_for("cuda:0", op="routing_maps", slots=slots)
+    assert choice.value == chosen
+    assert arch.backend_for("cpu", op="routing_maps", slots=slots).value != "cupy"
+
+
+def test_auto_routing_maps_without_cupy_or_when_forced(monkeypatch, no_cupy):
+    assert arch.backend_for("cuda:0", op="routing_maps", slots=1 << 20).value == "triton"
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    arch._cupy_usable.cache_clear()
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "triton")
+    assert arch.backend_for("cuda:0", op="routing_maps", slots=1 << 20).value == "triton"
+    assert arch.backend_for("cuda:0", "triton", op="routing_maps", slots=8).value == "triton"
 
 
 def test_env_backend_cupy(monkeypatch, fake_cupy):

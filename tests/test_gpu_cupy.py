@@ -185,10 +185,13 @@ def test_finalize_bits_equal_triton(dtype, T, H, bias):
     want = poisoned((T, H), dtype, CUDA)
     finalize_triton(c["y"], c["w"], *_tables(m), c["bias"], want)
     assert torch.equal(out, want), "not the Triton kernel's bits"
-    buf = poisoned((T, H + 8), dtype, CUDA)
-    finalize_cupy(c["y"], c["w"], *_tables(m), c["bias"], buf[:, :H])
-    assert torch.equal(buf[:, :H], want), "poisoned launcher output differs (unwritten rows?)"
-    assert buf[:, H:].isnan().all()
+    for rows_in_flight in (4, 8):
+        buf = poisoned((T, H + 8), dtype, CUDA)
+        finalize_cupy(
+            c["y"], c["w"], *_tables(m), c["bias"], buf[:, :H], rows_in_flight=rows_in_flight
+        )
+        assert torch.equal(buf[:, :H], want), "poisoned launcher output differs (unwritten rows?)"
+        assert buf[:, H:].isnan().all()
 
 
 @pytest.mark.parametrize(
@@ -268,6 +271,18 @@ def test_cupy_arrays_in_cupy_arrays_out_no_copy(monkeypatch):
 # ============================================================================= selection
 def test_selection(monkeypatch):
     assert arch.backend_for(CUDA).value == "triton"  # auto keeps Triton (see arch)
+    from moe_route.kernels.cupy import routing_maps as maps_module
+
+    picked = []
+    real_maps = maps_module.routing_maps_cupy
+    monkeypatch.setattr(
+        maps_module, "routing_maps_cupy", lambda *a: picked.append(a[0].shape) or real_maps(*a)
+    )
+    for T in (64, 4096, 16384):  # auto: CuPy where it measured faster (arch's note)
+        ids = random_topk_ids(T, 8, 256, device=CUDA, seed=T)
+        maps = moe_route.build_routing_maps(ids, 256)
+        assert_tables_equal(maps_tables(maps), routing_maps_reference(ids, 256))
+    assert picked == [(64, 8), (16384, 8)]
     monkeypatch.setenv("MOE_ROUTE_BACKEND", "cupy")
     assert arch.backend_for(CUDA).value == "cupy"
     from moe_route.kernels.cupy import finalize as finalize_module

@@ -56,7 +56,7 @@ class KernelCompileError(RuntimeError):
 
 @functools.cache
 def kernel(source: str, name: str, device_index: int):
-    """The ``RawKernel`` ``name`` (a name expression such as ``"expand_rows<Bytes16>"``) of
+    """The ``RawKernel`` ``name`` (a name expression such as ``"expand_rows<Bytes16, 8>"``) of
     ``source``, compiled for device ``device_index``."""
     cupy = import_cupy()
     module = _module(source, (name,))
@@ -77,6 +77,16 @@ def ptr(t: torch.Tensor | None) -> np.uint64:
 
 def ints(*values: int) -> tuple[np.int64, ...]:
     return tuple(np.int64(v) for v in values)
+
+
+def int32s(what: str, *values: int) -> tuple[np.int32, ...]:
+    """``int`` kernel arguments; raises ``ValueError`` (before any launch) if one does not fit."""
+    if any(not -(2**31) <= v < 2**31 for v in values):
+        raise ValueError(
+            f"{what} {values}: the CuPy kernels take strides below 2**31 elements; use "
+            "backend='triton' for such layouts"
+        )
+    return tuple(np.int32(v) for v in values)
 
 
 class _StreamHandle:
@@ -120,6 +130,6 @@ def probe(device_index: int) -> str:
     Raises whatever stops the CuPy backend there (no GPU visible to CuPy, NVRTC failure).
     """
     cupy = import_cupy()
-    kernel("expand.cu", "expand_rows<Bytes16>", device_index)
+    kernel("expand.cu", "expand_rows<Bytes16, 1>", device_index)
     major, minor = cupy.cuda.nvrtc.getVersion()
     return f"CuPy {cupy.__version__}, NVRTC {major}.{minor}"

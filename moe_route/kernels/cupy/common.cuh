@@ -54,14 +54,16 @@ __device__ __forceinline__ void round_to(float v, f16_t& out) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
 }
 __device__ __forceinline__ void round_to(float v, bf16_t& out) {
-    // Round to nearest even on the bits (cvt.rn.bf16.f32 needs SM80; this runs anywhere and
-    // gives the same bits, NaN included: the canonical 0x7fff).
+#if __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
+#else  // the same bits (round to nearest even, NaN -> the canonical 0x7fff) in integer steps
     const unsigned u = __float_as_uint(v);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
         out.bits = 0x7fff;
         return;
     }
     out.bits = static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 __device__ __forceinline__ void round_to(double v, double& out) { out = v; }
 __device__ __forceinline__ void round_to(double v, float& out) {

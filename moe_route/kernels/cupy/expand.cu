@@ -16,24 +16,26 @@
 // Dest rows of up to KCHUNK slots are loaded together, so their latencies overlap.
 constexpr int KCHUNK = 8;
 
-template <typename V>
+// K is a template parameter and indices are 32-bit, as in finalize.cu.
+template <typename V, int K>
 __global__ void expand_rows(const V* __restrict__ x, V* __restrict__ out,
                             const int* __restrict__ src_to_dest,
-                            const int* __restrict__ expert_for_src, long long T, long long K,
-                            long long width, long long x_row, long long x_col, long long out_row,
-                            long long out_col) {
-    const long long t = blockIdx.x;
-    const long long c = static_cast<long long>(blockIdx.y) * blockDim.x + threadIdx.x;
+                            const int* __restrict__ expert_for_src, int T, int width, int x_row,
+                            int x_col, int out_row, int out_col) {
+    const int t = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= width) return;
-    const V v = x[t * x_row + c * x_col];
+    const V v = x[static_cast<long long>(t) * x_row + static_cast<long long>(c) * x_col];
     const V zero{};
-    for (long long k0 = 0; k0 < K; k0 += KCHUNK) {
+    const long long column = static_cast<long long>(c) * out_col;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += KCHUNK) {
         int dest[KCHUNK];
         bool routed[KCHUNK];
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
             if (k0 + j < K) {
-                const long long s = (k0 + j) * T + t;
+                const int s = (k0 + j) * T + t;
                 dest[j] = src_to_dest[s];
                 routed[j] = expert_for_src[s] >= 0;
             }
@@ -41,7 +43,7 @@ __global__ void expand_rows(const V* __restrict__ x, V* __restrict__ out,
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
             if (k0 + j < K) {
-                out[static_cast<long long>(dest[j]) * out_row + c * out_col] = routed[j] ? v : zero;
+                out[static_cast<long long>(dest[j]) * out_row + column] = routed[j] ? v : zero;
             }
         }
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import _nvrtc
@@ -50,10 +51,12 @@ def expand_rows_cupy(
             f"x has H={H} columns: the CuPy expand kernel handles rows of at most "
             f"{65535 * threads * per_unit} elements"
         )
-    k = _nvrtc.kernel("expand.cu", f"expand_rows<{unit}>", x.device.index)
+    strides = _nvrtc.int32s(
+        "x/out strides", x.stride(0) // per_unit, x_col, out.stride(0) // per_unit, out_col
+    )
+    k = _nvrtc.kernel("expand.cu", f"expand_rows<{unit}, {K}>", x.device.index)
     args = (
         _nvrtc.ptr(x), _nvrtc.ptr(out), _nvrtc.ptr(src_to_dest), _nvrtc.ptr(expert_for_src),
-        *_nvrtc.ints(T, K, width, x.stride(0) // per_unit, x_col, out.stride(0) // per_unit,
-                     out_col),
+        np.int32(T), np.int32(width), *strides,
     )  # fmt: skip
     _nvrtc.launch(k, x.device, (T, blocks_per_row), (threads,), args)

@@ -16,52 +16,53 @@
 
 #include "common.cuh"
 
-// Permuted rows of up to KCHUNK slots are loaded together, so their latencies overlap.
-constexpr int KCHUNK = 8;
-
-template <typename TY, typename TW, typename TB, typename Acc, int N>
+// NOTE: K is a template parameter (one instantiation per top-k, as the Triton kernel's K is a
+// constexpr) and indices are 32-bit with 64-bit products only for memory offsets: on an H200
+// the same kernel with a run-time K and 64-bit index arithmetic issued ~2x the instructions
+// and ran at 64-67 % of the copy bandwidth. KCHUNK permuted rows are loaded together, so their
+// latencies overlap; more rows in flight per thread cost registers (fewer threads per SM).
+template <typename TY, typename TW, typename TB, typename Acc, int N, int K, int KCHUNK>
 __global__ void finalize_rows(const TY* __restrict__ y, const TW* __restrict__ w,
                               const int* __restrict__ src_to_dest,
                               const int* __restrict__ expert_for_src, const TB* __restrict__ bias,
-                              TY* __restrict__ out, long long T, long long K, long long width,
-                              long long y_row, long long y_col, long long w_t, long long w_k,
-                              long long bias_t, long long bias_col, long long out_row,
-                              long long out_col) {
-    const long long t = blockIdx.x;
-    const long long c = static_cast<long long>(blockIdx.y) * blockDim.x + threadIdx.x;
+                              TY* __restrict__ out, int T, int width, int y_row, int y_col,
+                              int w_t, int w_k, int bias_t, int bias_col, int out_row,
+                              int out_col) {
+    const int t = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= width) return;
-    const long long h = c * N;  // first column of this thread's unit
+    const long long h = static_cast<long long>(c) * N;  // first column of this thread's unit
     Acc acc[N] = {};
-    for (long long k0 = 0; k0 < K; k0 += KCHUNK) {
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += KCHUNK) {
         // Two rounds of loads, each all in flight at once: the slots' maps and weights, then
         // the rows of the routed ones. (Deciding per slot whether to load its row, before
-        // loading the next slot's maps, waits out one memory latency per slot: on an H200
-        // that ran at 61-64 % of the copy bandwidth.)
+        // loading the next slot's maps, waits out one memory latency per slot.)
         int dest[KCHUNK];
         bool routed[KCHUNK];
         TW weight[KCHUNK];
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
-            const long long k = k0 + j;
+            const int k = k0 + j;
             routed[j] = false;
             if (k < K) {
-                const long long s = k * T + t;
+                const int s = k * T + t;
                 dest[j] = src_to_dest[s];
                 routed[j] = expert_for_src[s] >= 0;
-                weight[j] = w[t * w_t + k * w_k];  // read, and used only if routed
+                weight[j] = w[static_cast<long long>(t) * w_t + static_cast<long long>(k) * w_k];
             }
         }
         Vec<TY, N> rows[KCHUNK];
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
             if (routed[j]) {
-                const long long d = dest[j];
-                rows[j] = *reinterpret_cast<const Vec<TY, N>*>(y + d * y_row + h * y_col);
+                const TY* row = y + static_cast<long long>(dest[j]) * y_row + h * y_col;
+                rows[j] = *reinterpret_cast<const Vec<TY, N>*>(row);
             }
         }
 #pragma unroll
         for (int j = 0; j < KCHUNK; ++j) {
-            if (!routed[j]) continue;
+            if (!routed[j]) continue;  // a dropped slot's weight is read but never used
             const Acc scale = widen<Acc>(weight[j]);
 #pragma unroll
             for (int i = 0; i < N; ++i) {
@@ -70,12 +71,13 @@ __global__ void finalize_rows(const TY* __restrict__ y, const TW* __restrict__ w
         }
     }
     if (bias != nullptr) {
-        const Vec<TB, N> b = *reinterpret_cast<const Vec<TB, N>*>(bias + t * bias_t + h * bias_col);
+        const TB* row = bias + static_cast<long long>(t) * bias_t + h * bias_col;
+        const Vec<TB, N> b = *reinterpret_cast<const Vec<TB, N>*>(row);
 #pragma unroll
         for (int i = 0; i < N; ++i) acc[i] = add_rn(acc[i], widen<Acc>(b.v[i]));
     }
     Vec<TY, N> o;
 #pragma unroll
     for (int i = 0; i < N; ++i) round_to(acc[i], o.v[i]);
-    *reinterpret_cast<Vec<TY, N>*>(out + t * out_row + h * out_col) = o;
+    *reinterpret_cast<Vec<TY, N>*>(out + static_cast<long long>(t) * out_row + h * out_col) = o;
 }

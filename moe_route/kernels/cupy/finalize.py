@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import _nvrtc
@@ -9,6 +10,8 @@ from .expand import rows_aligned
 
 # Threads per block: each owns one unit (16 bytes, or one element) of one output row.
 THREADS = 128
+# Permuted rows each thread loads at once (the kernel's KCHUNK).
+ROWS_IN_FLIGHT = 8
 CTYPES = {
     torch.bfloat16: "bf16_t",
     torch.float16: "f16_t",
@@ -39,6 +42,7 @@ def finalize_cupy(
     out: torch.Tensor,
     *,
     threads: int = THREADS,
+    rows_in_flight: int = ROWS_IN_FLIGHT,
 ) -> None:
     """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated)."""
     T, K = topk_weights.shape
@@ -56,18 +60,22 @@ def finalize_cupy(
     acc = "double" if torch.float64 in (y_perm.dtype, topk_weights.dtype) else "float"
     ty = CTYPES[y_perm.dtype]
     tb = ty if bias is None else CTYPES[bias.dtype]
-    name = f"finalize_rows<{ty}, {CTYPES[topk_weights.dtype]}, {tb}, {acc}, {n}>"
+    tw = CTYPES[topk_weights.dtype]
+    name = f"finalize_rows<{ty}, {tw}, {tb}, {acc}, {n}, {K}, {min(K, rows_in_flight)}>"
     if bias is None:
         bias_t = bias_col = 0
     elif bias.dim() == 1:
         bias_t, bias_col = 0, bias.stride(0)
     else:
         bias_t, bias_col = bias.stride()
+    strides = _nvrtc.int32s(
+        "y_perm/topk_weights/bias/out strides",
+        *y_perm.stride(), *topk_weights.stride(), bias_t, bias_col, *out.stride(),
+    )  # fmt: skip
     k = _nvrtc.kernel("finalize.cu", name, y_perm.device.index)
     args = (
         _nvrtc.ptr(y_perm), _nvrtc.ptr(topk_weights), _nvrtc.ptr(src_to_dest),
         _nvrtc.ptr(expert_for_src), _nvrtc.ptr(bias), _nvrtc.ptr(out),
-        *_nvrtc.ints(T, K, width, *y_perm.stride(), *topk_weights.stride(), bias_t, bias_col,
-                     *out.stride()),
+        np.int32(T), np.int32(width), *strides,
     )  # fmt: skip
     _nvrtc.launch(k, y_perm.device, (T, blocks_per_row), (threads,), args)
