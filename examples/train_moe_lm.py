@@ -35,7 +35,7 @@ import moe_route
 
 # ----------------------------------------------------------------------------- data
 def make_batch(batch, seq_len, vocab, *, a=3, b=5, generator=None, device="cpu"):
-    """``[batch, seq_len]`` int64 sequences of the recurrence ``x[t+1] = (a x[t] + b x[t-1]) % V``."""
+    """``[batch, seq_len]`` int64 sequences: ``x[t+1] = (a x[t] + b x[t-1]) mod vocab``."""
     x = torch.empty(batch, seq_len, dtype=torch.int64)
     x[:, :2] = torch.randint(0, vocab, (batch, 2), generator=generator)
     for t in range(2, seq_len):
@@ -156,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
     p.add_argument("--z-loss-coef", type=float, default=1e-3)
     p.add_argument("--bias-update-rate", type=float, default=1e-3,
-                   help="expert-bias step of the sigmoid_grouped router (aux-loss-free)")  # fmt: skip
+                   help="expert-bias step of the aux-loss-free sigmoid_grouped router")  # fmt: skip
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--threads", type=int, default=1,
