@@ -12,7 +12,10 @@ from .reference import (
     ACTIVATIONS,
     GATE_UP_LAYOUTS,
     GATED_ACTIVATIONS,
+    activation_backward_reference,
     expand_rows_reference,
+    finalize_moe_routing_reference,
+    grouped_gemm_backward_reference,
     grouped_gemm_reference,
 )
 
@@ -25,7 +28,9 @@ def _grouped_gemm_op(
     a: torch.Tensor,
     w: torch.Tensor,
     offsets: torch.Tensor,
+    src_to_dest: torch.Tensor,
     dest_to_src: torch.Tensor,
+    expert_for_src: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str,
     gate_up_layout: str,
@@ -51,8 +56,127 @@ def _grouped_gemm_op(
 
 
 @_grouped_gemm_op.register_fake
-def _(a, w, offsets, dest_to_src, bias, activation, gate_up_layout, gather, allow_tf32, backend):
+def _(a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation, *_):
     return a.new_empty(dest_to_src.numel(), _n_out(w, activation))
+
+
+@torch.library.custom_op("moe_route::grouped_gemm_backward", mutates_args=())
+def _grouped_gemm_backward_op(
+    dout: torch.Tensor,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    src_to_dest: torch.Tensor,
+    dest_to_src: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    gate_up_layout: str,
+    gather: bool,
+    need_da: bool,
+    need_dw: bool,
+    need_db: bool,
+    allow_tf32: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(da, dw, db)`` of :func:`grouped_gemm`; the ones not asked for are empty.
+
+    The pre-activation is recomputed (one more GEMM) for a non-identity activation: this
+    stage-by-stage backward saves only the op's inputs. ``fused_moe`` saves it instead.
+    """
+    if backend_for(a.device, backend).value == "reference":
+        rows = expand_rows_reference(a, dest_to_src, offsets) if gather else a
+        da, dw, db = grouped_gemm_backward_reference(
+            dout, rows, w, offsets, bias, activation=activation, gate_up_layout=gate_up_layout
+        )
+        if gather:  # the K copies of each token, summed in k order
+            T = a.shape[0]
+            unit = torch.ones(T, src_to_dest.numel() // max(T, 1), dtype=da.dtype, device=a.device)
+            da = finalize_moe_routing_reference(da, unit, src_to_dest, expert_for_src)
+    else:
+        da, dw, db = _grouped_gemm_backward_triton(
+            dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation,
+            gate_up_layout, gather, need_da, need_dw, need_db, allow_tf32,
+        )  # fmt: skip
+    if bias is not None:
+        db = db.to(bias.dtype)
+    wanted = (need_da, need_dw, need_db and bias is not None)
+    return tuple(g if n else a.new_empty(0) for g, n in zip((da, dw, db), wanted, strict=True))
+
+
+@_grouped_gemm_backward_op.register_fake
+def _(dout, a, w, offsets, s2d, d2s, efs, bias, act, layout, gather, need_da, need_dw, need_db, *_):
+    wanted = (need_da, need_dw, need_db and bias is not None)
+    like = (a, w, bias if bias is not None else a)
+    return tuple(
+        torch.empty_like(t) if n else a.new_empty(0) for t, n in zip(like, wanted, strict=True)
+    )
+
+
+def _grouped_gemm_backward_triton(
+    dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation,
+    gate_up_layout, gather, need_da, need_dw, need_db, allow_tf32,
+):  # fmt: skip
+    from .kernels.triton.finalize import finalize_triton
+    from .kernels.triton.grouped_gemm import grouped_gemm_triton
+    from .kernels.triton.weight_grad import expert_weight_grad_triton
+
+    M = dest_to_src.numel()
+    dz = dout
+    if activation != "identity":
+        z = a.new_empty(M, w.shape[1])
+        grouped_gemm_triton(
+            a, w, offsets, z, bias=bias, dest_to_src=dest_to_src, gather=gather, num_rows=M,
+            allow_tf32=allow_tf32,
+        )  # fmt: skip
+        acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+        dz = activation_backward_reference(z.to(acc), dout.to(acc), activation, gate_up_layout).to(
+            a.dtype
+        )
+    empty = a.new_empty(0)
+    da = dw = db = empty
+    if need_da:
+        da_perm = a.new_empty(M, a.shape[1])
+        grouped_gemm_triton(dz, w.transpose(1, 2), offsets, da_perm, allow_tf32=allow_tf32)
+        da = da_perm
+        if gather:
+            T = a.shape[0]
+            da = a.new_empty(a.shape)
+            unit = torch.ones((), dtype=torch.float32, device=a.device).expand(T, M // max(T, 1))
+            finalize_triton(da_perm, unit, src_to_dest, expert_for_src, None, da)
+    if need_dw or need_db:
+        dw = torch.empty_like(w)
+        db = torch.empty(w.shape[:2], dtype=w.dtype, device=a.device) if need_db else None
+        expert_weight_grad_triton(
+            dz, a, offsets, dw, db=db, dest_to_src=dest_to_src, b_gather=gather, num_rows=M,
+            allow_tf32=allow_tf32,
+        )  # fmt: skip
+        db = empty if db is None else db
+    return da, dw, db
+
+
+def _grouped_gemm_setup_context(ctx, inputs, output):
+    a, w, offsets, s2d, d2s, efs, bias, activation, layout, gather, tf32, backend = inputs
+    ctx.save_for_backward(a, w, offsets, s2d, d2s, efs, bias)
+    ctx.config = (activation, layout, gather, tf32, backend)
+
+
+def _grouped_gemm_backward(ctx, dout):
+    a, w, offsets, s2d, d2s, efs, bias = ctx.saved_tensors
+    activation, layout, gather, tf32, backend = ctx.config
+    need = ctx.needs_input_grad
+    da, dw, db = _grouped_gemm_backward_op(
+        dout, a, w, offsets, s2d, d2s, efs, bias, activation, layout, gather, need[0], need[1],
+        need[6], tf32, backend,
+    )  # fmt: skip
+    grads = [da if need[0] else None, dw if need[1] else None] + [None] * 10
+    grads[6] = db if need[6] else None
+    return tuple(grads)
+
+
+torch.library.register_autograd(
+    "moe_route::grouped_gemm", _grouped_gemm_backward, setup_context=_grouped_gemm_setup_context
+)
 
 
 def _n_out(w: torch.Tensor, activation: str) -> int:
@@ -141,6 +265,7 @@ def grouped_gemm(
             )
     backend_for(a.device, backend)
     return _grouped_gemm_op(
-        a, w, maps.expert_first_token_offset, maps.expanded_dest_row_to_expanded_source_row,
-        bias, activation, gate_up_layout, gather, allow_tf32, backend,
+        a, w, maps.expert_first_token_offset, maps.expanded_source_row_to_expanded_dest_row,
+        maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row, bias,
+        activation, gate_up_layout, gather, allow_tf32, backend,
     )  # fmt: skip

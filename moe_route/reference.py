@@ -210,6 +210,46 @@ def grouped_gemm_reference(
     return out.to(a.dtype)
 
 
+def grouped_gemm_backward_reference(
+    dout: torch.Tensor,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str = "identity",
+    gate_up_layout: str = "concat",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`grouped_gemm_reference` (``a`` already permuted) given ``dout``.
+
+    For the rows ``d`` of expert ``e``: ``z = a[d] @ w[e].T + bias[e]``,
+    ``dz = act'(z) dout[d]``, ``da[d] = dz @ w[e]``, ``dw[e] = Σ dz^T a[d]``,
+    ``db[e] = Σ dz``. Rows past ``offset[E]`` (dropped) get a zero ``da``; an expert with no
+    rows gets zero ``dw`` and ``db``.
+
+    Returns:
+        ``(da [M, Kd], dw [E, N, Kd], db [E, N])`` in the dtypes of ``a``, ``w``, ``w``.
+    """
+    cdt = _compute_dtype(dout, a, w)
+    offsets = expert_first_token_offset.tolist()  # the oracle may sync; kernels must not
+    da = torch.zeros(a.shape, dtype=cdt, device=a.device)
+    dw = torch.zeros(w.shape, dtype=cdt, device=a.device)
+    db = torch.zeros(w.shape[:2], dtype=cdt, device=a.device)
+    for e in range(w.shape[0]):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        a_e, w_e = a[lo:hi].to(cdt), w[e].to(cdt)
+        z = a_e @ w_e.t()
+        if bias is not None:
+            z = z + bias[e].to(cdt)
+        dz = activation_backward_reference(z, dout[lo:hi].to(cdt), activation, gate_up_layout)
+        da[lo:hi] = dz @ w_e
+        dw[e] = dz.t() @ a_e
+        db[e] = dz.sum(0)
+    return da.to(a.dtype), dw.to(w.dtype), db.to(w.dtype)
+
+
 # --------------------------------------------------------------------------- finalize
 def finalize_moe_routing_reference(
     y_perm: torch.Tensor,

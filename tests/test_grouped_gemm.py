@@ -278,7 +278,9 @@ def test_kernel_random_routings(T, K, E, drop, act_layout, gather, seed):
 def test_opcheck_grouped_gemm_op():
     """Schema, fake (meta) implementation and autograd registration of moe_route::grouped_gemm."""
     a, w, b, maps = make_case(7, 2, 3, 8, 4, "swiglu", bias=True, gather=True, seed=41)
-    args = (a, w, maps.expert_first_token_offset, maps.expanded_dest_row_to_expanded_source_row,
+    a, w, b = (t.requires_grad_(True) for t in (a, w, b))  # exercises the registered backward
+    args = (a, w, maps.expert_first_token_offset, maps.expanded_source_row_to_expanded_dest_row,
+            maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
             b, "swiglu", "concat", True, False, "reference")  # fmt: skip
     torch.library.opcheck(gg_module._grouped_gemm_op, args)
 
