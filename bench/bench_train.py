@@ -64,9 +64,10 @@ def grouped_mm_moe(x, w1, w2, topk_weights, topk_ids):
 
 
 def loop_moe(x, w1, w2, topk_weights, topk_ids):
-    """Per-expert loop, as in many model files (one boolean mask and sync per expert)."""
+    """Per-expert loop, as in many model files (one boolean mask and sync per expert); ``w1``
+    and ``w2`` are lists of per-expert weights, as an ``nn.ModuleList`` of experts holds them."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(w1.shape[0]):
+    for e in range(len(w1)):
         token, slot = torch.where(topk_ids == e)
         if token.numel() == 0:
             continue
@@ -83,12 +84,12 @@ def moe_route_moe(x, w1, w2, topk_weights, topk_ids):
 IMPLS = {"moe_route": moe_route_moe, "grouped_mm": grouped_mm_moe, "loop": loop_moe}
 
 
-def step(fn, leaves, ids, dout):
-    out = fn(*leaves, ids)
+def step(fn, args, leaves, ids, dout):
+    out = fn(*args, ids)
     return torch.autograd.grad(out, leaves, dout)
 
 
-def saved_bytes(fn, leaves, ids):
+def saved_bytes(fn, args, leaves, ids):
     """Bytes the forward saves for backward, excluding the leaves' own storage."""
     own = {t.untyped_storage().data_ptr() for t in leaves}
     seen, total = set(), 0
@@ -102,17 +103,17 @@ def saved_bytes(fn, leaves, ids):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*leaves, ids)
+        out = fn(*args, ids)
     del out
     return total
 
 
-def peak_bytes(fn, leaves, ids, dout):
+def peak_bytes(fn, args, leaves, ids, dout):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    grads = step(fn, leaves, ids, dout)
+    grads = step(fn, args, leaves, ids, dout)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del grads
@@ -141,22 +142,33 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
     flops = 18 * M * H * I
     nbytes = 3 * (3 * I * H * 2) * E + 4 * T * H * 2
     results = {}
-    base_grads = step(grouped_mm_moe, leaves, ids, dout)
+    grad_bytes = (w1.numel() + w2.numel()) * 2
+    base_grads = step(grouped_mm_moe, leaves, leaves, ids, dout)
     for impl, fn in IMPLS.items():
         if impl == "loop" and not with_loop:
             continue
+        args, params = leaves, leaves
         if impl == "loop":
-            t = time_cuda(lambda fn=fn: step(fn, leaves, ids, dout), use_graph=False, inner=1,
-                          outer=5, warmup=1)  # fmt: skip
+            w1s = [w.detach().clone().requires_grad_(True) for w in w1]
+            w2s = [w.detach().clone().requires_grad_(True) for w in w2]
+            args, params = [x, w1s, w2s, tw], [x, tw, *w1s, *w2s]
+            t = time_cuda(lambda fn=fn, a=args, p=params: step(fn, a, p, ids, dout),
+                          use_graph=False, inner=1, outer=5, warmup=1)  # fmt: skip
         else:
-            t = time_cuda(lambda fn=fn: step(fn, leaves, ids, dout), inner=3, outer=15)
+            t = time_cuda(lambda fn=fn, a=args, p=params: step(fn, a, p, ids, dout), inner=3,
+                          outer=15)  # fmt: skip
         results[impl] = t
+        peak = peak_bytes(fn, args, params, ids, dout)
         extra = {
-            "peak_gb": peak_bytes(fn, leaves, ids, dout) / 1e9,
-            "saved_bytes_per_token": saved_bytes(fn, leaves, ids) / T,
+            "peak_gb": peak / 1e9,
+            # the same for every implementation: the weight gradients themselves
+            "peak_minus_weight_grads_gb": (peak - grad_bytes) / 1e9,
+            "saved_bytes_per_token": saved_bytes(fn, args, params, ids) / T,
         }
+        if impl == "loop":
+            del args, params, w1s, w2s
         if impl == "moe_route":
-            grads = step(fn, leaves, ids, dout)
+            grads = step(fn, args, params, ids, dout)
             extra["max_rel_err_vs_grouped_mm"] = max(
                 rel_err(a, b) for a, b in zip(grads, base_grads, strict=True)
             )
@@ -166,6 +178,12 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
     base = next(r for r in rows[-len(results) :] if r.impl == "grouped_mm")
     ours.extra["x_grouped_mm"] = results["grouped_mm"].median_s / results["moe_route"].median_s
     ours.extra["mem_vs_grouped_mm"] = ours.extra["peak_gb"] / base.extra["peak_gb"]
+    ours.extra["act_mem_vs_grouped_mm"] = (
+        ours.extra["peak_minus_weight_grads_gb"] / base.extra["peak_minus_weight_grads_gb"]
+    )
+    ours.extra["saved_vs_grouped_mm"] = (
+        ours.extra["saved_bytes_per_token"] / base.extra["saved_bytes_per_token"]
+    )
     if "loop" in results:
         ours.extra["x_loop"] = results["loop"].median_s / results["moe_route"].median_s
     ours.extra["tflops"] = flops / results["moe_route"].median_s / 1e12
@@ -231,34 +249,23 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     dense = time_cuda(lambda: torch.mm(dz[:, : 2 * I].t(), dx_perm[:, :H]))
     print(f"  dense dz^T @ rows [{2 * I}x{M}]x[{M}x{H}]: "
           f"{2 * M * 2 * I * H / dense.median_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
-    if sweep:
-        for cfg in [(128, 64, 64, 4, 8, 3), (64, 128, 64, 4, 8, 3), (128, 128, 64, 8, 8, 4),
-                    (64, 64, 64, 4, 4, 4), (128, 256, 64, 8, 8, 3)]:  # fmt: skip
-            t = time_cuda(lambda cfg=cfg: grouped_gemm_triton(
-                dout, w2.transpose(1, 2), off, h, activation="swiglu", dest_to_src=d2s,
-                gather=True, num_rows=M, act_backward=(z, dz, tw), config=cfg))  # fmt: skip
-            print(f"  gemm2_act config {cfg}: {g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
-        for cfg in [(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]:
-            t = time_cuda(lambda cfg=cfg: weight_grad.expert_weight_grad_triton(
-                dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M,
-                config=cfg))  # fmt: skip
-            print(f"  dw2 config {cfg}: {g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
-        for use_tma in (False, True):
-            t = time_cuda(lambda use_tma=use_tma: weight_grad.expert_weight_grad_triton(
+    if sweep:  # variants of the weight-gradient kernel, against the defaults timed above
+        variants = {
+            "dw1 a_t_load": lambda: weight_grad.expert_weight_grad_triton(
+                dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M, a_t_load=True),
+            "dw2 a_t_load": lambda: weight_grad.expert_weight_grad_triton(
+                dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M, a_t_load=True),
+            "dw1 (64,256,128,8,3)": lambda: weight_grad.expert_weight_grad_triton(
                 dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M,
-                use_tma=use_tma))  # fmt: skip
-            print(f"  dw1 use_tma={use_tma}: {2 * g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
-        for cfg in [(64, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
-                    (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (128, 128, 128, 8, 2)]:  # fmt: skip
-            try:
-                t = time_cuda(
-                    lambda cfg=cfg: weight_grad.expert_weight_grad_triton(
-                        dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M, config=cfg
-                    )
-                )
-                print(f"  dw1 config {cfg}: {2 * g / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
-            except Exception as exc:  # a config that does not compile
-                print(f"  dw1 config {cfg}: failed {type(exc).__name__}", flush=True)
+                config=(64, 256, 128, 8, 3)),
+            "dw2 (32,128,128,4,4)": lambda: weight_grad.expert_weight_grad_triton(
+                dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M,
+                config=(32, 128, 128, 4, 4)),
+        }  # fmt: skip
+        for label, fn in variants.items():
+            t = time_cuda(fn)
+            flops = 2 * g if label.startswith("dw1") else g
+            print(f"  {label}: {flops / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
 
 
 def main(argv=None):
@@ -283,7 +290,10 @@ def main(argv=None):
         r = bench_shape(*s, ceil, rows, with_loop=not args.no_loop)
         torch.cuda.empty_cache()
         print(f"{r.shape}: {r.median_us:.0f} us, x_grouped_mm {r.extra['x_grouped_mm']:.2f}, "
-              f"mem {r.extra['mem_vs_grouped_mm']:.2f}", flush=True)  # fmt: skip
+              f"x_loop {r.extra.get('x_loop', float('nan')):.1f}, "
+              f"peak {r.extra['mem_vs_grouped_mm']:.2f} (without weight grads "
+              f"{r.extra['act_mem_vs_grouped_mm']:.2f}), saved "
+              f"{r.extra['saved_vs_grouped_mm']:.2f}", flush=True)  # fmt: skip
     write_results(rows, env, args.out, "train")
     print_table(rows, env)
 

@@ -64,6 +64,7 @@ def _expert_weight_grad_kernel(
     HAS_DBIAS: tl.constexpr,
     A_DESC: tl.constexpr,
     B_DESC: tl.constexpr,
+    A_T_LOAD: tl.constexpr,
     ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -95,6 +96,13 @@ def _expert_weight_grad_kernel(
         # zero there, and those rows hold finite values, so they add nothing.
         if A_DESC:
             a = a_desc.load([r0.to(tl.int32), pid_n * BLOCK_N])
+        elif A_T_LOAD:  # load A^T as it goes into the MMA ([BLOCK_N, BLOCK_R]), no transpose
+            a_t = tl.load(
+                a_ptr + a_rows[None, :] * stride_am + ns[:, None] * stride_an,
+                mask=r_ok[None, :] & n_ok[:, None],
+                other=0.0,
+            )
+            a = tl.trans(a_t)
         else:
             a = tl.load(
                 a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
@@ -115,7 +123,10 @@ def _expert_weight_grad_kernel(
                 mask=r_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-        acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
+        if A_T_LOAD and not A_DESC:
+            acc = _mma(a_t, b, acc, DOT_PRECISION)
+        else:
+            acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
     dw_ptrs = (
         dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
     )
@@ -174,6 +185,7 @@ def expert_weight_grad_triton(
     allow_tf32: bool = False,
     config: tuple | None = None,
     use_tma: bool | None = None,
+    a_t_load: bool = False,
 ) -> None:
     """``dw[e] = Σ_d A[d]^T B[d]`` and ``db[e] = Σ_d s_d A[d]`` over the rows of each expert.
 
@@ -218,6 +230,7 @@ def expert_weight_grad_triton(
         scale.stride(1) if db_scale is not None else 0,
         A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
         HAS_DBIAS=db is not None, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
+        A_T_LOAD=a_t_load,
         ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
         BLOCK_R=br, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
