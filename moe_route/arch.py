@@ -113,12 +113,12 @@ class Choice:
     why: str
 
 
-# NOTE: measured on an H200 by bench/bench_cupy.py (E=256, K=8, 3 alternating repeats): the
-# CuPy routing-maps kernels ran 1.15x the Triton ones at 512 slots (T=64; run-to-run spread
-# 4.2 %), 1.25x at 131072 slots (T=16384) and 1.43x at 262144 (T=32768) (spread <= 1.1 %), and
-# tied at 2048 and 32768 slots. "auto" picks them where they won, when CuPy is installed.
-# Expand tied (0.99-1.00x) and finalize was slower, so "auto" keeps Triton for those.
-CUPY_MAPS_MAX_SMALL_SLOTS = 512
+# NOTE: measured on an H200 by bench/bench_cupy.py (E=256, K=8; two runs of 3 alternating
+# repeats, run-to-run spread <= 3.5 %): the CuPy routing-maps kernels ran 1.15x the Triton ones
+# at 512 slots (T=64), 1.02x at 2048 (T=256), 1.25x at 131072 (T=16384) and 1.44x at 262144
+# (T=32768), and tied at 32768 slots (T=4096). "auto" picks them where they won, when CuPy is
+# installed. Expand (0.985-0.997x) and finalize (0.70-0.78x) stayed Triton's.
+CUPY_MAPS_MAX_SMALL_SLOTS = 2048
 CUPY_MAPS_MIN_LARGE_SLOTS = 131072
 
 

@@ -152,7 +152,7 @@ def test_auto_keeps_triton_on_cuda(fake_cupy):
 
 
 @pytest.mark.parametrize(
-    "slots,chosen", [(8, "cupy"), (512, "cupy"), (513, "triton"), (131071, "triton"),
+    "slots,chosen", [(8, "cupy"), (2048, "cupy"), (2049, "triton"), (131071, "triton"),
                      (131072, "cupy"), (1 << 24, "cupy")],
 )  # fmt: skip
 def test_auto_routing_maps_pick_cupy_where_it_measured_faster(fake_cupy, slots, chosen):

@@ -16,11 +16,11 @@
 
 #include "common.cuh"
 
-// NOTE: K is a template parameter (one instantiation per top-k, as the Triton kernel's K is a
-// constexpr) and indices are 32-bit with 64-bit products only for memory offsets: on an H200
-// the same kernel with a run-time K and 64-bit index arithmetic issued ~2x the instructions
-// and ran at 64-67 % of the copy bandwidth. KCHUNK permuted rows are loaded together, so their
-// latencies overlap; more rows in flight per thread cost registers (fewer threads per SM).
+// K is a template parameter (one instantiation per top-k, as the Triton kernel's K is a
+// constexpr), so the slot loop unrolls with no run-time guards; indices are 32-bit, with 64-bit
+// products only for memory offsets. KCHUNK permuted rows are loaded together, so their
+// latencies overlap; more rows in flight per thread cost registers, so fewer threads fit on an
+// SM (finalize.py holds the measured choice).
 template <typename TY, typename TW, typename TB, typename Acc, int N, int K, int KCHUNK>
 __global__ void finalize_rows(const TY* __restrict__ y, const TW* __restrict__ w,
                               const int* __restrict__ src_to_dest,

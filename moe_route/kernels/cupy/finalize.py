@@ -8,10 +8,14 @@ import torch
 from . import _nvrtc
 from .expand import rows_aligned
 
-# Threads per block: each owns one unit (16 bytes, or one element) of one output row.
-THREADS = 128
-# Permuted rows each thread loads at once (the kernel's KCHUNK).
-ROWS_IN_FLIGHT = 8
+# Threads per block (each owns one unit, 16 bytes or one element, of one output row) and the
+# permuted rows each thread loads at once (the kernel's KCHUNK).
+# NOTE: on an H200 (bf16, K=8, T=4096/16384, H=4096/7168; bench/bench_cupy.py --sweep) 4 rows in
+# flight (60 registers) ran at 72-77 % of the copy bandwidth with 64 threads, 70-72 % with 128
+# and 69-72 % with 256; 8 rows in flight (79 registers) at 55-59 % whatever the threads. The
+# Triton kernel (40 registers) ran at 96-103 %.
+THREADS = 64
+ROWS_IN_FLIGHT = 4
 CTYPES = {
     torch.bfloat16: "bf16_t",
     torch.float16: "f16_t",
