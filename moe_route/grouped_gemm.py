@@ -183,6 +183,11 @@ def _n_out(w: torch.Tensor, activation: str) -> int:
     return w.shape[1] // 2 if activation in GATED_ACTIVATIONS else w.shape[1]
 
 
+def bias_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """A per-expert bias has the activations' dtype or float32 (float64 only with float64)."""
+    return (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
+
+
 def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_layout, E=None):
     """Validate one grouped GEMM's operands; returns ``(E, N_out)``."""
     _checks.check_tensor(a_name, a, ndim=2, dtypes=GEMM_DTYPES)
@@ -208,7 +213,7 @@ def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_l
             f"up rows), got {_checks.describe(w)}"
         )
     if bias is not None:
-        _checks.check_tensor(bias_name, bias, ndim=2, dtypes=GEMM_DTYPES)
+        _checks.check_tensor(bias_name, bias, ndim=2, dtypes=bias_dtypes(a.dtype))
         if tuple(bias.shape) != tuple(w.shape[:2]):
             raise ValueError(
                 f"{bias_name} must be [E, N] = {list(w.shape[:2])} (one row per expert, matching "

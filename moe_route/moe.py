@@ -25,7 +25,7 @@ import torch
 from . import _checks
 from .arch import backend_for, finalize_path_for
 from .finalize import finalize_moe_routing
-from .grouped_gemm import GEMM_DTYPES, check_gemm_args, grouped_gemm
+from .grouped_gemm import bias_dtypes, check_gemm_args, grouped_gemm
 from .maps import build_routing_maps
 from .reference import (
     activation_reference,
@@ -340,7 +340,7 @@ def fused_moe(
             f"activation {activation!r}, got {_checks.describe(w2)}"
         )
     if b2 is not None:
-        _checks.check_tensor("b2", b2, ndim=2, dtypes=GEMM_DTYPES)
+        _checks.check_tensor("b2", b2, ndim=2, dtypes=bias_dtypes(x.dtype))
         if tuple(b2.shape) != (E, H):
             raise ValueError(f"b2 must be [E, H] = [{E}, {H}], got {_checks.describe(b2)}")
     if bias is not None:
