@@ -41,8 +41,8 @@ class MoEOutput(NamedTuple):
 
     #: ``[..., H]`` in ``x.dtype``: routed experts + shared expert.
     output: torch.Tensor
-    #: float32 scalar: ``aux_loss_coef · load_balancing_loss + z_loss_coef · z_loss``, to add
-    #: to the training loss (a zero tensor when both coefficients are 0).
+    #: float32 scalar (float64 for a float64 router): ``aux_loss_coef · load_balancing_loss +
+    #: z_loss_coef · z_loss``, to add to the training loss (zero when both coefficients are 0).
     aux_loss: torch.Tensor
     #: ``[T, E]`` router logits in ``router_dtype`` (``T`` = tokens of ``x`` flattened).
     router_logits: torch.Tensor
@@ -377,13 +377,14 @@ class MoELayer(nn.Module):
         logits = F.linear(x2.to(rdt), self.gate.weight.to(rdt))
         weights, ids = self.route(logits)
 
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        lb = z = zero
+        # float32 losses, float64 for a float64 router (gradcheck)
+        sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lb = z = torch.zeros((), dtype=sdt, device=x.device)
         if self.aux_loss_coef:
             lb = load_balancing_loss(self.router_probs(logits), ids, E)
         if self.z_loss_coef:
             z = router_z_loss(logits)
-        aux = (self.aux_loss_coef * lb + self.z_loss_coef * z).float()
+        aux = self.aux_loss_coef * lb + self.z_loss_coef * z
 
         if self.capacity_factor is not None:
             cap = expert_capacity(self.capacity_factor, T, self.top_k, E)

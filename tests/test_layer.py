@@ -1,0 +1,499 @@
+"""MoELayer on the CPU against a naive per-token PyTorch implementation of the same parameters.
+
+The oracle (``naive_forward``) reads the documented parameter layout and does everything one
+token and one slot at a time: the router through the loop oracles of ``moe_route.reference``
+(ids) and plain autograd ops (weights), capacity through ``apply_capacity_reference``, each
+expert as two matmuls on its own slice of ``w1`` / ``w2``. Forward: the layer in float32
+against the oracle in float64. Backward: the layer in float64 (reference backend) against
+autograd through the oracle, every parameter and ``x``; one tiny case runs the Triton kernels
+under the interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_cases import assert_matches, needs_interpreter
+from torch import nn
+
+import moe_route
+from moe_route import reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H, INTER, E, K = 16, 8, 6, 2
+
+CASES = {
+    "mixtral": dict(),
+    "qwen3-no-norm-aux": dict(renormalize=False, gate_up_layout="interleaved",
+                              aux_loss_coef=0.1, z_loss_coef=0.01),
+    "deepseek": dict(router="sigmoid_grouped", n_group=3, topk_group=2,
+                     routed_scaling_factor=2.5, num_shared_experts=2,
+                     shared_intermediate_size=4, capacity_factor=1.0, aux_loss_coef=0.05),
+    "qwen2-shared-gate-bias": dict(num_shared_experts=1, shared_expert_gate=True, bias=True,
+                                   activation="geglu", capacity_factor=0.6, z_loss_coef=0.1),
+    "plain-gelu": dict(activation="gelu", bias=True, routed_scaling_factor=0.5),
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the oracle
+def _act(name, z, layout, width):
+    """The activations of DESIGN.md, written out (not moe_route.reference's)."""
+    if name in ("swiglu", "geglu"):
+        if layout == "concat":
+            gate, up = z[..., :width], z[..., width:]
+        else:
+            gate, up = z[..., 0::2], z[..., 1::2]
+        return (F.silu(gate) if name == "swiglu" else F.gelu(gate)) * up
+    return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "identity": lambda v: v}[name](z)
+
+
+def naive_forward(layer, x, p):
+    """``(out [..., H], aux_loss, ids)`` for parameters ``p`` (name → tensor) of ``layer``."""
+    x2 = x.reshape(-1, layer.hidden_size)
+    T, n_exp, k = x2.shape[0], layer.num_experts, layer.top_k
+    logits = x2 @ p["gate.weight"].t()
+    if layer.router == "softmax":
+        probs = torch.softmax(logits, -1)
+        _, ids = reference.softmax_topk_reference(logits.detach(), k, layer.renormalize)
+        scores, eps = probs, 0.0
+    else:
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdim=True)
+        _, ids = reference.sigmoid_grouped_topk_reference(
+            logits.detach(), k, n_group=layer.n_group, topk_group=layer.topk_group,
+            expert_bias=layer.expert_bias,
+        )  # fmt: skip
+        eps = 1e-20
+    ids = ids.long()
+    weights = scores.gather(1, ids)  # the router's weights, renormalised before any capacity
+    if layer.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    weights = weights * layer.routed_scaling_factor
+    aux = torch.zeros((), dtype=x.dtype)
+    if layer.aux_loss_coef:
+        rows = ids.tolist()
+        f = torch.tensor([sum(e in r for r in rows) / T for e in range(n_exp)], dtype=x.dtype)
+        aux = aux + layer.aux_loss_coef * n_exp * (f * probs.mean(0)).sum()
+    if layer.z_loss_coef:
+        aux = aux + layer.z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+    if layer.capacity_factor is not None:
+        cap = math.ceil(layer.capacity_factor * T * k / n_exp)
+        ids = reference.apply_capacity_reference(ids, n_exp, cap)
+    inter = layer.intermediate_size
+    rows = []
+    for t in range(T):
+        xt = x2[t]
+        acc = torch.zeros_like(xt)
+        if "shared_w1" in p:
+            S = p["shared_w2"].shape[1]
+            h = _act(layer.activation, p["shared_w1"] @ xt, layer.gate_up_layout, S)
+            sh = p["shared_w2"] @ h
+            if "shared_gate.weight" in p:
+                sh = torch.sigmoid(p["shared_gate.weight"] @ xt) * sh
+            acc = acc + sh
+        for slot, e in enumerate(ids[t].tolist()):
+            if e < 0:
+                continue
+            z = p["w1"][e] @ xt + (p["b1"][e] if "b1" in p else 0)
+            y = p["w2"][e] @ _act(layer.activation, z, layer.gate_up_layout, inter)
+            if "b2" in p:
+                y = y + p["b2"][e]
+            acc = acc + weights[t, slot] * y
+        rows.append(acc)
+    out = torch.stack(rows) if rows else x2.new_zeros(0, layer.hidden_size)
+    return out.reshape(x.shape), aux, ids
+
+
+def make_layer(dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    kw.setdefault("backend", "reference")
+    kw.setdefault("router_dtype", None)
+    layer = moe_route.MoELayer(H, INTER, E, K, dtype=dtype, **kw)
+    with torch.no_grad():  # non-trivial biases and router bias (zero after reset_parameters)
+        for name in ("b1", "b2"):
+            if getattr(layer, name) is not None:
+                getattr(layer, name).normal_(0, 0.3)
+        if layer.expert_bias is not None:
+            layer.expert_bias.copy_(torch.linspace(-0.2, 0.3, E))
+        layer.gate.weight.mul_(3)  # a peaked router: the choice matters
+    return layer
+
+
+def _x(shape, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _params(layer, dtype=torch.float64, grad=False):
+    return {n: t.detach().to(dtype).requires_grad_(grad) for n, t in layer.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("name", CASES)
+def test_forward_matches_naive(name):
+    layer = make_layer(**CASES[name])
+    x = _x((3, 7, H), torch.float32)
+    out = layer(x)
+    want, aux, ids = naive_forward(layer, x.double(), _params(layer))
+    assert out.output.shape == x.shape and out.output.dtype == torch.float32
+    assert_matches(out.output.reshape(-1, H), want.reshape(-1, H), 1e-5)
+    assert torch.equal(out.topk_ids.long(), ids)
+    assert torch.equal(out.tokens_per_expert, moe_route.tokens_per_expert(ids, E))
+    assert out.tokens_per_expert.dtype == torch.int64
+    assert out.router_logits.shape == (21, E)
+    assert out.aux_loss.dtype == torch.float32 and out.aux_loss.dim() == 0
+    torch.testing.assert_close(out.aux_loss.double(), aux, rtol=1e-5, atol=1e-7)
+    if CASES[name].get("capacity_factor"):
+        assert (out.topk_ids < 0).any(), "the case should drop slots"
+        cap = math.ceil(CASES[name]["capacity_factor"] * 21 * K / E)
+        assert int(out.tokens_per_expert.max()) <= cap
+
+
+def test_aux_losses_reported_unscaled_and_zero_when_disabled():
+    layer = make_layer(aux_loss_coef=0.5, z_loss_coef=0.25)
+    x = _x((10, H), torch.float32)
+    out = layer(x)
+    probs = torch.softmax(out.router_logits, -1)
+    _, ids = moe_route.softmax_topk(out.router_logits, K)
+    lb = reference.load_balancing_loss_reference(probs, ids, E)
+    z = reference.router_z_loss_reference(out.router_logits)
+    assert math.isclose(out.load_balancing_loss.item(), lb, rel_tol=1e-5)
+    assert math.isclose(out.z_loss.item(), z, rel_tol=1e-5)
+    assert math.isclose(out.aux_loss.item(), 0.5 * lb + 0.25 * z, rel_tol=1e-5)
+    plain = make_layer()(x)
+    assert plain.aux_loss.item() == 0 and not plain.aux_loss.requires_grad
+    assert plain.load_balancing_loss.item() == 0 and plain.z_loss.item() == 0
+
+
+# ----------------------------------------------------------------------------- backward
+def _grads_vs_naive(layer, x, tol):
+    leaves = dict(layer.named_parameters())
+    xg = x.clone().requires_grad_(True)
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    out = layer(xg)
+    ((out.output.double() * dout).sum() + out.aux_loss.double()).backward()
+    p = _params(layer, grad=True)
+    x64 = x.double().requires_grad_(True)
+    want, aux, _ = naive_forward(layer, x64, p)
+    ((want * dout).sum() + aux).backward()
+    got = {n: t.grad for n, t in leaves.items()}
+    got["x"], p["x"] = xg.grad, x64
+    for n, ref in p.items():
+        assert got[n] is not None, f"no gradient for {n}"
+        width = ref.shape[-1]
+        assert_matches(got[n].reshape(-1, width), ref.grad.reshape(-1, width), tol,
+                       what=f"d{n}", floor=1e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_backward_matches_autograd_through_naive(name):
+    layer = make_layer(torch.float64, **CASES[name])
+    _grads_vs_naive(layer, _x((2, 9, H), torch.float64), 1e-10)
+
+
+@needs_interpreter
+def test_backward_triton_interpreter_tiny():
+    kw = dict(CASES["deepseek"], backend="triton")
+    layer = make_layer(torch.float32, **kw)
+    _grads_vs_naive(layer, _x((7, H), torch.float32), 1e-5)
+
+
+def test_gradcheck_float64_router_and_experts():
+    layer = make_layer(torch.float64, **CASES["qwen2-shared-gate-bias"])
+    names = [n for n, _ in layer.named_parameters()]
+    x = _x((5, H), torch.float64).requires_grad_(True)
+
+    def f(x, *params):
+        out = torch.func.functional_call(layer, dict(zip(names, params, strict=True)), (x,))
+        return out.output, out.aux_loss
+
+    leaves = [p.detach().clone().requires_grad_(True) for p in layer.parameters()]
+    assert torch.autograd.gradcheck(f, (x, *leaves), fast_mode=True)
+
+
+# ----------------------------------------------------------------------------- shared expert
+def test_shared_expert_and_gate_add_through_bias():
+    layer = make_layer(num_shared_experts=2, shared_intermediate_size=3, shared_expert_gate=True)
+    assert layer.shared_w1.shape == (12, H) and layer.shared_w2.shape == (H, 6)
+    assert layer.shared_gate.weight.shape == (1, H)
+    x = _x((9, H), torch.float32)
+    with torch.no_grad():
+        full = layer(x).output
+        routed_only = moe_route.fused_moe(
+            x, layer.w1, layer.w2, *moe_route.softmax_topk(layer.gate(x), K),
+            backend="reference",
+        )  # fmt: skip
+        gate, up = (x @ layer.shared_w1.t()).chunk(2, -1)
+        shared = (F.silu(gate) * up) @ layer.shared_w2.t()
+        shared = torch.sigmoid(x @ layer.shared_gate.weight.t()) * shared
+    torch.testing.assert_close(full, routed_only + shared, rtol=1e-5, atol=1e-6)
+
+
+def test_every_slot_dropped_leaves_the_shared_expert():
+    layer = make_layer(num_shared_experts=1, capacity_factor=1e-9)  # capacity 1 per expert
+    x = _x((30, H), torch.float32)
+    out = layer(x)
+    assert int(out.tokens_per_expert.sum()) == E  # one slot per expert kept
+    dropped = (out.topk_ids < 0).all(1)
+    assert dropped.sum() >= 30 - E
+    with torch.no_grad():
+        shared = layer.shared_expert(x)
+    torch.testing.assert_close(out.output[dropped], shared[dropped])
+
+
+# ----------------------------------------------------------------------------- expert bias
+def test_expert_bias_update_and_steering():
+    layer = make_layer(router="sigmoid_grouped")
+    layer.expert_bias.zero_()
+    layer.update_expert_bias(torch.tensor([10, 2, 4, 4, 5, 5]), rate=0.01)
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([-1.0, 1, 1, 1, 0, 0]) * 0.01)
+    # a large bias sends every token to expert 3, and the weights stay the unbiased scores
+    layer.expert_bias.copy_(torch.tensor([0, 0, 0, 100.0, 0, 0]))
+    out = layer(_x((8, H), torch.float32))
+    assert (out.topk_ids[:, 0] == 3).all() and out.tokens_per_expert[3] == 8
+    assert (out.topk_weights <= 1).all()
+    # bf16 conversion keeps the bias in float32 (updates of 1e-3 would vanish in bf16)
+    layer.expert_bias.copy_(torch.full((E,), 1e-3 + 1e-5))
+    layer.to(torch.bfloat16)
+    assert layer.w1.dtype == torch.bfloat16 and layer.expert_bias.dtype == torch.float32
+    assert layer.expert_bias[0].item() == pytest.approx(1e-3 + 1e-5, rel=1e-6)
+    assert "expert_bias" in layer.state_dict()
+
+
+# ----------------------------------------------------------------------------- loading
+class LlamaMLP(nn.Module):
+    def __init__(self, h, i, act=F.silu, bias=False):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=bias, dtype=torch.float64)
+        self.up_proj = nn.Linear(h, i, bias=bias, dtype=torch.float64)
+        self.down_proj = nn.Linear(i, h, bias=bias, dtype=torch.float64)
+        self.act = act
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MixtralExpert(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.w1 = nn.Linear(h, i, bias=False, dtype=torch.float64)
+        self.w3 = nn.Linear(h, i, bias=False, dtype=torch.float64)
+        self.w2 = nn.Linear(i, h, bias=False, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.up_proj = nn.Linear(h, i, dtype=torch.float64)
+        self.down_proj = nn.Linear(i, h, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+def _modules_reference(experts, gate, x, shared=None, shared_gate=None):
+    w, ids = reference.softmax_topk_reference(gate(x).detach(), K)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(K):
+            out[t] += w[t, k].double() * experts[int(ids[t, k])](x[t])
+        if shared is not None:
+            s = shared(x[t])
+            out[t] += s * torch.sigmoid(shared_gate(x[t])) if shared_gate is not None else s
+    return out
+
+
+LOAD_CASES = {
+    "llama-concat": (lambda: LlamaMLP(H, INTER), dict(gate_up_layout="concat")),
+    "llama-interleaved": (lambda: LlamaMLP(H, INTER), dict(gate_up_layout="interleaved")),
+    "mixtral-w1w3w2": (lambda: MixtralExpert(H, INTER), dict(gate_up_layout="interleaved")),
+    "llama-bias-geglu": (lambda: LlamaMLP(H, INTER, F.gelu, bias=True), dict(activation="geglu")),
+    "plain-gelu-bias": (lambda: PlainMLP(H, INTER), dict(activation="gelu")),
+}
+
+
+@pytest.mark.parametrize("name", LOAD_CASES)
+def test_from_experts_roundtrip(name):
+    torch.manual_seed(3)
+    build, kw = LOAD_CASES[name]
+    experts = nn.ModuleList(build() for _ in range(E))
+    gate = nn.Linear(H, E, bias=False, dtype=torch.float64)
+    layer = moe_route.MoELayer.from_experts(experts, K, gate=gate, backend="reference", **kw)
+    assert layer.w1.dtype == torch.float64 and (layer.b1 is not None) == ("bias" in name)
+    x = _x((11, H), torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).output, _modules_reference(experts, gate, x))
+    if kw.get("gate_up_layout") == "interleaved":
+        first = experts[0].gate_proj if hasattr(experts[0], "gate_proj") else experts[0].w1
+        assert torch.equal(layer.w1[0, 0::2], first.weight)
+
+
+def test_load_experts_with_shared_expert_and_gate():
+    torch.manual_seed(4)
+    experts = [LlamaMLP(H, INTER) for _ in range(E)]
+    shared = LlamaMLP(H, 12)
+    shared_gate = nn.Linear(H, 1, bias=False, dtype=torch.float64)
+    gate = nn.Linear(H, E, bias=False, dtype=torch.float64)
+    layer = moe_route.MoELayer.from_experts(
+        experts, K, gate=gate, shared_expert=shared, shared_expert_gate=shared_gate,
+        backend="reference",
+    )  # fmt: skip
+    assert layer.shared_intermediate_size == 12 and layer.shared_gate is not None
+    x = _x((6, H), torch.float64)
+    with torch.no_grad():
+        want = _modules_reference(experts, gate, x, shared, shared_gate)
+        torch.testing.assert_close(layer(x).output, want)
+    # load_experts_ into an existing float32 layer converts
+    other = moe_route.MoELayer(H, INTER, E, K, backend="reference")
+    other.load_experts_(experts, gate=gate.weight)
+    assert other.w1.dtype == torch.float32
+    torch.testing.assert_close(other.w2[2], experts[2].down_proj.weight.float())
+
+
+def test_load_experts_errors():
+    layer = moe_route.MoELayer(H, INTER, E, K)
+    with pytest.raises(ValueError, match="experts has 2 modules, expected num_experts = 6"):
+        layer.load_experts_([LlamaMLP(H, INTER)] * 2)
+    with pytest.raises(ValueError, match=r"experts\[0\] gate_proj.weight must be \[8, 16\]"):
+        layer.load_experts_([LlamaMLP(H, 5)] * E)
+    with pytest.raises(ValueError, match="has a bias but the layer has bias=False"):
+        layer.load_experts_([LlamaMLP(H, INTER, bias=True)] * E)
+    with pytest.raises(ValueError, match="has none of"):
+        layer.load_experts_([nn.Linear(H, H)] * E)
+    with pytest.raises(ValueError, match="gate weight must be"):
+        layer.load_experts_([LlamaMLP(H, INTER)] * E, gate=torch.zeros(E, H + 1))
+    with pytest.raises(ValueError, match="num_shared_experts=0"):
+        layer.load_experts_([LlamaMLP(H, INTER)] * E, shared_expert=LlamaMLP(H, INTER))
+
+
+# ----------------------------------------------------------------------------- compile etc.
+# Inductor takes ~20 s on a small CPU box: one case with it, the other with aot_eager (the same
+# Dynamo capture and AOT autograd, so the same test of "no graph break", without code generation).
+@pytest.mark.parametrize(("name", "compiler"), [("mixtral", "aot_eager"), ("deepseek", "inductor")])
+def test_compile_fullgraph_forward_backward(name, compiler):
+    kw = dict(CASES[name], aux_loss_coef=0.05, z_loss_coef=0.01)
+    layer = make_layer(**kw)
+    x = _x((2, 6, H), torch.float32).requires_grad_(True)
+    leaves = [x, *layer.parameters()]
+
+    def step(x):
+        out = layer(x)
+        return out.output.square().sum() + out.aux_loss, out.tokens_per_expert
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)
+    loss_c, counts_c = compiled(x)
+    got = torch.autograd.grad(loss_c, leaves)
+    loss_e, counts_e = step(x)
+    want = torch.autograd.grad(loss_e, leaves)
+    assert torch.equal(counts_c, counts_e)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_deterministic_and_shapes():
+    layer = make_layer(**CASES["deepseek"])
+    x = _x((4, 5, H), torch.float32).requires_grad_(True)
+    runs = []
+    for _ in range(2):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out = layer(x)
+        (out.output.sum() + out.aux_loss).backward()
+        runs.append([out.output, x.grad, *(p.grad for p in layer.parameters())])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    empty = layer(torch.zeros(0, H))
+    assert empty.output.shape == (0, H) and empty.tokens_per_expert.sum() == 0
+    assert layer(torch.zeros(H)).output.shape == (H,)
+
+
+def test_extra_repr_and_reset_parameters():
+    layer = moe_route.MoELayer(32, 24, 8, 2, router="sigmoid_grouped", n_group=4, topk_group=2,
+                               capacity_factor=1.25, num_shared_experts=1, bias=True)  # fmt: skip
+    text = repr(layer)
+    for part in ("hidden_size=32", "num_experts=8", "router='sigmoid_grouped'", "n_group=4",
+                 "capacity_factor=1.25", "num_shared_experts=1", "bias=True"):  # fmt: skip
+        assert part in text, part
+    assert layer.b1.abs().sum() == 0 and layer.expert_bias.abs().sum() == 0
+    assert layer.w1.abs().max() <= 1 / math.sqrt(32) and layer.w2.abs().max() <= 1 / math.sqrt(24)
+    assert layer.w1.std() > 0.5 / math.sqrt(3 * 32)  # U(-b, b) has std b/√3
+
+
+# ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(top_k=7), "top_k=7 > num_experts=6"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(router="sigmoid_grouped", n_group=4), "n_group=4 does not divide num_experts=6"),
+        (dict(router="sigmoid_grouped", n_group=3, topk_group=4), "topk_group=4"),
+        (dict(n_group=2), "n_group=2, topk_group=None: group-limited routing needs"),
+        (dict(router="topk"), "router='topk'"),
+        (dict(activation="tanh"), "activation='tanh'"),
+        (dict(gate_up_layout="mixed"), "gate_up_layout='mixed'"),
+        (dict(capacity_factor=0.0), "capacity_factor=0.0"),
+        (dict(aux_loss_coef=-1.0), "aux_loss_coef=-1.0"),
+        (dict(shared_expert_gate=True), "shared_expert_gate=True needs num_shared_experts"),
+        (dict(finalize="fused"), "finalize='fused' with deterministic=True"),
+        (dict(finalize="fast"), "finalize='fast'"),
+        (dict(backend="cuda"), "backend='cuda'"),
+        (dict(dtype=torch.int32), "dtype=torch.int32"),
+        (dict(router_dtype=torch.int8), "router_dtype=torch.int8"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kw, match):
+    args = dict(hidden_size=H, intermediate_size=INTER, num_experts=E, top_k=K)
+    args.update(kw)
+    with pytest.raises((ValueError, TypeError), match=match):
+        moe_route.MoELayer(**args)
+
+
+def test_bad_inputs_name_the_argument():
+    layer = moe_route.MoELayer(H, INTER, E, K, backend="reference")
+    with pytest.raises(ValueError, match=r"x must be \[..., hidden_size\] = \[..., 16\]"):
+        layer(torch.zeros(3, H + 1))
+    with pytest.raises(TypeError, match=r"x has dtype torch\.float64 but the layer"):
+        layer(torch.zeros(3, H, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        layer([[0.0] * H])
+    with pytest.raises(ValueError, match="update_expert_bias needs router='sigmoid_grouped'"):
+        layer.update_expert_bias(torch.zeros(E), 0.1)
+    grouped = moe_route.MoELayer(H, INTER, E, K, router="sigmoid_grouped")
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be \[E\] = \[6\]"):
+        grouped.update_expert_bias(torch.zeros(E + 1), 0.1)
+
+
+# ----------------------------------------------------------------------------- the example
+def _example():
+    spec = importlib.util.spec_from_file_location(
+        "train_moe_lm", ROOT / "examples" / "train_moe_lm.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--router", "sigmoid_grouped", "--capacity-factor", "1.25", "--shared-experts", "1"]],
+    ids=["softmax", "deepseek-capacity-shared"],
+)
+def test_example_trains_and_the_loss_halves(extra, capsys):
+    example = _example()
+    threads = torch.get_num_threads()
+    code = example.main(["--device", "cpu", "--steps", "120", *extra])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "initial loss" in out and "final loss" in out and "120/120" in out
+    assert torch.get_num_threads() == threads
