@@ -187,7 +187,7 @@ def test_only_some_grads():
 def test_gradcheck_float64():
     case = make_case(6, 2, 3, 8, 4, dtype=torch.float64)
     ids = case["topk_ids"]
-    leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+    leaves = [case[n].double().requires_grad_(True) for n in NAMES]
 
     def f(x, w1, w2, tw, b1, b2, bias):
         return moe_route.fused_moe(x, w1, w2, tw, ids, b1=b1, b2=b2, bias=bias)

@@ -163,7 +163,9 @@ def _descriptor(t: torch.Tensor, block: list[int], use_tma: bool | None):
     if use_tma is None:
         cc = compute_capability(t.device)
         use_tma = cc is not None and cc >= 90
-    if not use_tma or t.dtype not in (torch.float16, torch.bfloat16) or not _tma_ok(t):
+    if not use_tma or t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0:
+        return None
+    if not _tma_ok(t):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
