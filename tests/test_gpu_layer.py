@@ -1,0 +1,191 @@
+"""MoELayer on a CUDA device: torch.compile(fullgraph=True) of forward + backward, CUDA-graph
+capture of forward + backward with no host synchronisation, bitwise determinism over 20 runs,
+the Triton kernels' output and gradients in bf16 against the float64 layer (reference
+backend), and the training example in bf16.
+
+The float64 oracle is the same layer converted with ``.double()`` and ``backend="reference"``
+with its router kept in float32: the bf16 layer's router upcasts its (bf16) inputs and weights
+exactly, so both route every token identically and only the experts' arithmetic differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+from moe_cases import assert_matches
+
+import moe_route
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = "cuda"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H, INTER, E, K = 256, 128, 16, 4
+CONFIGS = {
+    "deepseek": dict(router="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     num_shared_experts=1, capacity_factor=1.25, aux_loss_coef=0.01,
+                     z_loss_coef=1e-3),
+    "qwen2": dict(num_shared_experts=1, shared_expert_gate=True, renormalize=False, bias=True,
+                  gate_up_layout="interleaved", aux_loss_coef=0.01),
+}  # fmt: skip
+BF16_TOL = 2.5e-2  # as tests/test_gpu_training.py: the backward rounds z, h, dz to bf16
+
+
+def make_layer(config, *, dtype=torch.bfloat16, seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = moe_route.MoELayer(H, INTER, E, K, **CONFIGS[config], **kw, device=CUDA, dtype=dtype)
+    with torch.no_grad():
+        if layer.expert_bias is not None:
+            layer.expert_bias.copy_(torch.linspace(-0.05, 0.05, E, device=CUDA))
+        for b in (layer.b1, layer.b2):
+            if b is not None:
+                b.normal_(0, 0.1)
+    return layer
+
+
+def make_x(T, seed=1, dtype=torch.bfloat16):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return torch.randn(T, H, generator=g, device=CUDA).to(dtype)
+
+
+def step(layer, x, dout):
+    out = layer(x)
+    ((out.output.float() * dout).sum() + out.aux_loss).backward()
+    return out
+
+
+def grads_of(layer, x, dout):
+    layer.zero_grad(set_to_none=True)
+    xl = x.detach().clone().requires_grad_(True)
+    out = step(layer, xl, dout)
+    grads = {"x": xl.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    return out, grads
+
+
+# ----------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("config", CONFIGS)
+def test_kernels_match_float64_reference_in_bf16(config):
+    layer = make_layer(config)
+    oracle = copy.deepcopy(layer).double()
+    oracle.backend = "reference"
+    ref_bf16 = copy.deepcopy(layer)
+    ref_bf16.backend = "reference"
+    x = make_x(333)
+    dout = torch.randn(333, H, device=CUDA)
+    out, got = grads_of(layer, x, dout)
+    out64, want = grads_of(oracle, x.double(), dout.double())
+    out_r, got_r = grads_of(ref_bf16, x, dout)
+    assert torch.equal(out.topk_ids, out64.topk_ids), "the float64 oracle routed differently"
+    assert torch.equal(out.tokens_per_expert, out_r.tokens_per_expert)
+    assert (out.topk_ids < 0).any() or config != "deepseek", "capacity should drop slots"
+    assert_matches(out.output, out64.output, 1e-2, what="output", device=None)
+    torch.testing.assert_close(out.aux_loss, out64.aux_loss)  # same float32 router
+    for n, ref in want.items():
+        w = ref.shape[-1]
+        assert got[n].dtype == torch.bfloat16, n
+        assert_matches(got[n].reshape(-1, w), ref.reshape(-1, w), BF16_TOL, what=f"d{n}",
+                       floor=1e-3, device=None)  # fmt: skip
+        # the reference backend in bf16 (float32 inside, one rounding) as a yardstick
+        assert_matches(got_r[n].reshape(-1, w), ref.reshape(-1, w), BF16_TOL,
+                       what=f"d{n} (reference backend)", floor=1e-3, device=None)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- determinism
+def test_deterministic_20_runs():
+    layer = make_layer("deepseek")
+    x = make_x(1000)
+    dout = torch.randn(1000, H, device=CUDA)
+    first_out, first = grads_of(layer, x, dout)
+    for _ in range(19):
+        out, got = grads_of(layer, x, dout)
+        assert torch.equal(out.output, first_out.output)
+        assert torch.equal(out.aux_loss, first_out.aux_loss)
+        assert torch.equal(out.topk_ids, first_out.topk_ids)
+        for n in first:
+            assert torch.equal(got[n], first[n]), f"d{n} differs between runs"
+
+
+# ----------------------------------------------------------------------------- capture
+@pytest.mark.parametrize("config", CONFIGS)
+def test_no_host_sync_and_cuda_graph_forward_backward(config):
+    layer = make_layer(config)
+    x = make_x(256).requires_grad_(True)
+    dout = torch.randn(256, H, device=CUDA)
+    params = [x, *layer.parameters()]
+    step(layer, x, dout)  # warm-up: compile the kernels
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step(layer, x, dout)
+        if layer.expert_bias is not None:
+            bias = layer.expert_bias.clone()
+            layer.update_expert_bias(out.tokens_per_expert, 1e-3)
+            layer.expert_bias.copy_(bias)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    eager = [p.grad.clone() for p in params]
+    eager_out = out.output.clone()
+    for p in params:
+        p.grad = None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step(layer, x, dout)
+            for p in params:
+                p.grad = None
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(layer, x, dout)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.output, eager_out)
+    for p, want in zip(params, eager, strict=True):
+        assert torch.equal(p.grad, want)
+
+
+# ----------------------------------------------------------------------------- compile
+def test_compile_fullgraph_forward_backward():
+    layer = make_layer("deepseek")
+    x = make_x(128).requires_grad_(True)
+    dout = torch.randn(128, H, device=CUDA)
+    leaves = [x, *layer.parameters()]
+
+    def loss_fn(x):
+        out = layer(x)
+        return (out.output.float() * dout).sum() + out.aux_loss, out.tokens_per_expert
+
+    loss_e, counts_e = loss_fn(x)
+    want = torch.autograd.grad(loss_e, leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    loss_c, counts_c = compiled(x)
+    got = torch.autograd.grad(loss_c, leaves)
+    assert torch.equal(counts_c, counts_e)
+    for a, b in zip(got, want, strict=True):
+        w = b.shape[-1]
+        assert_matches(a.reshape(-1, w), b.reshape(-1, w), BF16_TOL, what="compiled vs eager",
+                       floor=1e-3, device=None)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- example
+def test_training_example_bf16_triton():
+    spec = importlib.util.spec_from_file_location(
+        "train_moe_lm", ROOT / "examples" / "train_moe_lm.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--device", "cuda", "--steps", "150", "--quiet"]
+    assert example.main(args) == 0
+    assert example.main([*args, "--router", "sigmoid_grouped", "--capacity-factor", "1.25"]) == 0
