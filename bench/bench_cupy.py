@@ -89,7 +89,7 @@ def _bench_maps_shape(T, ceil, repeats, rows, summary):
 
 def bench_rows(ceil, repeats, rows, summary, dtype=torch.bfloat16, expand=True, **launch):
     """Expand (unless ``expand=False``) and finalize at ROW_SHAPES; ``launch`` (threads=,
-    rows_in_flight=) goes to the CuPy launchers, for sweeps."""
+    rows_in_flight=, units_per_thread=) goes to the CuPy launchers, for sweeps."""
     for T, H in ROW_SHAPES:
         maps = moe_route.build_routing_maps(random_ids(T), E, backend="triton")
         shape = " ".join([f"T={T} K={K} H={H}", *(f"{k}={v}" for k, v in launch.items())])
@@ -174,10 +174,11 @@ def main(argv=None):
     if args.sweep:  # finalize only: expand's sweep is in the note of kernels/cupy/expand.py
         for rows_in_flight in (8, 4):
             for threads in (64, 128, 256):
-                bench_rows(
-                    ceil, 1, rows, summary, expand=False, threads=threads,
-                    rows_in_flight=rows_in_flight,
-                )  # fmt: skip
+                for units in (1, 2, 4):
+                    bench_rows(
+                        ceil, 1, rows, summary, expand=False, threads=threads,
+                        rows_in_flight=rows_in_flight, units_per_thread=units,
+                    )  # fmt: skip
     write_results(rows, env, args.out, "cupy_vs_triton")
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")
     print_summary(summary, ceil)

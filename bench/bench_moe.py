@@ -6,9 +6,11 @@ Without ``--sweep`` this is ``python -m moe_route bench --stages forward gemm --
 GEMM1 and GEMM2 + finalize on their own, at the standard shapes, with every option of the
 suite (``--no-loop``, ``--quick``, ``--shapes``, ...). ``--sweep`` also times GEMM1 and GEMM2
 under each tile configuration of :data:`SWEEP_CONFIGS`, with and without TMA, and writes
-``gemm_sweep.{json,csv}``.
+``gemm_sweep.{json,csv}``; ``--sweep-fused`` (alone) times GEMM2 + the standalone finalize
+against GEMM2 with the ordered fused finalize under :data:`FUSED_CONFIGS` and writes
+``fused_sweep.{json,csv}``.
 
-Usage: ``python bench/bench_moe.py [--quick] [--no-loop] [--sweep] [--out DIR]``.
+Usage: ``python bench/bench_moe.py [--quick] [--no-loop] [--sweep | --sweep-fused] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ SWEEP_SHAPES = [
     ("deepseek-v3", 4096, 7168, 2048, 256, 8),
 ]
 
+
+FUSED_EXTRA_SHAPES = [
+    ("qwen3-30b-a3b", 32768, 2048, 768, 128, 8),
+    ("deepseek-v3", 16384, 7168, 2048, 256, 8),
+]
 
 SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 128, 64, 8, 8, 3),
@@ -79,15 +86,66 @@ def sweep_gemms(name, T, H, I, E, K, ceil, rows, tmas=(False, True)):  # noqa: E
             )  # fmt: skip
 
 
+# GEMM2 tile configurations for the ordered fused finalize (None: GEMM2's own choice, whose
+# rows are then bit for bit the standalone path's).
+FUSED_CONFIGS = [None, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3)]
+
+
+def sweep_fused(name, T, H, I, E, K, ceil, rows):  # noqa: E741
+    """GEMM2 + finalize: the standalone pair against the ordered fused epilogue per config."""
+    from moe_route.kernels.triton.finalize import finalize_triton
+    from moe_route.kernels.triton.grouped_gemm import FinalizeEpilogue, grouped_gemm_triton
+
+    dev, dt = "cuda", torch.bfloat16
+    shape = f"{name} T={T}"
+    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices.to(torch.int32)
+    tw = torch.rand(T, K, device=dev).softmax(dim=1)
+    maps = moe_route.build_routing_maps(ids, E)
+    M = T * K
+    offs, d2s = maps.expert_first_token_offset, maps.expanded_dest_row_to_expanded_source_row
+    s2d, efs = maps.expanded_source_row_to_expanded_dest_row, maps.expert_for_source_row
+    h = torch.randn(M, I, device=dev, dtype=dt)
+    w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5
+    y = torch.empty(M, H, device=dev, dtype=dt)
+    out = torch.empty(T, H, device=dev, dtype=dt)
+    flops = 2 * M * H * I
+
+    def standalone():
+        grouped_gemm_triton(h, w2, offs, y, dest_to_src=d2s)
+        finalize_triton(y, tw, s2d, efs, None, out)
+
+    impls = [("standalone", standalone)]
+    impls.append(("gemm2 alone", lambda: grouped_gemm_triton(h, w2, offs, y, dest_to_src=d2s)))
+    epilogue = FinalizeEpilogue(tw, s2d, efs, out, None, True)
+    for cfg in FUSED_CONFIGS:
+        label = "fused " + ("auto" if cfg is None else "/".join(map(str, cfg)))
+        impls.append((label, lambda c=cfg: grouped_gemm_triton(
+            h, w2, offs, y, dest_to_src=d2s, finalize=epilogue, config=c)))  # fmt: skip
+    for label, fn in impls:
+        try:
+            t = time_cuda(fn, inner=3, outer=10)
+        except Exception as exc:  # a config may not fit the shared memory
+            print(f"gemm2+fin {label}: {type(exc).__name__}: {exc}")
+            continue
+        rows.append(make_row("gemm2+fin", shape, label, t, ceil, 0, flops,
+                             of_dense=flops / t.median_s / ceil.mm_flops_per_s))  # fmt: skip
+
+
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--sweep", action="store_true", help="also sweep GEMM tile configurations")
+    pre.add_argument(
+        "--sweep-fused", action="store_true",
+        help="only sweep GEMM2 + finalize: standalone against the ordered fused epilogue",
+    )  # fmt: skip
     pre.add_argument("--out")
     args, rest = pre.parse_known_args(argv)
     if args.out:
         rest += ["--out", args.out]
-    rc = stage_main(["forward", "gemm"], "moe", rest, doc=__doc__)
-    if not args.sweep or "-h" in rest or "--help" in rest:
+    rc = 0
+    if not args.sweep_fused:
+        rc = stage_main(["forward", "gemm"], "moe", rest, doc=__doc__)
+    if not (args.sweep or args.sweep_fused) or "-h" in rest or "--help" in rest:
         return rc
     if not torch.cuda.is_available():
         print("bench_moe --sweep: no CUDA device here; the sweep needs one")
@@ -95,10 +153,14 @@ def main(argv=None):
     ceil = Ceilings.measure()
     env = environment(ceil)
     rows = []
-    for shape in SWEEP_SHAPES:
-        sweep_gemms(*shape, ceil, rows)
+    for shape in SWEEP_SHAPES + FUSED_EXTRA_SHAPES * args.sweep_fused:
+        if args.sweep_fused:
+            sweep_fused(*shape, ceil, rows)
+        else:
+            sweep_gemms(*shape, ceil, rows)
         torch.cuda.empty_cache()
-    write_results(rows, env, args.out or os.environ.get("OUT", "bench/results"), "gemm_sweep")
+    name = "fused_sweep" if args.sweep_fused else "gemm_sweep"
+    write_results(rows, env, args.out or os.environ.get("OUT", "bench/results"), name)
     print_table(rows, env)
     return rc
 

@@ -10,8 +10,10 @@ Two questions are answered here, never at import time and never from "device 0":
   :mod:`moe_route.reference`, the CPU fallback). ``"auto"`` picks Triton on CUDA, except the
   routing maps at the sizes where the CuPy kernels measured faster (when CuPy is installed).
 * **finalize path** — ``"standalone"`` (GEMM2 writes permuted rows, a separate
-  finalize kernel reduces them) or ``"fused"`` (finalize inside GEMM2's epilogue, SM90+,
-  float atomics: only when the caller passes ``deterministic=False``).
+  finalize kernel reduces them), ``"fused"`` (finalize inside GEMM2's epilogue: the last row
+  of each token to arrive reduces the token in ``k`` order, deterministic) or
+  ``"fused_atomic"`` (the epilogue adds with float atomics: only on an explicit
+  ``finalize="fused"`` with ``deterministic=False``).
 
 Environment overrides (read on every call, so tests may set them with ``monkeypatch``):
 
@@ -32,8 +34,9 @@ BACKENDS = ("triton", "cupy", "reference")
 FINALIZE_PATHS = ("fused", "standalone")
 
 # NOTE: on an H200 the atomic epilogue-fused finalize ran 0.4-0.9x the speed of GEMM2 plus the
-# standalone finalize at every standard shape (bench/bench_moe.py), so "auto" does not pick it.
-# Flip this when a fused epilogue beats the standalone pair.
+# standalone finalize at every standard shape (bench/bench_moe.py), so "auto" never picks it.
+# FUSED_FINALIZE_WINS says whether the ordered (deterministic) fused epilogue beat the
+# standalone pair on SM90 (bench/bench_moe.py, stage gemm2+fin); "auto" follows it.
 FUSED_FINALIZE_WINS = False
 
 
@@ -192,12 +195,14 @@ def backend_for(
 def finalize_path_for(
     device: torch.device | str, requested: str = "auto", deterministic: bool = True
 ) -> Choice:
-    """Which finalize path applies on ``device``: ``"fused"`` (SM90+) or ``"standalone"``.
+    """Which finalize path applies on ``device``: ``"fused"``, ``"fused_atomic"`` or
+    ``"standalone"``.
 
     ``requested`` is the caller's argument (``"auto"``, ``"fused"``, ``"standalone"``);
-    ``MOE_ROUTE_FINALIZE`` overrides it for the whole process. The fused path accumulates
-    with float atomics, so it is taken only when the caller gives up determinism
-    (``deterministic=False``); ``"auto"`` with ``deterministic=True`` stays standalone.
+    ``MOE_ROUTE_FINALIZE`` overrides it for the whole process. Both ``"fused"`` and
+    ``"standalone"`` give the same bits on every run; ``"fused_atomic"`` (float atomics) is
+    taken only for an explicit ``"fused"`` with ``deterministic=False``. ``"auto"`` takes the
+    fused epilogue on SM90+ where it measured faster than the standalone pair, else standalone.
     """
     if requested not in ("auto", *FINALIZE_PATHS):
         raise ValueError(f"finalize={requested!r}: expected 'auto', 'fused' or 'standalone'")
@@ -209,26 +214,19 @@ def finalize_path_for(
         return Choice("standalone", source)
     if requested == "fused":
         if deterministic:
-            raise ValueError(
-                f"{source} with deterministic=True: the epilogue-fused finalize reduces with "
-                "float atomics; pass deterministic=False to allow it, or use 'standalone'"
-            )
-        return Choice("fused", source)
+            return Choice("fused", f"{source}: ordered epilogue reduction, deterministic")
+        return Choice("fused_atomic", f"{source} with deterministic=False: float atomics")
     cc = compute_capability(device)
     where = f"SM{cc}" if cc is not None else torch.device(device).type
     if cc is None or cc < 90:
         return Choice("standalone", f"{where} is below SM90: standalone finalize kernel")
-    if deterministic:
-        return Choice(
-            "standalone", f"{where}: deterministic=True keeps the standalone (atomic-free) kernel"
-        )
     if not FUSED_FINALIZE_WINS:
         return Choice(
             "standalone",
-            f"{where}: the atomic epilogue-fused finalize measured slower than GEMM2 + standalone "
-            "finalize (bench/data/moe_h200.csv); finalize='fused' still forces it",
+            f"{where}: the epilogue-fused finalize measured slower than GEMM2 + standalone "
+            "finalize (bench/bench_moe.py); finalize='fused' still forces it",
         )
-    return Choice("fused", f"{where} >= SM90, deterministic=False: finalize in GEMM2's epilogue")
+    return Choice("fused", f"{where}: finalize in GEMM2's epilogue (ordered, measured faster)")
 
 
 def backend_availability(device: torch.device | str) -> dict[str, Choice]:
@@ -289,7 +287,6 @@ def describe(device: torch.device | str) -> dict[str, str]:
     except (ValueError, ImportError) as exc:  # e.g. MOE_ROUTE_BACKEND=cupy without CuPy
         chosen = f"none  [{exc}]"
     path = finalize_path_for(device)
-    fast = finalize_path_for(device, deterministic=False)
     cc = compute_capability(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     info = {
@@ -304,5 +301,4 @@ def describe(device: torch.device | str) -> dict[str, str]:
     for backend_name, available in backend_availability(device).items():
         info[f"  {backend_name}"] = f"{available.value:<4} [{available.why}]"
     info["finalize path"] = f"{path.value}  [{path.why}]"
-    info["  deterministic=False"] = f"{fast.value}  [{fast.why}]"
     return info

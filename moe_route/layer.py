@@ -205,11 +205,6 @@ class MoELayer(nn.Module):
             )
         if finalize not in FINALIZE_CHOICES:
             raise ValueError(f"finalize={finalize!r}: expected one of {FINALIZE_CHOICES}")
-        if finalize == "fused" and deterministic:
-            raise ValueError(
-                "finalize='fused' with deterministic=True: the epilogue-fused finalize reduces "
-                "with float atomics; pass deterministic=False or finalize='standalone'"
-            )
         if backend not in ("auto", *BACKENDS):
             raise ValueError(f"backend={backend!r}: expected 'auto' or one of {BACKENDS}")
         if dtype is not None and dtype not in GEMM_DTYPES:

@@ -37,24 +37,33 @@ from .reference import (
 
 
 def _gemm2_finalize_triton(h, w2, b2, bias, topk_weights, maps, path, allow_tf32):
-    """GEMM2 and finalize on the Triton path: standalone pair, or the atomic fused epilogue."""
+    """GEMM2 and finalize on the Triton path (``path`` from :func:`finalize_path_for`): the
+    standalone pair, or the epilogue-fused finalize, ordered (``"fused"``) or atomic."""
     from .kernels.triton.finalize import finalize_triton
-    from .kernels.triton.grouped_gemm import grouped_gemm_triton
+    from .kernels.triton.grouped_gemm import FinalizeEpilogue, grouped_gemm_triton
 
     offsets, src_to_dest, dest_to_src, expert_for_src = maps
     T, H = topk_weights.shape[0], w2.shape[1]
-    if path == "fused":
+    if path == "fused_atomic":
         acc = torch.zeros(T, H, dtype=torch.float32, device=h.device)
         if bias is not None:
             acc += bias.float()
+        epilogue = FinalizeEpilogue(topk_weights, src_to_dest, expert_for_src, acc, None, False)
         grouped_gemm_triton(
-            h, w2, offsets, acc, bias=b2, dest_to_src=dest_to_src, finalize_weights=topk_weights,
+            h, w2, offsets, acc, bias=b2, dest_to_src=dest_to_src, finalize=epilogue,
             allow_tf32=allow_tf32,
         )  # fmt: skip
         return acc.to(h.dtype)
-    y = h.new_empty(h.shape[0], H)
-    grouped_gemm_triton(h, w2, offsets, y, bias=b2, allow_tf32=allow_tf32)
     out = h.new_empty(T, H)
+    y = h.new_empty(h.shape[0], H)  # GEMM2's rows (the ordered epilogue's scratch)
+    if path == "fused":
+        epilogue = FinalizeEpilogue(topk_weights, src_to_dest, expert_for_src, out, bias, True)
+        grouped_gemm_triton(
+            h, w2, offsets, y, bias=b2, dest_to_src=dest_to_src, finalize=epilogue,
+            allow_tf32=allow_tf32,
+        )  # fmt: skip
+        return out
+    grouped_gemm_triton(h, w2, offsets, y, bias=b2, allow_tf32=allow_tf32)
     finalize_triton(y, topk_weights, src_to_dest, expert_for_src, bias, out)
     return out
 
@@ -70,14 +79,17 @@ def _gemm2_fused_finalize_op(
     topk_weights: torch.Tensor,
     b2: torch.Tensor | None,
     bias: torch.Tensor | None,
+    path: str,
     allow_tf32: bool,
     backend: str,
 ) -> torch.Tensor:
+    """GEMM2 with the finalize in its epilogue; ``path`` is ``"fused"`` (ordered, the same
+    bits every run) or ``"fused_atomic"``."""
     if backend_for(h.device, backend).value == "reference":
         y = grouped_gemm_reference(h, w2, offsets, b2)
         return finalize_moe_routing_reference(y, topk_weights, src_to_dest, expert_for_src, bias)
     maps = (offsets, src_to_dest, dest_to_src, expert_for_src)
-    return _gemm2_finalize_triton(h, w2, b2, bias, topk_weights, maps, "fused", allow_tf32)
+    return _gemm2_finalize_triton(h, w2, b2, bias, topk_weights, maps, path, allow_tf32)
 
 
 @_gemm2_fused_finalize_op.register_fake
@@ -315,10 +327,11 @@ def fused_moe(
         activation, gate_up_layout: as :func:`moe_route.grouped_gemm`.
         b1: ``[E, 2I or I]``; b2: ``[E, H]`` (scaled by the router weight, as part of the expert).
         bias: ``[H]`` or ``[T, H]`` added once per token (e.g. the residual).
-        finalize: ``"auto"``, ``"fused"`` (GEMM2's epilogue reduces into the output) or
-            ``"standalone"``; see :func:`moe_route.arch.finalize_path_for`.
-        deterministic: same bits on every run (the default). ``False`` allows the fused
-            finalize's float atomics.
+        finalize: ``"auto"``, ``"fused"`` (GEMM2's epilogue reduces into the output, no
+            separate finalize launch) or ``"standalone"``; see
+            :func:`moe_route.arch.finalize_path_for`.
+        deterministic: same bits on every run (the default; both finalize paths honour it).
+            ``False`` with ``finalize="fused"`` reduces with float atomics instead.
         gather: read GEMM1's rows straight from ``x`` through the maps (no ``x_perm``), or
             expand first so that GEMM1 loads its rows with TMA. ``None`` picks by shape: a
             separate expand pays off only when each row carries much work (large ``I``).
@@ -387,12 +400,12 @@ def fused_moe(
             expand_rows(x, maps, backend=backend), w1, maps, bias=b1, activation=activation,
             gate_up_layout=gate_up_layout, allow_tf32=allow_tf32, backend=backend,
         )  # fmt: skip
-    if path == "fused":
+    if path != "standalone":
         return _gemm2_fused_finalize_op(
             h, w2, maps.expert_first_token_offset,
             maps.expanded_source_row_to_expanded_dest_row,
             maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
-            topk_weights, b2, bias, allow_tf32, backend,
+            topk_weights, b2, bias, path, allow_tf32, backend,
         )  # fmt: skip
     y = grouped_gemm(h, w2, maps, bias=b2, allow_tf32=allow_tf32, backend=backend)
     return finalize_moe_routing(y, topk_weights, maps, bias, backend=backend)

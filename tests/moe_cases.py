@@ -42,7 +42,8 @@ ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
 # finalize path -> the fused_moe arguments that select it
 PATHS = {
     "standalone": dict(finalize="standalone"),
-    "fused": dict(finalize="fused", deterministic=False),
+    "fused": dict(finalize="fused"),  # ordered epilogue reduction, deterministic
+    "fused_atomic": dict(finalize="fused", deterministic=False),
 }
 BIASES = {
     "none": dict(),

@@ -126,8 +126,10 @@ def test_compute_capability_forced(monkeypatch, forced, expected):
 
 
 # ----------------------------------------------------------------------------- finalize path
-# The epilogue-fused finalize reduces with float atomics: "auto" takes it only on SM90+ and
-# only with deterministic=False; an explicit "fused" with deterministic=True raises.
+# Both "standalone" and "fused" (the ordered epilogue) are deterministic; "auto" takes the fused
+# epilogue on SM90+ only where it measured faster (arch.FUSED_FINALIZE_WINS), whatever
+# `deterministic` says; float atomics ("fused_atomic") only for an explicit "fused" with
+# deterministic=False.
 def test_finalize_cpu_standalone():
     choice = arch.finalize_path_for("cpu")
     assert (choice.value, choice.why) == (
@@ -138,38 +140,29 @@ def test_finalize_cpu_standalone():
 
 
 @pytest.mark.parametrize(
-    "device,cc,deterministic",
-    [
-        ("cuda:0", "90", True),  # no float atomics unless the caller gives up determinism
-        ("cuda:0", "100", True),
-        ("cuda:0", "89", False),  # below SM90 there is no fused epilogue
-        ("cuda:0", "80", False),
-        ("cuda:0", "80", True),
-        ("cpu", "90", False),  # MOE_ROUTE_ARCH applies to CUDA devices only
-    ],
+    "device,cc",
+    [("cuda:0", "89"), ("cuda:0", "80"), ("cpu", "90")],  # MOE_ROUTE_ARCH: CUDA devices only
 )
 @pytest.mark.parametrize("fused_wins", [True, False])
-def test_finalize_auto_standalone(monkeypatch, device, cc, deterministic, fused_wins):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_finalize_auto_below_sm90(monkeypatch, device, cc, fused_wins, deterministic):
     monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", fused_wins)
     monkeypatch.setenv("MOE_ROUTE_ARCH", cc)
     choice = arch.finalize_path_for(device, deterministic=deterministic)
-    assert choice.value == "standalone", choice
-    if device == "cpu" or int(cc) < 90:
-        assert "below SM90" in choice.why
-    else:
-        assert "deterministic=True" in choice.why
+    assert choice.value == "standalone" and "below SM90" in choice.why, choice
 
 
 @pytest.mark.parametrize("cc", ["90", "100"])
-def test_finalize_auto_sm90_nondeterministic(monkeypatch, cc):
-    # "auto" takes the fused epilogue on SM90+ with deterministic=False only where it measured
-    # faster (arch.FUSED_FINALIZE_WINS); otherwise it says why it stays standalone.
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_finalize_auto_sm90(monkeypatch, cc, deterministic):
+    # The ordered fused epilogue where it measured faster; never the atomic one.
     monkeypatch.setenv("MOE_ROUTE_ARCH", cc)
     monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", True)
-    assert arch.finalize_path_for("cuda:0", deterministic=False).value == "fused"
+    choice = arch.finalize_path_for("cuda:0", deterministic=deterministic)
+    assert choice.value == "fused" and "ordered" in choice.why, choice
     monkeypatch.setattr(arch, "FUSED_FINALIZE_WINS", False)
-    choice = arch.finalize_path_for("cuda:0", deterministic=False)
-    assert choice.value == "standalone" and "slower" in choice.why
+    choice = arch.finalize_path_for("cuda:0", deterministic=deterministic)
+    assert choice.value == "standalone" and "slower" in choice.why, choice
 
 
 def test_finalize_explicit_standalone(monkeypatch):
@@ -180,22 +173,24 @@ def test_finalize_explicit_standalone(monkeypatch):
             assert (choice.value, choice.why) == ("standalone", "finalize='standalone'")
 
 
-def test_finalize_fused_request_needs_nondeterminism(monkeypatch):
-    monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
-    with pytest.raises(ValueError, match=r"finalize='fused' with deterministic=True: .*atomics"):
-        arch.finalize_path_for("cuda:0", "fused")
-    # On request it is taken on any device the caller names (no SM check for an explicit ask).
-    assert arch.finalize_path_for("cuda:0", "fused", deterministic=False).value == "fused"
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_finalize_explicit_fused(monkeypatch, device):
+    # On request it is taken on any device (no SM check for an explicit ask): ordered when
+    # deterministic, atomic only when the caller gives determinism up.
+    monkeypatch.setenv("MOE_ROUTE_ARCH", "80")
+    choice = arch.finalize_path_for(device, "fused")
+    assert choice.value == "fused" and "deterministic" in choice.why, choice
+    choice = arch.finalize_path_for(device, "fused", deterministic=False)
+    assert choice.value == "fused_atomic" and "atomics" in choice.why, choice
     monkeypatch.setenv("MOE_ROUTE_FINALIZE", "fused")
-    with pytest.raises(ValueError, match=r"MOE_ROUTE_FINALIZE=fused with deterministic=True"):
-        arch.finalize_path_for("cuda:0")
-    choice = arch.finalize_path_for("cuda:0", deterministic=False)
-    assert (choice.value, choice.why) == ("fused", "MOE_ROUTE_FINALIZE=fused")
+    assert arch.finalize_path_for(device).value == "fused"
+    choice = arch.finalize_path_for(device, "standalone", deterministic=False)
+    assert choice.value == "fused_atomic" and "MOE_ROUTE_FINALIZE=fused" in choice.why
 
 
 def test_finalize_env_overrides_request(monkeypatch):
     monkeypatch.setenv("MOE_ROUTE_FINALIZE", "standalone")
-    choice = arch.finalize_path_for("cpu", "fused")  # would raise without the override
+    choice = arch.finalize_path_for("cpu", "fused")
     assert (choice.value, choice.why) == ("standalone", "MOE_ROUTE_FINALIZE=standalone")
     monkeypatch.setenv("MOE_ROUTE_FINALIZE", "auto")
     monkeypatch.setenv("MOE_ROUTE_ARCH", "90")

@@ -1,9 +1,11 @@
 """fused_moe on the CPU (Triton kernels through the interpreter, and the reference backend)
 against ``moe_route.reference.moe_forward_reference`` evaluated in float64 on the same inputs.
 
-Both finalize paths run here: ``"standalone"`` (GEMM2 writes permuted rows, a finalize kernel
-reduces them) and ``"fused"`` (GEMM2's epilogue scales and atomically adds into a float32
-output; the interpreter runs it, one program at a time). Router weights of dropped slots are
+Every finalize path runs here: ``"standalone"`` (GEMM2 writes permuted rows, a finalize kernel
+reduces them), ``"fused"`` (GEMM2's epilogue: the last row of a token to arrive reduces the
+token in k order, the standalone kernel's arithmetic) and ``"fused_atomic"`` (the epilogue
+scales and atomically adds into a float32 output). The interpreter runs one program at a time,
+so the concurrency of the last two is tested on the GPU. Router weights of dropped slots are
 NaN throughout: the contract says they are never read.
 
 bfloat16: ``tl.dot`` with bf16 operands returns garbage under the triton 3.5.1 interpreter, so
@@ -99,23 +101,25 @@ def test_biases_and_gather(biases, gather, path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("activation", "layout"), [("swiglu", "interleaved"), ("gelu", "concat")])
 def test_paths_agree(dtype, activation, layout):
-    """Standalone and fused finalize: both close to the float64 oracle and to each other (in
-    float32 to the rounding of a K-term sum; in float16 within the fp16 tolerance, since only
-    the standalone path rounds GEMM2's rows to fp16)."""
+    """The three finalize paths: all close to the float64 oracle; the ordered fused epilogue
+    gives the standalone path's bits (same GEMM2 rows, same sum order); the atomic one agrees
+    in float32 to the rounding of a K-term sum (in float16 within the fp16 tolerance, since it
+    does not round GEMM2's rows to fp16)."""
     K = 3
     case = make_moe(31, K, 6, 27, 19, activation=activation, dtype=dtype, b1=True, b2=True,
                     bias="TH", seed=3)  # fmt: skip
     kw = dict(activation=activation, layout=layout)
-    standalone = run(case, **kw, **PATHS["standalone"])
-    fused = run(case, **kw, **PATHS["fused"])
+    outs = {path: run(case, **kw, **args) for path, args in PATHS.items()}
     ref = expected(case, **kw)
-    assert standalone.dtype == fused.dtype == dtype
-    assert_matches(standalone, ref, TOL[dtype], what="standalone")
-    assert_matches(fused, ref, TOL[dtype], what="fused")
+    for path, out in outs.items():
+        assert out.dtype == dtype
+        assert_matches(out, ref, TOL[dtype], what=path)
+    standalone, atomic = outs["standalone"], outs["fused_atomic"]
+    assert torch.equal(outs["fused"], standalone), "ordered fused finalize != standalone bits"
     if dtype == torch.float32:
-        assert_paths_agree(standalone, fused, finalize_scale(case, **kw), K)
+        assert_paths_agree(standalone, atomic, finalize_scale(case, **kw), K)
     else:
-        assert_matches(fused, standalone.double(), TOL[dtype], what="fused vs standalone")
+        assert_matches(atomic, standalone.double(), TOL[dtype], what="atomic vs standalone")
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -189,15 +193,6 @@ def test_every_slot_dropped(path):
 
 
 # ----------------------------------------------------------------------------- path choice
-def test_fused_needs_nondeterministic(monkeypatch):
-    case = make_moe(5, 2, 3, 8, 4, seed=11)
-    Spy(monkeypatch, forbid=True)
-    with pytest.raises(ValueError, match=r"deterministic=True"):
-        run(case, finalize="fused", deterministic=True)
-    with pytest.raises(ValueError, match=r"deterministic=True"):
-        run(case, finalize="fused")  # deterministic defaults to True
-
-
 @needs_interpreter
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_auto_is_standalone_on_cpu(monkeypatch, deterministic):
@@ -215,6 +210,7 @@ def test_auto_is_standalone_on_cpu(monkeypatch, deterministic):
     ("env", "kwargs", "taken"),
     [
         ("fused", dict(finalize="standalone", deterministic=False), "fused"),
+        ("fused", dict(finalize="standalone"), "fused"),
         ("fused", dict(finalize="auto", deterministic=False), "fused"),
         ("standalone", dict(finalize="fused", deterministic=False), "standalone"),
         ("standalone", dict(finalize="fused", deterministic=True), "standalone"),
@@ -235,8 +231,8 @@ def test_finalize_env_override(monkeypatch, env, kwargs, taken):
 @pytest.mark.parametrize(
     ("env", "kwargs", "match"),
     [
-        ("fused", dict(finalize="standalone"), r"MOE_ROUTE_FINALIZE=fused.*deterministic"),
         ("epilogue", dict(), r"MOE_ROUTE_FINALIZE='epilogue'"),
+        ("auto", dict(finalize="atomic"), r"finalize='atomic'"),
     ],
 )
 def test_finalize_env_errors(monkeypatch, env, kwargs, match):
@@ -249,7 +245,7 @@ def test_finalize_env_errors(monkeypatch, env, kwargs, match):
 
 # ----------------------------------------------------------------------------- determinism
 @needs_interpreter
-@pytest.mark.parametrize("finalize", ["auto", "standalone"])
+@pytest.mark.parametrize("finalize", ["auto", "standalone", "fused"])
 def test_deterministic_bitwise(finalize):
     case = make_moe(21, 3, 5, 20, 12, b1=True, b2=True, bias="TH", seed=15)
     first = run(case, finalize=finalize, deterministic=True)
@@ -385,7 +381,7 @@ def test_opcheck_fused_finalize_op():
     s2d, d2s, efs, off = routing_maps_reference(case["topk_ids"], 3)
     h = rand(14, 4, seed=21)
     args = (h, case["w2"], off, s2d, d2s, efs, case["topk_weights"].nan_to_num(0.0), case["b2"],
-            case["bias"], False, "reference")  # fmt: skip
+            case["bias"], "fused", False, "reference")  # fmt: skip
     torch.library.opcheck(moe_module._gemm2_fused_finalize_op, args)
 
 

@@ -185,11 +185,14 @@ def test_finalize_bits_equal_triton(dtype, T, H, bias):
     want = poisoned((T, H), dtype, CUDA)
     finalize_triton(c["y"], c["w"], *_tables(m), c["bias"], want)
     assert torch.equal(out, want), "not the Triton kernel's bits"
-    for rows_in_flight in (4, 8):
+    # Launch settings: rows in flight, and threads x units per thread (the column loop, with a
+    # partial last round where the row is not a multiple of the block's stride).
+    for rows_in_flight, threads, units in ((4, 64, 1), (8, 64, 1), (4, 128, 3), (8, 32, 4)):
         buf = poisoned((T, H + 8), dtype, CUDA)
         finalize_cupy(
-            c["y"], c["w"], *_tables(m), c["bias"], buf[:, :H], rows_in_flight=rows_in_flight
-        )
+            c["y"], c["w"], *_tables(m), c["bias"], buf[:, :H], rows_in_flight=rows_in_flight,
+            threads=threads, units_per_thread=units,
+        )  # fmt: skip
         assert torch.equal(buf[:, :H], want), "poisoned launcher output differs (unwritten rows?)"
         assert buf[:, H:].isnan().all()
 

@@ -2,7 +2,8 @@
 reference (``moe_route.reference``), at odd and realistic sizes, in bf16 / fp16 / fp32.
 
 Covers what the CPU interpreter cannot: bf16 kernels, TF32 versus exact float32 products,
-atomics running concurrently in the fused finalize, many programs per launch, CUDA graph
+concurrency in the fused finalize (the ordered epilogue's arrival counters, the atomic one's
+adds), many programs per launch, CUDA graph
 capture (which also proves that nothing syncs with the host), ``torch.compile(fullgraph=True)``
 and row offsets past 2**31 elements.
 
@@ -259,25 +260,42 @@ def test_fused_moe_biases_gather(biases, gather, path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paths_agree(dtype):
+    """The ordered fused epilogue gives the standalone path's bits (same GEMM2 tiles, the same
+    k-ordered float32 sum); the atomic one agrees to the rounding of that sum."""
     K = 4
     case = moe_case(1000, K, 16, 1024, 768, dtype=dtype, b1=True, b2=True, bias="TH", seed=15)
-    standalone = run_moe(case, **PATHS["standalone"])
-    fused = run_moe(case, **PATHS["fused"])
+    outs = {path: run_moe(case, **args) for path, args in PATHS.items()}
     ref = moe_expected(case)
-    assert_matches(standalone, ref, TOL[dtype], what="standalone")
-    assert_matches(fused, ref, TOL[dtype], what="fused")
+    for path, out in outs.items():
+        assert_matches(out, ref, TOL[dtype], what=path)
+    assert torch.equal(outs["fused"], outs["standalone"]), "ordered fused != standalone bits"
     if dtype == torch.float32:
-        assert_paths_agree(standalone, fused, finalize_scale(case), K)
+        assert_paths_agree(outs["standalone"], outs["fused_atomic"], finalize_scale(case), K)
 
 
-# ----------------------------------------------------------------------------- determinism
-@pytest.mark.parametrize("finalize", ["auto", "standalone"])
-def test_deterministic_bitwise(finalize):
-    case = moe_case(1000, 4, 16, 1024, 768, b1=True, b2=True, bias="TH", seed=16)
-    first = run_moe(case, finalize=finalize, deterministic=True)
-    for i in range(19):
-        again = run_moe(case, finalize=finalize, deterministic=True)
-        assert torch.equal(again, first), f"run {i + 2} differs from run 1"
+ORDERED_STRESS = [  # (T, K, E, H, I, drop): many tiles racing for each token's counter
+    pytest.param(4096, 8, 64, 1024, 256, 0.1, id="T4096-K8-E64"),
+    pytest.param(3001, 6, 6, 520, 136, 0.3, id="K=E-odd"),
+    pytest.param(2048, 1, 1, 4096, 512, 0.0, id="one-expert"),
+    pytest.param(999, 4, 256, 2048, 64, 0.5, id="E256-sparse"),
+]
+
+
+@pytest.mark.parametrize(("T", "K", "E", "H", "inter", "drop"), ORDERED_STRESS)
+def test_ordered_fused_races(T, K, E, H, inter, drop):
+    """The ordered epilogue under real concurrency: thousands of tiles bump the counters, the
+    last row of each (token, column tile) reduces it. 20 runs, each bitwise equal to the
+    standalone path. Before each run a NaN block of the output's size is freed, which the
+    caching allocator hands to the output: an element left unwritten would show."""
+    case = moe_case(T, K, E, H, inter, b2=True, bias="H", drop=drop, seed=T + E)
+    case["topk_ids"][::97] = -1  # some tokens with every slot dropped: out[t] = bias
+    want = run_moe(case, finalize="standalone")
+    assert_matches(want, moe_expected(case), TOL[torch.bfloat16])
+    for i in range(20):
+        torch.full_like(want, NAN)  # poison: freed at once, reused for the next [T, H]
+        got = run_moe(case, finalize="fused")
+        assert torch.equal(got, want), f"run {i + 1}: ordered fused != standalone"
+        del got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -299,7 +317,7 @@ def test_nondeterministic_within_rounding(dtype):
 # ----------------------------------------------------------------------------- path choice
 def test_auto_path_follows_arch(monkeypatch):
     """fused_moe takes the path that arch.finalize_path_for names for the tensors' device; the
-    policy's fixed points: below SM90, or with deterministic=True, "auto" is standalone."""
+    policy's fixed points: below SM90 "auto" is standalone, and it never takes the atomics."""
     dev = torch.device(CUDA)
     case = moe_case(37, 2, 8, 200, 136, b2=True, seed=18)
     ref = moe_expected(case)
@@ -311,15 +329,14 @@ def test_auto_path_follows_arch(monkeypatch):
             monkeypatch.delenv("MOE_ROUTE_ARCH", raising=False)
         else:
             monkeypatch.setenv("MOE_ROUTE_ARCH", forced)
-        assert arch.finalize_path_for(dev, "auto", True).value == "standalone"
-        choice = arch.finalize_path_for(dev, "auto", False)
-        if forced in ("80", "89"):
-            assert choice.value == "standalone", choice
         for deterministic in (True, False):
+            choice = arch.finalize_path_for(dev, "auto", deterministic)
+            assert choice.value in ("fused", "standalone"), choice
+            if forced in ("80", "89"):
+                assert choice.value == "standalone", choice
             calls.clear()
             out = run_moe(case, finalize="auto", deterministic=deterministic)
-            taken = "fused" if not deterministic and choice.value == "fused" else "standalone"
-            want = "_gemm2_fused_finalize_op" if taken == "fused" else "finalize_moe_routing"
+            want = "_gemm2_fused_finalize_op" if choice.value == "fused" else "finalize_moe_routing"
             assert calls == [want], (forced, deterministic, choice, calls)
             assert_matches(out, ref, TOL[torch.bfloat16])
 
@@ -378,7 +395,7 @@ def test_cuda_graph(path, gather):
         graph.replay()
         torch.cuda.synchronize()
         eager = run_moe(fresh, **kw)
-        if path == "standalone":
+        if path != "fused_atomic":
             assert torch.equal(static_out, eager), "graph replay differs from eager"
         else:
             assert_matches(static_out, eager.double(), TOL[torch.bfloat16], what="replay")
@@ -398,7 +415,7 @@ def test_compile_fullgraph(path):
         case = moe_case(199, 4, 16, 200, 136, b1=True, b2=True, bias="TH", seed=seed)
         args = [case[k] for k in (*ARG_ORDER, "b1", "b2", "bias")]
         out, eager = compiled(*args), layer(*args)
-        if path == "standalone":
+        if path != "fused_atomic":
             assert torch.equal(out, eager), "compiled differs from eager"
         else:
             assert_matches(out, eager.double(), TOL[torch.bfloat16], what="compiled")

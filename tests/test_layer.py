@@ -445,7 +445,6 @@ def test_extra_repr_and_reset_parameters():
         (dict(capacity_factor=0.0), "capacity_factor=0.0"),
         (dict(aux_loss_coef=-1.0), "aux_loss_coef=-1.0"),
         (dict(shared_expert_gate=True), "shared_expert_gate=True needs num_shared_experts"),
-        (dict(finalize="fused"), "finalize='fused' with deterministic=True"),
         (dict(finalize="fast"), "finalize='fast'"),
         (dict(backend="cuda"), "backend='cuda'"),
         (dict(dtype=torch.int32), "dtype=torch.int32"),

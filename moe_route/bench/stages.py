@@ -483,20 +483,19 @@ def stage_gemm(shape: Shape, ctx: Context) -> None:
     ctx.measure(
         "gemm2+fin", shape, "moe_route", standalone, g2_bytes, g2_flops, check=check, tol=_tol(ctx)
     )
-    fused_op = getattr(moe_route.moe, "_gemm2_fused_finalize_op", None)
-    if ctx.cuda and fused_op is not None:
-
-        def fused():
-            return fused_op(
+    if not ctx.cuda:
+        return
+    # The epilogue-fused finalize: ordered (deterministic, the default) and atomic.
+    for impl, path in (("moe_route fused", "fused"), ("moe_route fused atomic", "fused_atomic")):
+        ctx.measure(
+            "gemm2+fin", shape, impl,
+            lambda path=path: moe_route.moe._gemm2_fused_finalize_op(
                 h, w2, maps.expert_first_token_offset,
                 maps.expanded_source_row_to_expanded_dest_row,
                 maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
-                tw, None, None, False, ctx.backend,
-            )  # fmt: skip
-
-        ctx.measure(
-            "gemm2+fin", shape, "moe_route fused", fused, g2_bytes, g2_flops,
-            check=check, tol=_tol(ctx),
+                tw, None, None, path, False, ctx.backend,
+            ),
+            g2_bytes, g2_flops, check=check, tol=_tol(ctx),
         )  # fmt: skip
 
 
@@ -529,8 +528,9 @@ def stage_forward(shape: Shape, ctx: Context) -> None:
         ctx.measure("forward", shape, "loop", loop, nbytes, flops, graph=False, memory=True)
     check = None if ref is None else (lambda out: rel_err(out, ref))
     variants = [("moe_route", {})]
-    if ctx.cuda:
-        variants.append(("moe_route fused", {"finalize": "fused", "deterministic": False}))
+    if ctx.cuda:  # both finalize paths, whichever "auto" picks
+        variants.append(("moe_route standalone", {"finalize": "standalone"}))
+        variants.append(("moe_route fused", {"finalize": "fused"}))
     for impl, kw in variants:
         ctx.measure(
             "forward", shape, impl,

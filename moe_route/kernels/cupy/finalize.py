@@ -8,14 +8,16 @@ import torch
 from . import _nvrtc
 from .expand import rows_aligned
 
-# Threads per block (each owns one unit, 16 bytes or one element, of one output row) and the
-# permuted rows each thread loads at once (the kernel's KCHUNK).
-# NOTE: on an H200 (bf16, K=8, T=4096/16384, H=4096/7168; bench/bench_cupy.py --sweep) 4 rows in
-# flight (60 registers) ran at 72-77 % of the copy bandwidth with 64 threads, 70-72 % with 128
-# and 69-72 % with 256; 8 rows in flight (79 registers) at 55-59 % whatever the threads. The
-# Triton kernel (40 registers) ran at 96-103 %.
+# Threads per block (each owns one unit, 16 bytes or one element, of one output row at a time),
+# the permuted rows each thread loads at once (the kernel's KCHUNK), and the units each thread
+# walks through (the blocks per token are cdiv(units of a row, THREADS * UNITS_PER_THREAD)).
+# NOTE: on an H200 (bf16, K=8, T=4096/16384, H=4096/7168; bench/bench_cupy.py --sweep) the
+# first version, which read the slot tables from global memory in every thread between its row
+# loads, ran at 72-77 % of the copy bandwidth at best (4 rows in flight, 64 threads, 60
+# registers; 8 rows, 79 registers: 55-59 %); the Triton kernel ran at 96-103 %.
 THREADS = 64
 ROWS_IN_FLIGHT = 4
+UNITS_PER_THREAD = 1
 CTYPES = {
     torch.bfloat16: "bf16_t",
     torch.float16: "f16_t",
@@ -47,6 +49,7 @@ def finalize_cupy(
     *,
     threads: int = THREADS,
     rows_in_flight: int = ROWS_IN_FLIGHT,
+    units_per_thread: int = UNITS_PER_THREAD,
 ) -> None:
     """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated)."""
     T, K = topk_weights.shape
@@ -55,12 +58,8 @@ def finalize_cupy(
         return
     n = _vector_width(y_perm, bias, out)
     width = H // n
-    blocks_per_row = -(-width // threads)
-    if blocks_per_row > 65535:
-        raise ValueError(
-            f"y_perm has H={H} columns: the CuPy finalize kernel handles rows of at "
-            f"most {65535 * threads * n} elements"
-        )
+    # gridDim.y is at most 65535; the kernel's column loop covers any longer row.
+    blocks_per_row = min(-(-width // (threads * units_per_thread)), 65535)
     acc = "double" if torch.float64 in (y_perm.dtype, topk_weights.dtype) else "float"
     ty = CTYPES[y_perm.dtype]
     tb = ty if bias is None else CTYPES[bias.dtype]

@@ -20,8 +20,19 @@ Epilogues (constexpr-selected):
   row layout of ``W1`` (gate rows then up rows, or alternating).
 * ``GATHER``: ``A`` rows are read from ``x [T, K]`` through
   ``expanded_dest_row_to_expanded_source_row`` (``t = s mod T``): ``x_perm`` is never written.
-* ``FINALIZE`` (GEMM2): scale each row by its router weight and ``atomic_add`` it into a float32
-  ``[T, H]`` output (the non-deterministic fused finalize; the permuted output is not written).
+* ``FINALIZE`` (GEMM2), the epilogue-fused finalize, in one of two modes:
+
+  - ``ORDERED`` (deterministic): the tile stores its rows of ``y`` (rounded to the output
+    dtype, as the standalone GEMM2 does) to a scratch ``[T*K, H]`` buffer, then each row bumps
+    the arrival counter of its ``(token, column tile)``. The row whose bump completes the
+    token (counter reaches its number of routed slots) reduces the token's rows in ``k`` order,
+    ``Σ_k w[t,k]·y[dest(k*T+t)]`` in float32, adds ``bias`` once and writes ``out[t]``: the
+    arithmetic of the standalone finalize kernel, in the same order, so the bits do not depend
+    on which tile arrives last. The other rows' reads overlap other programs' MMAs instead
+    of running as a separate memory-bound launch. Tokens with every slot dropped get ``bias``
+    (or zeros) from the programs past the last expert.
+  - atomic: scale each row by its router weight and ``atomic_add`` it into a float32
+    ``[T, H]`` output (the permuted output is not written; the sum order varies run to run).
 * ``STORE_PRE`` (GEMM1 when training): also write the pre-activation ``z`` (after the bias,
   rounded to the input dtype) and compute the activation from the rounded ``z``, so that the
   backward, which recomputes ``h = act(z)`` from the saved ``z``, sees the forward's bits.
@@ -41,6 +52,8 @@ either (``W_KMAJOR``). float64 (for ``gradcheck``) multiplies on the FMA units (
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -90,6 +103,27 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _routed_slots(expert_for_src_ptr, t, mask, T, TOP_K: tl.constexpr):
+    """Routed (not dropped) slots of each token ``t``: how many rows the finalize sums."""
+    n = tl.zeros(t.shape, dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        n += (tl.load(expert_for_src_ptr + j * T + t, mask=mask, other=-1) >= 0).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _store_final(final_ptr, bias_ptr, t, cols, row_mask, col_mask, acc, stride_ft, stride_fh,
+                 stride_bt, stride_bh, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """``out[t, cols] = acc + bias[t, cols]``, rounded once (the standalone finalize's tail)."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + t[:, None] * stride_bt + cols[None, :] * stride_bh, mask=mask)
+        acc += b.to(acc.dtype)
+    ptrs = final_ptr + t[:, None] * stride_ft + cols[None, :] * stride_fh
+    tl.store(ptrs, acc.to(final_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b``; ``"fma"`` (float64) multiplies on the CUDA cores."""
     # One return after the branch: a `return` inside a constexpr `if` does not stop the
@@ -116,6 +150,11 @@ def _grouped_gemm_kernel(
     z_ptr,
     dz_ptr,
     partial_ptr,
+    final_ptr,
+    counter_ptr,
+    src_to_dest_ptr,
+    expert_for_src_ptr,
+    final_bias_ptr,
     E,
     M_ROWS,
     M_TILES,
@@ -134,6 +173,10 @@ def _grouped_gemm_kernel(
     stride_wt,
     stride_wkk,
     stride_zm,
+    stride_ft,
+    stride_fh,
+    stride_fbt,
+    stride_fbh,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     TWO_PRODUCTS: tl.constexpr,
@@ -141,6 +184,9 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr,
     FINALIZE: tl.constexpr,
+    ORDERED: tl.constexpr,
+    FINAL_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr,
     STORE_PRE: tl.constexpr,
     ACT_BWD: tl.constexpr,
     ACC: tl.constexpr,
@@ -165,10 +211,17 @@ def _grouped_gemm_kernel(
     routed_tiles = tl.load(tile_start_ptr + E)
     if m_tile >= routed_tiles:
         # Past the experts: the dropped rows [offset[E], M) are written as zeros, then done.
-        if FINALIZE:
-            return
         rows = tl.load(offsets_ptr + E) + (m_tile - routed_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if FINALIZE:
+            if ORDERED:  # a token with no routed slot: out[t] = bias[t] (or 0), via its k=0 row
+                src = tl.load(dest_to_src_ptr + rows, mask=rows < M_ROWS, other=T)
+                t = (src % T).to(tl.int64)
+                lone = (src < T) & (_routed_slots(expert_for_src_ptr, t, src < T, T, TOP_K) == 0)
+                _store_final(final_ptr, final_bias_ptr, t, cols, lone, cols < N_OUT,
+                             tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC), stride_ft, stride_fh,
+                             stride_fbt, stride_fbh, FINAL_BIAS)  # fmt: skip
+            return
         zero_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
         zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
         zero_mask = (rows[:, None] < M_ROWS) & (cols[None, :] < N_OUT)
@@ -313,7 +366,33 @@ def _grouped_gemm_kernel(
     if GATED:
         acc = acc * acc_up
 
-    if FINALIZE:
+    if FINALIZE and ORDERED:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        # Every thread's stores of this tile are done before any row announces its arrival;
+        # the counter's acq_rel then publishes them to, and orders them before, the last
+        # arriver's reads (which go to L2: cache_modifier .cg, never a stale L1 line).
+        tl.debug_barrier()
+        src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
+        t = (src % T).to(tl.int64)
+        arrived = tl.atomic_add(
+            counter_ptr + t * n_tiles + n_tile, 1, mask=row_ok, sem="acq_rel", scope="gpu"
+        )
+        last = row_ok & (arrived == _routed_slots(expert_for_src_ptr, t, row_ok, T, TOP_K) - 1)
+        if tl.max(last.to(tl.int32), axis=0) > 0:
+            tl.debug_barrier()
+            red = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+            for j in tl.static_range(TOP_K):  # the standalone kernel's sum, term by term
+                s_j = j * T + t
+                ok = last & (tl.load(expert_for_src_ptr + s_j, mask=last, other=-1) >= 0)
+                d_j = tl.load(src_to_dest_ptr + s_j, mask=ok, other=0).to(tl.int64)
+                w_j = tl.load(weights_ptr + t * stride_wt + j * stride_wkk, mask=ok, other=0.0)
+                y_ptrs = out_ptr + d_j[:, None] * stride_om + cols[None, :] * stride_on
+                y_ok = ok[:, None] & col_ok[None, :]
+                y_j = tl.load(y_ptrs, mask=y_ok, other=0.0, cache_modifier=".cg")
+                red += tl.where(ok[:, None], w_j.to(ACC)[:, None] * y_j.to(ACC), 0.0)
+            _store_final(final_ptr, final_bias_ptr, t, cols, last, col_ok, red, stride_ft,
+                         stride_fh, stride_fbt, stride_fbh, FINAL_BIAS)  # fmt: skip
+    elif FINALIZE:
         src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
         t = (src % T).to(tl.int64)
         k = src // T
@@ -322,6 +401,28 @@ def _grouped_gemm_kernel(
         tl.atomic_add(out_ptr + t[:, None] * stride_om + cols[None, :] * stride_on, acc, mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class FinalizeEpilogue(NamedTuple):
+    """What GEMM2's epilogue needs to finalize into ``out [T, H]`` itself.
+
+    ``ordered=True`` is the deterministic mode (arrival counters, the last row of each token
+    reduces the token in ``k`` order, the bits of the standalone kernel for the same ``y``);
+    ``ordered=False`` adds ``w[t,k]·y[d]`` into the launcher's float32 ``out`` with atomics
+    (``out``, ``bias``, ``src_to_dest`` and ``expert_for_src`` here are then unused).
+    """
+
+    #: ``[T, K]`` router weights (float32 or the activations' dtype).
+    topk_weights: torch.Tensor
+    #: ``[T*K] int32`` ``expanded_source_row_to_expanded_dest_row``.
+    src_to_dest: torch.Tensor
+    #: ``[T*K] int32`` ``expert_for_source_row``.
+    expert_for_src: torch.Tensor
+    #: ``[T, H]`` result, in the activations' dtype (ordered mode).
+    out: torch.Tensor
+    #: optional ``[H]`` or ``[T, H]`` added once per token (ordered mode).
+    bias: torch.Tensor | None
+    ordered: bool
 
 
 def _pick_config(rows_per_expert: float, n_out: int, kd: int, gated: bool, dtype: torch.dtype):
@@ -384,7 +485,7 @@ def grouped_gemm_triton(
     interleaved: bool = False,
     dest_to_src: torch.Tensor | None = None,
     gather: bool = False,
-    finalize_weights: torch.Tensor | None = None,
+    finalize: FinalizeEpilogue | None = None,
     num_rows: int | None = None,
     pre_activation: torch.Tensor | None = None,
     act_backward: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -398,13 +499,13 @@ def grouped_gemm_triton(
         a: ``[M, Kd]`` permuted rows, or ``x [T, Kd]`` with ``gather``.
         w: ``[E, N, Kd]`` (``N = 2*N_out`` for gated activations), any strides.
         offsets: ``expert_first_token_offset [E+1]`` int64.
-        out: ``[M, N_out]``; with ``finalize_weights`` a float32 ``[T, N_out]`` accumulated
-            into with atomics (the caller initialises it with the bias or zeros).
+        out: ``[M, N_out]``. With ``finalize``: ordered, the scratch rows of ``y`` (any
+            ``[M, N_out]`` buffer of the output dtype, nothing else reads it); atomic, a float32
+            ``[T, N_out]`` accumulated into (the caller initialises it with the bias or zeros).
         dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for ``gather``,
-            ``finalize_weights`` and ``act_backward``.
+            ``finalize`` and ``act_backward``.
         gather: read ``A`` row ``d`` as ``x[dest_to_src[d] mod T]`` (``x_perm`` never exists).
-        finalize_weights: ``topk_weights [T, K]``: scale row ``d`` by its router weight and
-            atomically add it into ``out[t]``.
+        finalize: the epilogue-fused finalize (GEMM2); see :class:`FinalizeEpilogue`.
         num_rows: ``M = T*K`` (the permuted row count), when ``a`` is ``x``.
         pre_activation: ``[M, N]`` contiguous; also write GEMM1's pre-activation ``z`` here
             (the activation is then computed from the rounded ``z``).
@@ -424,11 +525,14 @@ def grouped_gemm_triton(
     kd = w.shape[2]
     M = num_rows if num_rows is not None else a.shape[0]
     T = a.shape[0]
-    if finalize_weights is not None:
-        T = finalize_weights.shape[0]
+    if finalize is not None:
+        T = finalize.topk_weights.shape[0]
     if act_backward is not None:
         T = act_backward[2].shape[0]
     if M == 0 or n_out == 0:
+        if finalize is not None and finalize.ordered:  # no rows at all: out = bias or zeros
+            fill = finalize.bias if finalize.bias is not None else 0.0
+            finalize.out.copy_(torch.broadcast_to(fill, finalize.out.shape))
         return a.new_zeros(M, 1, dtype=torch.float32) if act_backward is not None else None
     if config is None and act_backward is not None and a.dtype != torch.float64 and M / E > 64:
         # NOTE: H200, bf16 (bench/bench_train.py --stages --sweep): the activation-backward
@@ -447,8 +551,19 @@ def grouped_gemm_triton(
         a, w, bm, bn, bk, gather, two_products and interleaved, use_tma
     )
     b = bias if bias is not None else out
-    wts = finalize_weights if finalize_weights is not None else out
+    wts = finalize.topk_weights if finalize is not None else out
     z = dz = partial = out  # never read unless STORE_PRE / ACT_BWD
+    # Never read unless FINALIZE with ORDERED (final bias: and FINAL_BIAS).
+    final = counter = s2d = efs = fbias = out
+    sft = sfh = sfbt = sfbh = 0
+    ordered = finalize is not None and finalize.ordered
+    if ordered:
+        final, s2d, efs = finalize.out, finalize.src_to_dest, finalize.expert_for_src
+        sft, sfh = final.stride()
+        counter = torch.zeros(T, triton.cdiv(n_out, bn), dtype=torch.int32, device=a.device)
+        if finalize.bias is not None:
+            fbias = finalize.bias
+            sfbt, sfbh = (0, fbias.stride(0)) if fbias.dim() == 1 else fbias.stride()
     if act_backward is not None:
         z, dz, wts = act_backward
         assert z.stride() == dz.stride() and z.stride(1) == 1, "dz must be laid out like z"
@@ -464,15 +579,19 @@ def grouped_gemm_triton(
         a, w, a_desc if a_desc is not None else a, w_desc if w_desc is not None else w,
         out, b, offsets, tile_start,
         dest_to_src if dest_to_src is not None else tile_start, wts, z, dz, partial,
+        final, counter, s2d, efs, fbias,
         E, M, m_tiles, n_out, kd, T,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         b.stride(0) if bias is not None else 0, b.stride(1) if bias is not None else 0,
         wts.stride(0) if wts is not out else 0, wts.stride(1) if wts is not out else 0,
-        z.stride(0) if z is not out else 0,
+        z.stride(0) if z is not out else 0, sft, sfh, sfbt, sfbh,
         ACTIVATION=ACT_CODES[activation], GATED=gated, TWO_PRODUCTS=two_products,
         INTERLEAVED=interleaved, HAS_BIAS=bias is not None, GATHER=gather,
-        FINALIZE=finalize_weights is not None, STORE_PRE=pre_activation is not None,
+        FINALIZE=finalize is not None, ORDERED=ordered,
+        FINAL_BIAS=ordered and finalize.bias is not None,
+        TOP_K=finalize.topk_weights.shape[1] if finalize is not None else 1,
+        STORE_PRE=pre_activation is not None,
         ACT_BWD=act_backward is not None,
         ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
         A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
