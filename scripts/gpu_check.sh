@@ -2,7 +2,9 @@
 # The whole GPU check (for the lent device machine or any CUDA box), in two parts that each fit
 # a 10-minute job:
 #   bash scripts/gpu_check.sh tests     the demo on CUDA, then every GPU-marked test file, the
-#                                       files in parallel (compiles are CPU-bound), one log each
+#                                       files in parallel (compiles are CPU-bound); one log,
+#                                       gpu_tests.log, with each file's summary and the last
+#                                       200 lines of any file that failed
 #   bash scripts/gpu_check.sh bench     routing, forward and training benchmarks, short tables
 #   bash scripts/gpu_check.sh all       both (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
@@ -20,21 +22,45 @@ rc=0
 if [ "$part" = tests ] || [ "$part" = all ]; then
     python3 -m moe_route info
     python3 -m moe_route demo --device cuda | tail -n 2
-    pids=()
-    files=(tests/test_gpu*.py tests/test_compile.py)
-    for f in "${files[@]}"; do
-        name=$(basename "$f" .py)
-        python3 -m pytest -q -m "gpu or not gpu" "$f" -p no:cacheprovider > "$out/$name.log" 2>&1 &
-        pids+=($!)
+    # One pytest process per job (name, file, -k selection); test_gpu_moe.py, the longest
+    # (every kernel variant compiles), is split in three.
+    jobs=(
+        "gpu_moe_gemm|tests/test_gpu_moe.py|grouped_gemm or launcher or occupancy or noncontiguous or tf32 or offsets"
+        "gpu_moe_sizes|tests/test_gpu_moe.py|fused_moe_sizes or activations"
+        "gpu_moe_rest|tests/test_gpu_moe.py|not (grouped_gemm or launcher or occupancy or noncontiguous or tf32 or offsets or fused_moe_sizes or activations)"
+    )
+    for f in tests/test_gpu*.py tests/test_compile.py; do
+        [ "$f" = tests/test_gpu_moe.py ] || jobs+=("$(basename "$f" .py)|$f|")
     done
+    logs=$(mktemp -d)
+    pids=()
+    names=()
+    for job in "${jobs[@]}"; do
+        IFS='|' read -r name file select <<< "$job"
+        python3 -m pytest -q -m "gpu or not gpu" ${select:+-k "$select"} "$file" \
+            -p no:cacheprovider --tb=short > "$logs/$name.log" 2>&1 &
+        pids+=($!)
+        names+=("$name")
+    done
+    : > "$out/gpu_tests.log"
+    # On a time limit (SIGTERM), still write what the finished and running jobs printed.
+    trap 'kill "${pids[@]}" 2>/dev/null
+          for n in "${names[@]}"; do
+              { echo "==== $n (cut off)"; tail -n 40 "$logs/$n.log"; } >> "$out/gpu_tests.log"
+          done
+          exit 124' TERM
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"
         file_rc=$?
-        name=$(basename "${files[$i]}" .py)
-        echo "$name: rc=$file_rc, $(tail -n 1 "$out/$name.log")"
-        grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -n 10
+        name=${names[$i]}
+        echo "$name: rc=$file_rc, $(tail -n 1 "$logs/$name.log")" | tee -a "$out/gpu_tests.log"
+        grep -E "^(FAILED|ERROR)" "$logs/$name.log" | head -n 10
+        if [ "$file_rc" -ne 0 ]; then
+            { echo "==== $name"; tail -n 300 "$logs/$name.log"; } >> "$out/gpu_tests.log"
+        fi
         rc=$(( rc || file_rc ))
     done
+    trap - TERM
 fi
 
 if [ "$part" = bench ] || [ "$part" = all ]; then

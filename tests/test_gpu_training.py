@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import assert_matches, f64, make_ids, n_rows
+from moe_cases import PATHS, assert_matches, f64, make_ids, n_rows
 
 import moe_route
 from moe_route.reference import moe_forward_reference
@@ -157,13 +157,13 @@ def test_every_slot_dropped_and_zero_tokens():
 
 
 @pytest.mark.parametrize("gather", [True, False])
-@pytest.mark.parametrize("finalize", ["standalone", "fused"])
-def test_paths_and_strided_weights(gather, finalize):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_paths_and_strided_weights(gather, path):
     case = make_case(129, 4, 8, 256, 128)
     # weights held transposed (a [E, H, 2I] model parameter seen as [E, 2I, H]): never copied
     case["w1"] = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)
     case["w2"] = case["w2"].transpose(1, 2).contiguous().transpose(1, 2)
-    got = check_grads(case, gather=gather, finalize=finalize, deterministic=finalize != "fused")
+    got = check_grads(case, gather=gather, **PATHS[path])
     assert got["w1"].stride() == case["w1"].stride()
 
 
