@@ -33,10 +33,12 @@ import torch
 BACKENDS = ("triton", "cupy", "reference")
 FINALIZE_PATHS = ("fused", "standalone")
 
-# NOTE: on an H200 the atomic epilogue-fused finalize ran 0.4-0.9x the speed of GEMM2 plus the
+# NOTE: on an H200 the atomic epilogue-fused finalize ran 0.4-0.98x the speed of GEMM2 plus the
 # standalone finalize at every standard shape (bench/bench_moe.py), so "auto" never picks it.
 # FUSED_FINALIZE_WINS says whether the ordered (deterministic) fused epilogue beat the
-# standalone pair on SM90 (bench/bench_moe.py, stage gemm2+fin); "auto" follows it.
+# standalone pair on SM90; "auto" follows it. On an H100 (bench/bench_moe.py --sweep-fused,
+# bench/data/fused_sweep_h100.csv) it ran 0.97-0.98x at mixtral, 0.31-0.34x at qwen3 and
+# 0.51-0.64x at deepseek-v3 (0.49-0.77x with its best tiles).
 FUSED_FINALIZE_WINS = False
 
 

@@ -243,6 +243,46 @@ def test_finalize_env_errors(monkeypatch, env, kwargs, match):
         run(case, **kwargs)
 
 
+# ----------------------------------------------------------------------------- ordered epilogue
+@needs_interpreter
+@pytest.mark.parametrize(
+    "config",
+    [(64, 32, 16, 1, 4, 1), (32, 16, 16, 2, 4, 1), (16, 64, 8, 1, 4, 1)],
+    ids=["64x32", "32x16", "16x64"],
+)
+@pytest.mark.parametrize("bias", [None, "H", "TH"])
+def test_ordered_epilogue_tiles(config, bias):
+    """The ordered fused finalize under forced tiles, against GEMM2 with the same tiles plus the
+    standalone finalize kernel, bit for bit. The interpreter runs programs in order, so the tiles
+    of the last expert find every one of their tokens complete: whole tiles of last-arriving
+    rows, several reduction groups (RED_ROWS) per tile and a partial last group; tokens with
+    every slot dropped get exactly the bias."""
+    from moe_route.kernels.triton.finalize import finalize_triton
+    from moe_route.kernels.triton.grouped_gemm import FinalizeEpilogue, grouped_gemm_triton
+
+    T, K, E, H, inter = 150, 2, 3, 40, 24
+    case = make_moe(T, K, E, H, inter, b2=True, bias=bias, drop=0.1, seed=31)
+    ids = case["topk_ids"]
+    ids[::11] = -1
+    s2d, d2s, efs, off = routing_maps_reference(ids, E)
+    tw = case["topk_weights"]
+    h = rand(T * K, inter, seed=32)
+    y = torch.full((T * K, H), float("nan"))
+    grouped_gemm_triton(h, case["w2"], off, y, bias=case["b2"], config=config)
+    want = torch.full((T, H), float("nan"))
+    finalize_triton(y, tw, s2d, efs, case["bias"], want)
+    out = torch.full((T, H), float("nan"))
+    scratch = torch.full((T * K, H), float("nan"))
+    epilogue = FinalizeEpilogue(tw, s2d, efs, out, case["bias"], True)
+    grouped_gemm_triton(h, case["w2"], off, scratch, bias=case["b2"], dest_to_src=d2s,
+                        finalize=epilogue, config=config)  # fmt: skip
+    assert torch.equal(out, want)
+    dead = (ids < 0).all(dim=1)
+    assert dead.any()
+    fill = torch.zeros(H) if bias is None else case["bias"].expand(T, H)[dead]
+    assert torch.equal(out[dead], torch.broadcast_to(fill, out[dead].shape))
+
+
 # ----------------------------------------------------------------------------- determinism
 @needs_interpreter
 @pytest.mark.parametrize("finalize", ["auto", "standalone", "fused"])

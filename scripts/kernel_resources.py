@@ -1,0 +1,113 @@
+"""Registers, spills and shared memory of the grouped GEMM kernel's variants, on any machine.
+
+Compiles ``_grouped_gemm_kernel`` ahead of time for a CUDA target (no GPU or driver needed: the
+Triton wheel carries ptxas) and prints ptxas's resource report for each epilogue and tile
+configuration. A spill or a register count at the 255 ceiling shows before any device time is
+spent (the reason the ordered fused finalize reduces in compacted row groups).
+
+Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--dtype bf16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_route.kernels.triton import grouped_gemm as gg
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)]
+# name -> the constexprs that select the epilogue (GEMM2 unless said otherwise)
+VARIANTS = {
+    "gemm2": dict(),
+    "gemm2 + ordered finalize": dict(FINALIZE=True, ORDERED=True),
+    "gemm2 + atomic finalize": dict(FINALIZE=True),
+    "gemm1 swiglu gather": dict(
+        ACTIVATION=gg.ACT_CODES["swiglu"], GATED=True, TWO_PRODUCTS=True, GATHER=True
+    ),
+}
+# Pointer parameters whose element type is not the activations' dtype.
+POINTER_TYPES = {
+    "offsets_ptr": "i64", "tile_start_ptr": "i32", "dest_to_src_ptr": "i32",
+    "weights_ptr": "fp32", "partial_ptr": "fp32", "counter_ptr": "i32",
+    "src_to_dest_ptr": "i32", "expert_for_src_ptr": "i32",
+}  # fmt: skip
+
+
+def compile_variant(cfg, epilogue, *, arch, top_k, dtype):
+    bm, bn, bk, group_m, warps, stages = cfg
+    const = dict(
+        ACTIVATION=0, GATED=False, TWO_PRODUCTS=False, INTERLEAVED=False, HAS_BIAS=False,
+        GATHER=False, FINALIZE=False, ORDERED=False, FINAL_BIAS=False, TOP_K=top_k,
+        STORE_PRE=False, ACT_BWD=False, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False,
+        LOG2_E=8, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        RED_M=min(bm, gg.RED_ROWS),
+    )  # fmt: skip
+    const.update(epilogue)
+    # TMA loads as on SM90 (A only when it is not gathered).
+    const["A_DESC"] = arch >= 90 and not const["GATHER"]
+    const["W_DESC"] = arch >= 90
+    atomic_out = const["FINALIZE"] and not const["ORDERED"]
+    names = list(inspect.signature(gg._grouped_gemm_kernel.fn).parameters)
+    sig = {}
+    for name in names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name == "a_desc":
+            sig[name] = f"tensordesc<{dtype}[{bm}, {bk}]>" if const["A_DESC"] else f"*{dtype}"
+        elif name == "w_desc":
+            sig[name] = f"tensordesc<{dtype}[1, {bn}, {bk}]>" if const["W_DESC"] else f"*{dtype}"
+        elif name == "out_ptr":
+            sig[name] = "*fp32" if atomic_out else f"*{dtype}"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + POINTER_TYPES.get(name, dtype)
+        else:
+            sig[name] = "i32"
+    src = ASTSource(gg._grouped_gemm_kernel, sig, constexprs=const)
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
+
+
+def ptxas_report(kernel, arch) -> str:
+    ptxas = os.path.join(os.path.dirname(gg.triton.backends.nvidia.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    run = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    os.unlink(f.name)
+    lines = [ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines()]
+    return "; ".join(ln for ln in lines if "registers" in ln or "spill" in ln)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    args = p.parse_args(argv)
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {args.dtype}, K={args.top_k}")
+    for name, epilogue in VARIANTS.items():
+        for cfg in CONFIGS:
+            try:
+                k = compile_variant(cfg, epilogue, arch=args.arch, top_k=args.top_k,
+                                    dtype=args.dtype)  # fmt: skip
+                report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
+            except Exception as exc:  # a variant this Triton cannot build for the target
+                report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            print(f"{name:<26} {'/'.join(map(str, cfg)):<18} {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
