@@ -28,9 +28,11 @@ Epilogues (constexpr-selected):
     token (counter reaches its number of routed slots) reduces the token's rows in ``k`` order,
     ``Σ_k w[t,k]·y[dest(k*T+t)]`` in float32, adds ``bias`` once and writes ``out[t]``: the
     arithmetic of the standalone finalize kernel, in the same order, so the bits do not depend
-    on which tile arrives last. The other rows' reads overlap other programs' MMAs instead
-    of running as a separate memory-bound launch. Tokens with every slot dropped get ``bias``
-    (or zeros) from the programs past the last expert.
+    on which tile arrives last. A tile compacts its last-arriving rows before reducing them.
+    The aim is to overlap the finalize's reads with other programs' MMAs instead of a separate
+    memory-bound launch; it has not yet beaten that launch (``arch.FUSED_FINALIZE_WINS``).
+    Tokens with every slot dropped get ``bias`` (or zeros) from the programs past the last
+    expert.
   - atomic: scale each row by its router weight and ``atomic_add`` it into a float32
     ``[T, H]`` output (the permuted output is not written; the sum order varies run to run).
 * ``STORE_PRE`` (GEMM1 when training): also write the pre-activation ``z`` (after the bias,
