@@ -111,11 +111,13 @@ def sweep_fused(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     flops = 2 * M * H * I
 
     def standalone():
-        grouped_gemm_triton(h, w2, offs, y, dest_to_src=d2s)
+        grouped_gemm_triton(h, w2, offs, y)
         finalize_triton(y, tw, s2d, efs, None, out)
 
-    impls = [("standalone", standalone)]
-    impls.append(("gemm2 alone", lambda: grouped_gemm_triton(h, w2, offs, y, dest_to_src=d2s)))
+    impls = [
+        ("standalone", standalone),
+        ("gemm2 alone", lambda: grouped_gemm_triton(h, w2, offs, y)),
+    ]
     epilogue = FinalizeEpilogue(tw, s2d, efs, out, None, True)
     for cfg in FUSED_CONFIGS:
         label = "fused " + ("auto" if cfg is None else "/".join(map(str, cfg)))
@@ -153,11 +155,11 @@ def main(argv=None):
     ceil = Ceilings.measure()
     env = environment(ceil)
     rows = []
-    for shape in SWEEP_SHAPES + FUSED_EXTRA_SHAPES * args.sweep_fused:
-        if args.sweep_fused:
-            sweep_fused(*shape, ceil, rows)
-        else:
-            sweep_gemms(*shape, ceil, rows)
+    sweep, shapes = sweep_gemms, SWEEP_SHAPES
+    if args.sweep_fused:
+        sweep, shapes = sweep_fused, SWEEP_SHAPES + FUSED_EXTRA_SHAPES
+    for shape in shapes:
+        sweep(*shape, ceil, rows)
         torch.cuda.empty_cache()
     name = "fused_sweep" if args.sweep_fused else "gemm_sweep"
     write_results(rows, env, args.out or os.environ.get("OUT", "bench/results"), name)

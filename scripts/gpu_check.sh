@@ -3,8 +3,8 @@
 # a 10-minute job:
 #   bash scripts/gpu_check.sh tests     the demo on CUDA, then every GPU-marked test file, the
 #                                       files in parallel (compiles are CPU-bound); one log,
-#                                       gpu_tests.log, with each file's summary and the last
-#                                       200 lines of any file that failed
+#                                       gpu_tests.log, with each job's summary and the last
+#                                       300 lines of any job that failed
 #   bash scripts/gpu_check.sh bench     routing, forward and training benchmarks, short tables
 #   bash scripts/gpu_check.sh all       both (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else

@@ -3,9 +3,8 @@ reference (``moe_route.reference``), at odd and realistic sizes, in bf16 / fp16 
 
 Covers what the CPU interpreter cannot: bf16 kernels, TF32 versus exact float32 products,
 concurrency in the fused finalize (the ordered epilogue's arrival counters, the atomic one's
-adds), many programs per launch, CUDA graph
-capture (which also proves that nothing syncs with the host), ``torch.compile(fullgraph=True)``
-and row offsets past 2**31 elements.
+adds), many programs per launch, CUDA graph capture (which also proves that nothing syncs with
+the host), ``torch.compile(fullgraph=True)`` and row offsets past 2**31 elements.
 
 Tolerances: relative Frobenius error against the float64 reference on the same (rounded)
 inputs: fp32 1e-5 (exact "ieee" products; 2e-3 with allow_tf32), fp16 2e-3, bf16 1e-2, plus an

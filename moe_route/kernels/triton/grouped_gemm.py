@@ -612,7 +612,7 @@ def grouped_gemm_triton(
         INTERLEAVED=interleaved, HAS_BIAS=bias is not None, GATHER=gather,
         FINALIZE=finalize is not None, ORDERED=ordered,
         FINAL_BIAS=ordered and finalize.bias is not None,
-        TOP_K=finalize.topk_weights.shape[1] if finalize is not None else 1,
+        TOP_K=finalize.topk_weights.shape[1] if ordered else 1,  # the atomic mode needs no K
         STORE_PRE=pre_activation is not None,
         ACT_BWD=act_backward is not None,
         ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
