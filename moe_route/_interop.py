@@ -32,6 +32,6 @@ def as_torch(obj):
 
 def as_cupy(t: torch.Tensor):
     """A torch tensor as a CuPy array on the same memory."""
-    from .arch import import_cupy
+    from .kernels.cupy import import_cupy
 
     return import_cupy().from_dlpack(t)

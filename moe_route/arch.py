@@ -6,18 +6,20 @@ Two questions are answered here, never at import time and never from "device 0":
   ``"triton"`` (compiled Triton kernels on CUDA, or the Triton interpreter on CPU when
   ``TRITON_INTERPRET=1`` is set), ``"cupy"`` (CUDA C kernels of the memory-bound stages —
   routing maps, expand, standalone finalize — compiled by NVRTC through CuPy, an optional
-  dependency; the other stages run Triton) or ``"reference"`` (the pure-PyTorch oracle of
-  :mod:`moe_route.reference`, the CPU fallback). ``"auto"`` picks Triton on CUDA, except the
-  routing maps at the sizes where the CuPy kernels measured faster (when CuPy is installed).
+  dependency; the other stages run Triton) or ``"torch"`` (the pure-PyTorch implementation of
+  :mod:`moe_route.kernels.torch_impl`, the CPU backend; ``"reference"`` is accepted as its
+  former name). ``"auto"`` picks Triton on CUDA, except the routing maps at the sizes where the
+  CuPy kernels measured faster (when CuPy is installed), and the torch backend elsewhere.
 * **finalize path** — ``"standalone"`` (GEMM2 writes permuted rows, a separate
   finalize kernel reduces them), ``"fused"`` (finalize inside GEMM2's epilogue: the last row
   of each token to arrive reduces the token in ``k`` order, deterministic) or
   ``"fused_atomic"`` (the epilogue adds with float atomics: only on an explicit
   ``finalize="fused"`` with ``deterministic=False``).
 
-Environment overrides (read on every call, so tests may set them with ``monkeypatch``):
+Environment overrides (read on every call and part of every plan's cache key, so tests may set
+them with ``monkeypatch``):
 
-``MOE_ROUTE_BACKEND``   ``auto`` (default) | ``triton`` | ``cupy`` | ``reference``
+``MOE_ROUTE_BACKEND``   ``auto`` (default) | ``triton`` | ``cupy`` | ``torch``
 ``MOE_ROUTE_FINALIZE``  ``auto`` (default) | ``fused`` | ``standalone``
 ``MOE_ROUTE_ARCH``      pretend compute capability, e.g. ``80`` or ``90`` (testing only)
 """
@@ -30,7 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("triton", "cupy", "reference")
+from .kernels.cupy import cupy_install_hint, import_cupy  # noqa: F401  (re-exported)
+
+BACKENDS = ("triton", "cupy", "torch")
+#: Accepted backend names that mean another one.
+BACKEND_ALIASES = {"reference": "torch"}
 FINALIZE_PATHS = ("fused", "standalone")
 
 # NOTE: on an H200 the atomic epilogue-fused finalize ran 0.4-0.98x the speed of GEMM2 plus the
@@ -56,30 +62,6 @@ def _triton_importable() -> tuple[bool, str]:
     return True, ""
 
 
-def cupy_install_hint() -> str:
-    """How to install CuPy for the CUDA version torch was built with."""
-    major = (torch.version.cuda or "13").split(".")[0]
-    return (
-        f"pip install 'moe_route[cupy-cuda{major}]' (or pip install cupy-cuda{major}x, the CuPy "
-        f"wheel for CUDA {major}.x)"
-    )
-
-
-def import_cupy():
-    """Import CuPy, or raise ``ImportError`` saying how to install it.
-
-    Not cached: a test may hide CuPy with ``monkeypatch.setitem(sys.modules, "cupy", None)``,
-    and once CuPy is imported this is a dictionary look-up.
-    """
-    try:
-        import cupy
-    except ImportError as exc:
-        raise ImportError(
-            f"the CuPy backend needs CuPy, which is not installed ({exc}): {cupy_install_hint()}"
-        ) from exc
-    return cupy
-
-
 @functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -103,6 +85,7 @@ def compute_capability(device: torch.device) -> int | None:
 
 def _env_choice(name: str, allowed: tuple[str, ...]) -> str:
     value = os.environ.get(name, "auto").strip().lower() or "auto"
+    value = BACKEND_ALIASES.get(value, value) if name == "MOE_ROUTE_BACKEND" else value
     if value != "auto" and value not in allowed:
         raise ValueError(
             f"environment variable {name}={value!r}: expected 'auto' or one of {allowed}"
@@ -151,23 +134,24 @@ def backend_for(
     lets ``"auto"`` pick the CuPy kernels where they measured faster (see the note above).
     """
     device = torch.device(device)
-    if requested not in ("auto", *BACKENDS):
-        raise ValueError(f"backend={requested!r}: expected 'auto' or one of {BACKENDS}")
+    check_backend_name(requested)
     source = f"backend={requested!r}"
+    requested = BACKEND_ALIASES.get(requested, requested)
     if requested == "auto":
         requested = _env_choice("MOE_ROUTE_BACKEND", BACKENDS)
         source = f"MOE_ROUTE_BACKEND={requested}"
-    if requested == "reference":
-        return Choice("reference", source)
+    if requested == "torch":
+        return Choice("torch", source)
     if requested == "cupy":
+        if device.type != "cuda":  # CuPy would not help: say what would
+            raise ValueError(
+                f"{source} but the tensors are on {device}: the CuPy kernels need a CUDA device "
+                "(use backend='torch' or 'auto' on the CPU)"
+            )
         try:
             import_cupy()
         except ImportError as exc:
             raise ImportError(f"{source}: {exc}") from exc
-        if device.type != "cuda":
-            raise ValueError(
-                f"{source} but the tensors are on {device}: the CuPy kernels need a CUDA device"
-            )
         return Choice("cupy", source)
     if (
         requested == "auto"
@@ -182,7 +166,7 @@ def backend_for(
         if not ok:
             if requested == "triton":
                 raise ValueError(f"{source} but {err}")
-            return Choice("reference", err)
+            return Choice("torch", err)
         return Choice("triton", "CUDA device")
     if triton_interpreter_enabled() and ok:
         return Choice("triton", f"{device.type} device with TRITON_INTERPRET=1 (interpreter)")
@@ -191,7 +175,17 @@ def backend_for(
             f"{source} but the tensors are on {device}: Triton needs a CUDA device, or "
             "TRITON_INTERPRET=1 (set before importing moe_route) to interpret on the CPU"
         )
-    return Choice("reference", f"{device.type} device without TRITON_INTERPRET=1")
+    return Choice("torch", f"{device.type} device without TRITON_INTERPRET=1")
+
+
+def check_backend_name(requested: object) -> str:
+    """Raise ``ValueError`` unless ``requested`` names a backend (or ``"auto"``)."""
+    if requested not in ("auto", *BACKENDS, *BACKEND_ALIASES):
+        raise ValueError(
+            f"backend={requested!r}: expected 'auto' or one of {BACKENDS} ('reference' is the "
+            "former name of 'torch')"
+        )
+    return requested
 
 
 def finalize_path_for(
@@ -238,7 +232,7 @@ def backend_availability(device: torch.device | str) -> dict[str, Choice]:
     tells apart "CuPy missing", "no GPU visible to CuPy" and "NVRTC failed".
     """
     device = torch.device(device)
-    found = {"reference": Choice("yes", "pure PyTorch, any device")}
+    found = {"torch": Choice("yes", "pure PyTorch, any device")}
     ok, err = _triton_importable()
     if not ok:
         found["triton"] = Choice("no", err)
@@ -278,6 +272,32 @@ def _probe_cupy(index: int) -> Choice:
         return Choice("yes", _nvrtc.probe(index))
     except Exception as exc:  # NVRTC missing or failing, a driver too old for its output, ...
         return Choice("no", f"compiling a kernel with NVRTC failed: {type(exc).__name__}: {exc}")
+
+
+_BACKEND_CACHE: dict = {}
+
+
+def cached_backend(device: torch.device, requested: str = "auto") -> str:
+    """:func:`backend_for`'s answer (the value), cached on the device, the request and the
+    environment overrides: what the public functions ask on every call."""
+    if requested == "cupy":  # asks whether CuPy imports every time (tests hide it)
+        return backend_for(device, requested).value
+    key = (device, requested, env_key())
+    chosen = _BACKEND_CACHE.get(key)
+    if chosen is None:
+        chosen = _BACKEND_CACHE[key] = backend_for(device, requested).value
+    return chosen
+
+
+def env_key() -> tuple[str, str, str, str]:
+    """The environment overrides a plan depends on (part of every plan cache key)."""
+    env = os.environ
+    return (
+        env.get("MOE_ROUTE_BACKEND", ""),
+        env.get("MOE_ROUTE_FINALIZE", ""),
+        env.get("MOE_ROUTE_ARCH", ""),
+        env.get("TRITON_INTERPRET", ""),
+    )
 
 
 def describe(device: torch.device | str) -> dict[str, str]:

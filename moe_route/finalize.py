@@ -1,23 +1,21 @@
 """finalizeMoeRouting: unpermute, scale by router weight, K-way reduce, add bias.
 
-The standalone path (this module's kernel) reads GEMM2's permuted output. On SM90+ the same
-reduction is meant to live in GEMM2's epilogue (see :func:`moe_route.arch.finalize_path_for`);
-both must agree with :func:`moe_route.reference.finalize_moe_routing_reference`.
+The standalone path (this module's op) reads GEMM2's permuted output; the epilogue-fused path
+lives in GEMM2 (:func:`moe_route.fused_moe`, see :func:`moe_route.arch.finalize_path_for`).
+Both agree with :func:`moe_route.reference.finalize_moe_routing_reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _checks, _interop
-from .arch import backend_for
-from .maps import RoutingMaps
-from .permute import check_maps
-from .reference import finalize_moe_routing_backward_reference, finalize_moe_routing_reference
+from . import _checks, _interop, arch
+from ._dispatch import Op
+from .kernels import torch_impl
+from .maps import RoutingMaps, check_maps
 
 
-@torch.library.custom_op("moe_route::finalize_moe_routing", mutates_args=())
-def _finalize_op(
+def finalize_tables(
     y_perm: torch.Tensor,
     topk_weights: torch.Tensor,
     src_to_dest: torch.Tensor,
@@ -25,28 +23,23 @@ def _finalize_op(
     bias: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    chosen = backend_for(y_perm.device, backend).value
-    if chosen == "reference":
-        return finalize_moe_routing_reference(
-            y_perm, topk_weights, src_to_dest, expert_for_src, bias
-        )
-    if chosen == "cupy":
+    """``out [T, H]`` on a resolved ``backend`` (the expand backward reuses it, unit weights)."""
+    if backend == "torch":
+        return torch_impl.finalize_torch(y_perm, topk_weights, src_to_dest, expert_for_src, bias)
+    if backend == "cupy":
         from .kernels.cupy.finalize import finalize_cupy as launch
     else:
         from .kernels.triton.finalize import finalize_triton as launch
-
     out = y_perm.new_empty(topk_weights.shape[0], y_perm.shape[1])
     launch(y_perm, topk_weights, src_to_dest, expert_for_src, bias, out)
     return out
 
 
-@_finalize_op.register_fake
-def _(y_perm, topk_weights, src_to_dest, expert_for_src, bias, backend):
+def _finalize_fake(y_perm, topk_weights, src_to_dest, expert_for_src, bias, backend):
     return y_perm.new_empty(topk_weights.shape[0], y_perm.shape[1])
 
 
-@torch.library.custom_op("moe_route::finalize_moe_routing_backward", mutates_args=())
-def _finalize_backward_op(
+def _finalize_backward_impl(
     dout: torch.Tensor,
     y_perm: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -57,14 +50,17 @@ def _finalize_backward_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d y_perm, d topk_weights)``; one not asked for is an empty tensor."""
-    if backend_for(dout.device, backend).value == "reference":
-        dy, dw = finalize_moe_routing_backward_reference(
+    if backend == "torch":
+        dy, dw = torch_impl.finalize_backward_torch(
             dout, y_perm, topk_weights, src_to_dest, expert_for_src
         )
     else:  # the Triton kernel (also for backend="cupy": the CuPy backend is forward-only)
         from .kernels.triton.finalize import finalize_backward_triton
 
-        dy = torch.zeros_like(y_perm) if need_dy else None  # rows no slot owns stay zero
+        # Rows no slot owns stay zero; dy is contiguous whatever y_perm's strides.
+        dy = (
+            torch.zeros(y_perm.shape, dtype=y_perm.dtype, device=y_perm.device) if need_dy else None
+        )
         dw = torch.empty_like(topk_weights) if need_dw else None
         finalize_backward_triton(dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy, dw)
     return (
@@ -73,31 +69,31 @@ def _finalize_backward_op(
     )
 
 
-@_finalize_backward_op.register_fake
-def _(dout, y_perm, topk_weights, src_to_dest, expert_for_src, need_dy, need_dw, backend):
+def _finalize_backward_fake(dout, y_perm, topk_weights, s2d, efs, need_dy, need_dw, backend):
     return (
-        torch.empty_like(y_perm) if need_dy else y_perm.new_empty(0),
+        y_perm.new_empty(y_perm.shape) if need_dy else y_perm.new_empty(0),
         torch.empty_like(topk_weights) if need_dw else topk_weights.new_empty(0),
     )
 
 
-def _finalize_setup_context(ctx, inputs, output):
+_FINALIZE_BACKWARD = Op(
+    "finalize_moe_routing_backward", _finalize_backward_impl, _finalize_backward_fake
+)
+
+
+def _setup_context(ctx, inputs, output):
     y_perm, topk_weights, src_to_dest, expert_for_src, bias, backend = inputs
     ctx.save_for_backward(y_perm, topk_weights, src_to_dest, expert_for_src)
     ctx.backend = backend
     ctx.bias_meta = None if bias is None else (bias.dim(), bias.dtype)
 
 
-def _finalize_backward(ctx, dout):
+def _backward(ctx, dout):
     y_perm, topk_weights, src_to_dest, expert_for_src = ctx.saved_tensors
-    need_dy, need_dw, need_bias = (
-        ctx.needs_input_grad[0],
-        ctx.needs_input_grad[1],
-        ctx.needs_input_grad[4],
-    )
+    need_dy, need_dw, need_bias = (ctx.needs_input_grad[i] for i in (0, 1, 4))
     dy = dw = dbias = None
     if need_dy or need_dw:
-        dy, dw = _finalize_backward_op(
+        dy, dw = _FINALIZE_BACKWARD(
             dout, y_perm, topk_weights, src_to_dest, expert_for_src, need_dy, need_dw,
             ctx.backend,
         )  # fmt: skip
@@ -108,9 +104,10 @@ def _finalize_backward(ctx, dout):
     return (dy if need_dy else None), (dw if need_dw else None), None, None, dbias, None
 
 
-torch.library.register_autograd(
-    "moe_route::finalize_moe_routing", _finalize_backward, setup_context=_finalize_setup_context
-)
+FINALIZE = Op(
+    "finalize_moe_routing", finalize_tables, _finalize_fake, setup_context=_setup_context,
+    backward=_backward,
+)  # fmt: skip
 
 
 def finalize_moe_routing(
@@ -133,7 +130,7 @@ def finalize_moe_routing(
             activation dtype, any strides.
         maps: from :func:`moe_route.build_routing_maps`.
         bias: optional ``[H]`` or ``[T, H]`` (e.g. a residual), added once per token.
-        backend: ``"auto"``, ``"triton"``, ``"cupy"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cupy"`` or ``"torch"``.
 
         Any of the arrays may be a CuPy array (viewed without a copy).
 
@@ -142,7 +139,8 @@ def finalize_moe_routing(
         are all dropped gets ``bias[t]`` (or zeros).
     """
     cupy_caller = _interop.any_cupy(y_perm, topk_weights, bias)
-    y_perm, topk_weights, bias = map(_interop.as_torch, (y_perm, topk_weights, bias))
+    if cupy_caller:
+        y_perm, topk_weights, bias = map(_interop.as_torch, (y_perm, topk_weights, bias))
     _checks.check_tensor("y_perm", y_perm, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     _checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     T, K = topk_weights.shape
@@ -163,13 +161,7 @@ def finalize_moe_routing(
                 f"bias must be [H] = [{H}] or [T, H] = [{T}, {H}], got {_checks.describe(bias)}"
             )
     _checks.check_same_device(y_perm=y_perm, topk_weights=topk_weights, bias=bias)
-    backend_for(y_perm.device, backend)
-    out = _finalize_op(
-        y_perm,
-        topk_weights,
-        maps.expanded_source_row_to_expanded_dest_row,
-        maps.expert_for_source_row,
-        bias,
-        backend,
-    )
+    chosen = arch.cached_backend(y_perm.device, backend)
+    s2d, _, efs, _ = maps.tensors()
+    out = FINALIZE(y_perm, topk_weights, s2d, efs, bias, chosen)
     return _interop.as_cupy(out) if cupy_caller else out

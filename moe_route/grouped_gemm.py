@@ -2,35 +2,61 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import _checks
-from .arch import backend_for
-from .maps import RoutingMaps
-from .permute import check_maps
-from .reference import (
-    ACTIVATIONS,
-    GATE_UP_LAYOUTS,
-    GATED_ACTIVATIONS,
-    activation_backward_reference,
-    expand_rows_reference,
-    finalize_moe_routing_reference,
-    grouped_gemm_backward_reference,
-    grouped_gemm_reference,
-)
+from . import _checks, arch, tuning
+from ._dispatch import Op
+from .kernels import torch_impl
+from .kernels.triton.activation import ACT_CODES
+from .kernels.triton.grouped_gemm import MAX_EXPERTS, GemmEpilogue
+from .maps import RoutingMaps, check_maps
+from .reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
 
 # float64 runs on the FMA units (small tiles): it is there for gradcheck, not for speed.
 GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_GATE_OF = {"swiglu": "silu", "geglu": "gelu"}
 
 
-@torch.library.custom_op("moe_route::grouped_gemm", mutates_args=())
-def _grouped_gemm_op(
+@functools.cache
+def epilogue_for(activation: str, gate_up_layout: str) -> GemmEpilogue:
+    """GEMM1's epilogue for an activation name and gate/up layout."""
+    gated = activation in GATED_ACTIVATIONS
+    return GemmEpilogue(
+        act=ACT_CODES[_GATE_OF.get(activation, activation)], gated=gated,
+        interleaved=gated and gate_up_layout == "interleaved",
+    )  # fmt: skip
+
+
+@functools.cache
+def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: int, gated: bool,
+                 n_out: int, kd: int, env: tuple):  # fmt: skip
+    """``(forward, act-backward, dx, weight-grad)`` tile configs for one shape bucket."""
+    cc = arch.compute_capability(device)
+    rpe = bucket_rows / max(E, 1)
+    return (
+        tuning.gemm_config(rpe, gated, dtype, cc),
+        tuning.act_backward_config(rpe, n_out, dtype, cc),
+        tuning.gemm_config(rpe, False, dtype, cc),
+        tuning.weight_grad_config(rpe, n_out * (2 if gated else 1), dtype),
+    )
+
+
+def _configs(a_like: torch.Tensor, w: torch.Tensor, M: int, gated: bool):
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    bucket = tuning.token_bucket(M)
+    return gemm_configs(a_like.device, a_like.dtype, w.shape[0], bucket, gated, n_out,
+                        w.shape[2], arch.env_key())  # fmt: skip
+
+
+def gemm_tables(
     a: torch.Tensor,
     w: torch.Tensor,
-    offsets: torch.Tensor,
     src_to_dest: torch.Tensor,
     dest_to_src: torch.Tensor,
     expert_for_src: torch.Tensor,
+    offsets: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str,
     gate_up_layout: str,
@@ -38,37 +64,36 @@ def _grouped_gemm_op(
     allow_tf32: bool,
     backend: str,
 ) -> torch.Tensor:
-    M = dest_to_src.numel()
-    if backend_for(a.device, backend).value == "reference":
-        rows = expand_rows_reference(a, dest_to_src, offsets) if gather else a
-        return grouped_gemm_reference(
-            rows, w, offsets, bias, activation=activation, gate_up_layout=gate_up_layout
+    """``out [T*K, N_out]`` on a resolved ``backend``."""
+    if backend == "torch":
+        return torch_impl.grouped_gemm_torch(
+            a, w, offsets, bias, activation, gate_up_layout, dest_to_src if gather else None
         )
     from .kernels.triton.grouped_gemm import grouped_gemm_triton
 
-    out = a.new_empty(M, _n_out(w, activation))
+    M = dest_to_src.numel()
+    epi = epilogue_for(activation, gate_up_layout)
+    out = a.new_empty(M, n_out(w, activation))
+    cfg = _configs(a, w, M, epi.gated)[0]
     grouped_gemm_triton(
-        a, w, offsets, out, bias=bias, activation=activation,
-        interleaved=gate_up_layout == "interleaved", dest_to_src=dest_to_src, gather=gather,
-        num_rows=M, allow_tf32=allow_tf32,
+        a, w, offsets, out, cfg, epilogue=epi, bias=bias,
+        dest_to_src=dest_to_src if gather else None, num_rows=M, allow_tf32=allow_tf32,
     )  # fmt: skip
     return out
 
 
-@_grouped_gemm_op.register_fake
-def _(a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation, *_):
-    return a.new_empty(dest_to_src.numel(), _n_out(w, activation))
+def _gemm_fake(a, w, src_to_dest, dest_to_src, expert_for_src, offsets, bias, activation, *_):
+    return a.new_empty(dest_to_src.numel(), n_out(w, activation))
 
 
-@torch.library.custom_op("moe_route::grouped_gemm_backward", mutates_args=())
-def _grouped_gemm_backward_op(
+def _gemm_backward_impl(
     dout: torch.Tensor,
     a: torch.Tensor,
     w: torch.Tensor,
-    offsets: torch.Tensor,
     src_to_dest: torch.Tensor,
     dest_to_src: torch.Tensor,
     expert_for_src: torch.Tensor,
+    offsets: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str,
     gate_up_layout: str,
@@ -79,33 +104,30 @@ def _grouped_gemm_backward_op(
     allow_tf32: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(da, dw, db)`` of :func:`grouped_gemm`; the ones not asked for are empty.
-
-    The pre-activation is recomputed (one more GEMM) for a non-identity activation: this
-    stage-by-stage backward saves only the op's inputs. ``fused_moe`` saves it instead.
-    """
-    if backend_for(a.device, backend).value == "reference":
-        rows = expand_rows_reference(a, dest_to_src, offsets) if gather else a
-        da, dw, db = grouped_gemm_backward_reference(
-            dout, rows, w, offsets, bias, activation=activation, gate_up_layout=gate_up_layout
-        )
-        if gather:  # the K copies of each token, summed in k order
-            T = a.shape[0]
-            unit = torch.ones(T, src_to_dest.numel() // max(T, 1), dtype=da.dtype, device=a.device)
-            da = finalize_moe_routing_reference(da, unit, src_to_dest, expert_for_src)
-    else:
-        da, dw, db = _grouped_gemm_backward_triton(
-            dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation,
-            gate_up_layout, gather, need_da, need_dw, need_db, allow_tf32,
+    """``(da, dw, db)`` of :func:`grouped_gemm`; the ones not asked for are empty."""
+    if backend == "torch":
+        da, dw, db = torch_impl.grouped_gemm_backward_torch(
+            dout, a, w, offsets, bias, activation, gate_up_layout, src_to_dest, dest_to_src,
+            expert_for_src, gather,
         )  # fmt: skip
-    if bias is not None:
+    else:
+        from .kernels.triton.moe import grouped_gemm_backward_triton
+
+        epi = epilogue_for(activation, gate_up_layout)
+        fwd, _, dx_cfg, wgrad = _configs(a, w, dest_to_src.numel(), epi.gated)
+        da, dw, db = grouped_gemm_backward_triton(
+            dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation,
+            gate_up_layout, epi, gather, need_da, need_dw, need_db, fwd, dx_cfg, wgrad,
+            allow_tf32,
+        )  # fmt: skip
+    if bias is not None and db is not None:
         db = db.to(bias.dtype)
     wanted = (need_da, need_dw, need_db and bias is not None)
     return tuple(g if n else a.new_empty(0) for g, n in zip((da, dw, db), wanted, strict=True))
 
 
-@_grouped_gemm_backward_op.register_fake
-def _(dout, a, w, offsets, s2d, d2s, efs, bias, act, layout, gather, need_da, need_dw, need_db, *_):
+def _gemm_backward_fake(dout, a, w, s2d, d2s, efs, off, bias, act, layout, gather, need_da,
+                        need_dw, need_db, *_):  # fmt: skip
     wanted = (need_da, need_dw, need_db and bias is not None)
     like = (a, w, bias if bias is not None else a)
     return tuple(
@@ -113,60 +135,21 @@ def _(dout, a, w, offsets, s2d, d2s, efs, bias, act, layout, gather, need_da, ne
     )
 
 
-def _grouped_gemm_backward_triton(
-    dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation,
-    gate_up_layout, gather, need_da, need_dw, need_db, allow_tf32,
-):  # fmt: skip
-    from .kernels.triton.finalize import finalize_triton
-    from .kernels.triton.grouped_gemm import grouped_gemm_triton
-    from .kernels.triton.weight_grad import expert_weight_grad_triton
-
-    M = dest_to_src.numel()
-    dz = dout
-    if activation != "identity":
-        z = a.new_empty(M, w.shape[1])
-        grouped_gemm_triton(
-            a, w, offsets, z, bias=bias, dest_to_src=dest_to_src, gather=gather, num_rows=M,
-            allow_tf32=allow_tf32,
-        )  # fmt: skip
-        acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-        dz = activation_backward_reference(z.to(acc), dout.to(acc), activation, gate_up_layout).to(
-            a.dtype
-        )
-    empty = a.new_empty(0)
-    da = dw = db = empty
-    if need_da:
-        da_perm = a.new_empty(M, a.shape[1])
-        grouped_gemm_triton(dz, w.transpose(1, 2), offsets, da_perm, allow_tf32=allow_tf32)
-        da = da_perm
-        if gather:
-            T = a.shape[0]
-            da = a.new_empty(a.shape)
-            unit = torch.ones((), dtype=torch.float32, device=a.device).expand(T, M // max(T, 1))
-            finalize_triton(da_perm, unit, src_to_dest, expert_for_src, None, da)
-    if need_dw or need_db:
-        dw = torch.empty_like(w)
-        db = torch.empty(w.shape[:2], dtype=w.dtype, device=a.device) if need_db else None
-        expert_weight_grad_triton(
-            dz, a, offsets, dw, db=db, dest_to_src=dest_to_src, b_gather=gather, num_rows=M,
-            allow_tf32=allow_tf32,
-        )  # fmt: skip
-        db = empty if db is None else db
-    return da, dw, db
+_GEMM_BACKWARD = Op("grouped_gemm_backward", _gemm_backward_impl, _gemm_backward_fake)
 
 
-def _grouped_gemm_setup_context(ctx, inputs, output):
-    a, w, offsets, s2d, d2s, efs, bias, activation, layout, gather, tf32, backend = inputs
-    ctx.save_for_backward(a, w, offsets, s2d, d2s, efs, bias)
+def _setup_context(ctx, inputs, output):
+    a, w, s2d, d2s, efs, offsets, bias, activation, layout, gather, tf32, backend = inputs
+    ctx.save_for_backward(a, w, s2d, d2s, efs, offsets, bias)
     ctx.config = (activation, layout, gather, tf32, backend)
 
 
-def _grouped_gemm_backward(ctx, dout):
-    a, w, offsets, s2d, d2s, efs, bias = ctx.saved_tensors
+def _backward(ctx, dout):
+    a, w, s2d, d2s, efs, offsets, bias = ctx.saved_tensors
     activation, layout, gather, tf32, backend = ctx.config
     need = ctx.needs_input_grad
-    da, dw, db = _grouped_gemm_backward_op(
-        dout, a, w, offsets, s2d, d2s, efs, bias, activation, layout, gather, need[0], need[1],
+    da, dw, db = _GEMM_BACKWARD(
+        dout, a, w, s2d, d2s, efs, offsets, bias, activation, layout, gather, need[0], need[1],
         need[6], tf32, backend,
     )  # fmt: skip
     grads = [da if need[0] else None, dw if need[1] else None] + [None] * 10
@@ -174,12 +157,10 @@ def _grouped_gemm_backward(ctx, dout):
     return tuple(grads)
 
 
-torch.library.register_autograd(
-    "moe_route::grouped_gemm", _grouped_gemm_backward, setup_context=_grouped_gemm_setup_context
-)
+GEMM = Op("grouped_gemm", gemm_tables, _gemm_fake, setup_context=_setup_context, backward=_backward)
 
 
-def _n_out(w: torch.Tensor, activation: str) -> int:
+def n_out(w: torch.Tensor, activation: str) -> int:
     return w.shape[1] // 2 if activation in GATED_ACTIVATIONS else w.shape[1]
 
 
@@ -202,6 +183,10 @@ def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_l
         )
     if E is not None and w.shape[0] != E:
         raise ValueError(f"{w_name} must have E = {E} experts in dim 0, got {_checks.describe(w)}")
+    if w.shape[0] > MAX_EXPERTS:
+        raise ValueError(
+            f"{w_name} has E = {w.shape[0]} experts; the grouped GEMM takes at most {MAX_EXPERTS}"
+        )
     if w.shape[2] != a.shape[1]:
         raise ValueError(
             f"{w_name} [E, N, K] must have K = {a_name}.shape[1] = {a.shape[1]}, "
@@ -220,7 +205,16 @@ def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_l
                 f"{w_name}), got {_checks.describe(bias)}"
             )
     _checks.check_same_device(**{a_name: a, w_name: w, bias_name: bias})
-    return w.shape[0], _n_out(w, activation)
+    return w.shape[0], n_out(w, activation)
+
+
+def check_interpreter_dtype(name: str, t: torch.Tensor, backend: str) -> None:
+    """The Triton interpreter's bf16 ``tl.dot`` is wrong: refuse it rather than return garbage."""
+    if backend == "triton" and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        raise TypeError(
+            f"{name} is bfloat16 on the CPU with the Triton interpreter (TRITON_INTERPRET=1), "
+            "whose bf16 matrix product is wrong: use float16/float32 there, or backend='torch'"
+        )
 
 
 def grouped_gemm(
@@ -262,15 +256,11 @@ def grouped_gemm(
         raise ValueError(f"maps were built for E={maps.num_experts} experts but w has E={E}")
     if gather:
         check_maps(maps, a.shape[0], a.device, "a")
-    else:
-        if a.shape[0] != maps.num_expanded_rows:
-            raise ValueError(
-                f"a must have T*K = {maps.num_expanded_rows} permuted rows (or pass gather=True "
-                f"with x [T, Kd]), got {_checks.describe(a)}"
-            )
-    backend_for(a.device, backend)
-    return _grouped_gemm_op(
-        a, w, maps.expert_first_token_offset, maps.expanded_source_row_to_expanded_dest_row,
-        maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row, bias,
-        activation, gate_up_layout, gather, allow_tf32, backend,
-    )  # fmt: skip
+    elif a.shape[0] != maps.num_expanded_rows:
+        raise ValueError(
+            f"a must have T*K = {maps.num_expanded_rows} permuted rows (or pass gather=True "
+            f"with x [T, Kd]), got {_checks.describe(a)}"
+        )
+    chosen = arch.cached_backend(a.device, backend)
+    check_interpreter_dtype("a", a, chosen)
+    return GEMM(a, w, *maps.tensors(), bias, activation, gate_up_layout, gather, allow_tf32, chosen)

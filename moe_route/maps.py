@@ -1,27 +1,33 @@
 """Routing maps: the expanded-row permutation tables of the data contract.
 
 ``build_routing_maps(topk_ids, num_experts)`` turns the router's ``[T, K]`` expert ids into the
-tables every later stage reads. See ``DESIGN.md`` for the contract; in short, expanded source
-row ``s = k*T + t`` is slot ``k`` of token ``t``, and the permuted (dest) order groups rows by
-expert, ascending, then token, then slot, with dropped slots (``-1``) last in source order.
+tables every later stage reads. See ``docs/DESIGN.md`` for the contract; in short, expanded
+source row ``s = k*T + t`` is slot ``k`` of token ``t``, and the permuted (dest) order groups rows
+by expert, ascending, then token, then slot, with dropped slots (``-1``) last in source order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
-from . import _checks, _interop
-from .arch import backend_for
-from .reference import routing_maps_reference
+from . import _checks, _interop, arch
+from ._dispatch import Op
+from .kernels import torch_impl
 
 
 @dataclass(frozen=True)
 class RoutingMaps:
     """The routing tables for ``T`` tokens, ``K`` slots each, ``E`` experts (``N = T*K``).
 
-    All tensors live on the device of the ``topk_ids`` they were built from.
+    All tensors live on the device of the ``topk_ids`` they were built from. Maps from
+    :func:`build_routing_maps` are consistent by construction. Maps built by hand are checked
+    when constructed: shapes, dtypes and devices always; the *values* (the two permutations
+    inverse to each other, experts in range and grouped as the offsets say) when the tables
+    are on the CPU, or on a GPU with ``MOE_ROUTE_CHECK_IDS=1`` or :meth:`validate` (reading
+    them synchronises). Unchecked inconsistent maps on a GPU are undefined behaviour.
     """
 
     #: ``[N] int32`` — dest (permuted) row of expanded source row ``s = k*T + t``.
@@ -39,8 +45,12 @@ class RoutingMaps:
     top_k: int
     #: ``E``, experts.
     num_experts: int
+    #: Built by :func:`build_routing_maps` (no checks needed).
+    trusted: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.trusted:
+            return
         n = self.num_tokens * self.top_k
         for name in (
             "expanded_source_row_to_expanded_dest_row",
@@ -48,15 +58,67 @@ class RoutingMaps:
             "expert_for_source_row",
         ):
             t = getattr(self, name)
-            if t.dtype != torch.int32 or tuple(t.shape) != (n,):
-                raise ValueError(
-                    f"RoutingMaps.{name}: expected [{n}] int32, got {_checks.describe(t)}"
-                )
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (n,):
+                got = _checks.describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"RoutingMaps.{name}: expected [{n}] int32, got {got}")
         off = self.expert_first_token_offset
         if off.dtype != torch.int64 or tuple(off.shape) != (self.num_experts + 1,):
             raise ValueError(
                 f"RoutingMaps.expert_first_token_offset: expected [{self.num_experts + 1}] int64, "
                 f"got {_checks.describe(off)}"
+            )
+        devices = {t.device for t in self.tensors()}
+        if len(devices) != 1:
+            raise ValueError(
+                f"RoutingMaps tensors are on several devices: {sorted(map(str, devices))}"
+            )
+        if off.device.type == "cpu" or os.environ.get("MOE_ROUTE_CHECK_IDS", "0") not in ("", "0"):
+            self.validate()
+
+    @classmethod
+    def built(cls, tables, num_tokens: int, top_k: int, num_experts: int) -> RoutingMaps:
+        """Maps from the library's own kernels (``tables`` in :meth:`tensors` order)."""
+        return cls(*tables, num_tokens, top_k, num_experts, trusted=True)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tables in the one order every op takes them: ``(src_to_dest, dest_to_src,
+        expert_for_src, offsets)``."""
+        return (
+            self.expanded_source_row_to_expanded_dest_row,
+            self.expanded_dest_row_to_expanded_source_row,
+            self.expert_for_source_row,
+            self.expert_first_token_offset,
+        )
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless the tables are consistent (reads them: syncs on a GPU)."""
+        s2d, d2s, efs, off = (t.to(torch.int64) for t in self.tensors())
+        n, E = s2d.numel(), self.num_experts
+        if n and (bool((s2d < 0).any()) or bool((s2d >= n).any())):
+            bad = int(((s2d < 0) | (s2d >= n)).nonzero()[0])
+            raise ValueError(
+                f"RoutingMaps.expanded_source_row_to_expanded_dest_row[{bad}] = {int(s2d[bad])} "
+                f"is out of range: expected dest rows in [0, T*K = {n})"
+            )
+        if n and not torch.equal(d2s[s2d], torch.arange(n, device=s2d.device)):
+            raise ValueError(
+                "RoutingMaps: expanded_dest_row_to_expanded_source_row is not the inverse of "
+                "expanded_source_row_to_expanded_dest_row"
+            )
+        if bool((off[1:] < off[:-1]).any()) or int(off[0]) != 0 or int(off[-1]) > n:
+            raise ValueError(
+                f"RoutingMaps.expert_first_token_offset = {off.tolist()}: expected ascending "
+                f"offsets from 0 to at most T*K = {n}"
+            )
+        if bool(((efs < -1) | (efs >= E)).any()):
+            raise ValueError(f"RoutingMaps.expert_for_source_row: expected experts in [-1, {E})")
+        expert_of_dest = torch.searchsorted(off, torch.arange(n, device=off.device), right=True) - 1
+        expert_of_dest = torch.where(expert_of_dest >= E, -1, expert_of_dest)
+        if n and not torch.equal(efs, expert_of_dest[s2d]):
+            raise ValueError(
+                "RoutingMaps: expert_for_source_row disagrees with expert_first_token_offset "
+                "(each source row's dest row must lie in its expert's range; dropped rows after "
+                "offset[E])"
             )
 
     @property
@@ -73,36 +135,71 @@ class RoutingMaps:
         return torch.diff(self.expert_first_token_offset)
 
 
-@torch.library.custom_op("moe_route::routing_maps", mutates_args=())
-def _routing_maps_op(
-    topk_ids: torch.Tensor, num_experts: int, backend: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    chosen = backend_for(topk_ids.device, backend, op="routing_maps", slots=topk_ids.numel()).value
-    if chosen == "reference":
-        return routing_maps_reference(topk_ids, num_experts)
-    if chosen == "cupy":
+def check_maps(maps: object, num_tokens: int, device: torch.device, arg: str) -> RoutingMaps:
+    """``maps`` is a :class:`RoutingMaps` for ``num_tokens`` tokens on ``device``."""
+    if not isinstance(maps, RoutingMaps):
+        raise TypeError(
+            f"maps must be a RoutingMaps from build_routing_maps, got {type(maps).__name__}"
+        )
+    if maps.num_tokens != num_tokens:
+        raise ValueError(
+            f"maps were built for T={maps.num_tokens} tokens but {arg} has {num_tokens} tokens"
+        )
+    if maps.device != device:
+        raise ValueError(f"maps are on {maps.device} but {arg} is on {device}")
+    return maps
+
+
+# --------------------------------------------------------------------------- op
+def routing_maps_tables(topk_ids: torch.Tensor, num_experts: int, backend: str):
+    """The four tables (:meth:`RoutingMaps.tensors` order) on a resolved ``backend``."""
+    if backend == "torch":
+        return torch_impl.routing_maps_torch(topk_ids, num_experts)
+    if backend == "cupy":
         from .kernels.cupy.routing_maps import routing_maps_cupy as launch
     else:
         from .kernels.triton.routing_maps import routing_maps_triton as launch
-
     n = topk_ids.numel()
-    src_to_dest = topk_ids.new_empty(n, dtype=torch.int32)
-    dest_to_src = topk_ids.new_empty(n, dtype=torch.int32)
-    expert_for_src = topk_ids.new_empty(n, dtype=torch.int32)
+    # One allocation for the three int32 tables (views), one for the offsets.
+    tables = topk_ids.new_empty(3, n, dtype=torch.int32)
     offsets = topk_ids.new_empty(num_experts + 1, dtype=torch.int64)
+    src_to_dest, dest_to_src, expert_for_src = tables.unbind(0)
     launch(topk_ids, num_experts, src_to_dest, dest_to_src, expert_for_src, offsets)
     return src_to_dest, dest_to_src, expert_for_src, offsets
 
 
-@_routing_maps_op.register_fake
-def _(topk_ids, num_experts, backend):
+def _routing_maps_impl(
+    topk_ids: torch.Tensor, num_experts: int, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tables = routing_maps_tables(topk_ids, num_experts, backend)
+    # Custom-op outputs may not alias each other: copies under compile only (not the eager path).
+    return (*(t.clone() for t in tables[:3]), tables[3])
+
+
+def _routing_maps_fake(topk_ids, num_experts, backend):
     n = topk_ids.numel()
-    return (
-        topk_ids.new_empty(n, dtype=torch.int32),
-        topk_ids.new_empty(n, dtype=torch.int32),
-        topk_ids.new_empty(n, dtype=torch.int32),
-        topk_ids.new_empty(num_experts + 1, dtype=torch.int64),
-    )
+    i32 = [topk_ids.new_empty(n, dtype=torch.int32) for _ in range(3)]
+    return (*i32, topk_ids.new_empty(num_experts + 1, dtype=torch.int64))
+
+
+_ROUTING_MAPS = Op("routing_maps", _routing_maps_impl, _routing_maps_fake)
+
+
+def maps_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> RoutingMaps:
+    """Maps on a resolved backend, no checks (internal composition: ``fused_moe``, the layer)."""
+    T, K = topk_ids.shape
+    if torch.compiler.is_compiling():
+        tables = _ROUTING_MAPS.op(topk_ids, num_experts, backend)
+    else:
+        tables = routing_maps_tables(topk_ids, num_experts, backend)
+    return RoutingMaps.built(tables, T, K, num_experts)
+
+
+def maps_backend(device: torch.device, backend: str, T: int, K: int) -> str:
+    """The backend that builds maps for ``T`` tokens (the token bucket's slots decide)."""
+    from .tuning import token_bucket
+
+    return arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
 
 
 def build_routing_maps(
@@ -120,8 +217,8 @@ def build_routing_maps(
             ``K <= num_experts``.
         num_experts: ``E >= 1``.
         backend: ``"auto"`` (Triton on CUDA, or the CuPy kernels at the sizes where they
-            measured faster when CuPy is installed; reference on CPU), ``"triton"``,
-            ``"cupy"`` or ``"reference"``.
+            measured faster when CuPy is installed; torch on CPU), ``"triton"``, ``"cupy"`` or
+            ``"torch"``.
         check_ids: verify every id is in ``[-1, E)`` and raise ``ValueError`` otherwise.
             Reading the ids synchronises with the host, so the default (``None``) checks CPU
             tensors only, and GPU tensors when ``MOE_ROUTE_CHECK_IDS=1``. Unchecked ids outside
@@ -134,9 +231,20 @@ def build_routing_maps(
     """
     E = _checks.check_num_experts(num_experts)
     ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
-    backend_for(ids.device, backend, op="routing_maps", slots=ids.numel())  # before any launch
+    T, K = ids.shape
+    chosen = _cached_maps_backend(ids.device, backend, T, K)
     if _checks.ids_value_check_wanted(ids, check_ids):
         _checks.check_topk_id_values(ids, E)
-    T, K = ids.shape
-    tables = _routing_maps_op(ids, E, backend)
-    return RoutingMaps(*tables, num_tokens=T, top_k=K, num_experts=E)
+    return maps_op(ids, E, chosen)
+
+
+_BACKEND_CACHE: dict = {}
+
+
+def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int) -> str:
+    key = (device, backend, T.bit_length(), K, arch.env_key())
+    chosen = _BACKEND_CACHE.get(key)
+    if chosen is None:
+        arch.check_backend_name(backend)
+        chosen = _BACKEND_CACHE[key] = maps_backend(device, backend, T, K)
+    return chosen

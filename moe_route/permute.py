@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _interop
-from .arch import backend_for
-from .maps import RoutingMaps
-from .reference import expand_rows_reference
+from . import _checks, _interop, arch
+from ._dispatch import Op
+from .finalize import FINALIZE
+from .kernels import torch_impl
+from .maps import RoutingMaps, check_maps
 
 
-@torch.library.custom_op("moe_route::expand_rows", mutates_args=())
-def _expand_rows_op(
+def expand_tables(
     x: torch.Tensor,
     src_to_dest: torch.Tensor,
     dest_to_src: torch.Tensor,
@@ -19,61 +19,43 @@ def _expand_rows_op(
     offsets: torch.Tensor,
     backend: str,
 ) -> torch.Tensor:
-    chosen = backend_for(x.device, backend).value
-    if chosen == "reference":
-        return expand_rows_reference(x, dest_to_src, offsets)
-    if chosen == "cupy":
+    """``x_perm [T*K, H]`` on a resolved ``backend``."""
+    if backend == "torch":
+        return torch_impl.expand_rows_torch(x, dest_to_src, offsets)
+    if backend == "cupy":
         from .kernels.cupy.expand import expand_rows_cupy as launch
     else:
         from .kernels.triton.expand import expand_rows_triton as launch
-
     out = x.new_empty(src_to_dest.numel(), x.shape[1])
     launch(x, src_to_dest, expert_for_src, out)
     return out
 
 
-@_expand_rows_op.register_fake
-def _(x, src_to_dest, dest_to_src, expert_for_src, offsets, backend):
+def _expand_fake(x, src_to_dest, dest_to_src, expert_for_src, offsets, backend):
     return x.new_empty(src_to_dest.numel(), x.shape[1])
 
 
-def _expand_rows_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     x, src_to_dest, _, expert_for_src, _, backend = inputs
     ctx.save_for_backward(src_to_dest, expert_for_src)
     ctx.meta = (x.shape[0], x.dtype, backend)
 
 
-def _expand_rows_backward(ctx, d_x_perm):
+def _backward(ctx, d_x_perm):
     """``dx[t] = Σ_k d_x_perm[dest(k*T+t)]`` over routed slots, ``k`` ascending: the finalize
     reduction with unit weights (deterministic, float32 accumulation)."""
-    from .finalize import _finalize_op
-
     src_to_dest, expert_for_src = ctx.saved_tensors
     T, dtype, backend = ctx.meta
     K = src_to_dest.numel() // T if T else 1
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    unit = torch.ones(T, K, dtype=acc, device=d_x_perm.device)
-    dx = _finalize_op(d_x_perm, unit, src_to_dest, expert_for_src, None, backend)
+    unit = torch.ones((), dtype=acc, device=d_x_perm.device).expand(T, K)
+    dx = FINALIZE(d_x_perm, unit, src_to_dest, expert_for_src, None, backend)
     return dx, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "moe_route::expand_rows", _expand_rows_backward, setup_context=_expand_rows_setup_context
+EXPAND = Op(
+    "expand_rows", expand_tables, _expand_fake, setup_context=_setup_context, backward=_backward
 )
-
-
-def check_maps(maps: object, num_tokens: int, device: torch.device, arg: str) -> RoutingMaps:
-    if not isinstance(maps, RoutingMaps):
-        raise TypeError(
-            f"maps must be a RoutingMaps from build_routing_maps, got {type(maps).__name__}"
-        )
-    if maps.num_tokens != num_tokens:
-        raise ValueError(
-            f"maps were built for T={maps.num_tokens} tokens but {arg} has {num_tokens} tokens"
-        )
-    if maps.device != device:
-        raise ValueError(f"maps are on {maps.device} but {arg} is on {device}")
-    return maps
 
 
 def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") -> torch.Tensor:
@@ -83,7 +65,7 @@ def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") ->
         x: ``[T, H]`` float16/bfloat16/float32/float64, any strides; a torch tensor or a CuPy
             array (viewed without a copy).
         maps: from :func:`moe_route.build_routing_maps` for the same ``T``.
-        backend: ``"auto"``, ``"triton"``, ``"cupy"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cupy"`` or ``"torch"``.
 
     Returns:
         ``x_perm [T*K, H]`` (contiguous, ``x.dtype``, a CuPy array if ``x`` is one):
@@ -91,16 +73,9 @@ def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") ->
         (``d >= expert_first_token_offset[E]``) are zero.
     """
     cupy_caller = _interop.is_cupy(x)
-    x = _interop.as_torch(x)
+    if cupy_caller:
+        x = _interop.as_torch(x)
     _checks.check_tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     check_maps(maps, x.shape[0], x.device, "x")
-    backend_for(x.device, backend)
-    out = _expand_rows_op(
-        x,
-        maps.expanded_source_row_to_expanded_dest_row,
-        maps.expanded_dest_row_to_expanded_source_row,
-        maps.expert_for_source_row,
-        maps.expert_first_token_offset,
-        backend,
-    )
+    out = EXPAND(x, *maps.tensors(), arch.cached_backend(x.device, backend))
     return _interop.as_cupy(out) if cupy_caller else out

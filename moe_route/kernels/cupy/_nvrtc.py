@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...arch import import_cupy
+from . import import_cupy
 
 SOURCE_DIR = Path(__file__).resolve().parent
 

@@ -15,12 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ThinKernel, aligned
+
 # NOTE: 2 KiB of columns per program beat 4/8/16 KiB on an H200 for both gather and scatter
 # forms at the mixtral and deepseek shapes (bench/bench_routing.py --sweep).
 BYTES_PER_PROGRAM = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expand_rows_kernel(
     x_ptr,
     out_ptr,
@@ -64,8 +66,15 @@ def expand_rows_triton(
     if block_h is None:
         block_h = min(triton.next_power_of_2(H), BYTES_PER_PROGRAM // x.element_size())
     grid = (T, triton.cdiv(H, block_h))
-    _expand_rows_kernel[grid](
-        x, out, src_to_dest, expert_for_src, T, H,
+    key = (
+        K, H, block_h, x.dtype, out.dtype, x.stride(), out.stride(),
+        aligned(x, out, src_to_dest, expert_for_src),
+    )  # fmt: skip
+    _EXPAND.launch(
+        key, grid, x, out, src_to_dest, expert_for_src, T, H,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         K=K, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
+
+
+_EXPAND = ThinKernel(_expand_rows_kernel)

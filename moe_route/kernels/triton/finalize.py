@@ -16,12 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ThinKernel, aligned
+
 # NOTE: on an H200, 2-4 KiB of columns per program reached 91-98% of the copy bandwidth at
 # the mixtral and deepseek shapes, 8 KiB 83-84% (bench/bench_routing.py --sweep).
 BYTES_PER_PROGRAM = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _finalize_kernel(
     y_ptr,
     w_ptr,
@@ -86,16 +88,24 @@ def finalize_triton(
     else:
         bias_arg, sbt, sbh = bias, bias.stride(0), bias.stride(1)
     grid = (T, triton.cdiv(H, block_h))
-    _finalize_kernel[grid](
-        y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H,
+    acc = tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32
+    key = (
+        K, H, block_h, acc, bias is not None, y_perm.dtype, topk_weights.dtype, bias_arg.dtype,
+        out.dtype, y_perm.stride(), topk_weights.stride(), (sbt, sbh), out.stride(),
+        aligned(y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out),
+    )  # fmt: skip
+    _FINALIZE.launch(
+        key, grid, y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H,
         y_perm.stride(0), y_perm.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         sbt, sbh, out.stride(0), out.stride(1),
-        K=K, HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4,
-        ACC=tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32,
+        K=K, HAS_BIAS=bias is not None, ACC=acc, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
 
 
-@triton.jit
+_FINALIZE = ThinKernel(_finalize_kernel)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _finalize_backward_kernel(
     dout_ptr,
     y_ptr,

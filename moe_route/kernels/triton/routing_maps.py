@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ThinKernel, aligned
+
 # NOTE: an in-program sort of n keys costs ~n log² n: on an H200 one 512-key tile took 5 µs,
 # 2048 keys 21 µs, 4096 keys 71 µs (bench/bench_routing.py --sweep). So one launch covers the
 # decode sizes and larger inputs use many small tiles.
@@ -47,7 +49,7 @@ def _load_bins(ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK: tl.constexpr):
     return i, t, k, valid, routed, expert, bins
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _routing_maps_one_tile_kernel(
     ids_ptr,
     src_to_dest_ptr,
@@ -84,7 +86,7 @@ def _routing_maps_one_tile_kernel(
     tl.store(src_to_dest_ptr + src, dest, mask=placed)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _tile_histogram_kernel(
     ids_ptr,
     tile_counts_ptr,
@@ -105,7 +107,7 @@ def _tile_histogram_kernel(
     tl.store(tile_counts_ptr + tile * NUM_BINS + tl.arange(0, NUM_BINS), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def _bin_scan_kernel(
     tile_counts_ptr,
     tiles_before_ptr,
@@ -132,7 +134,7 @@ def _bin_scan_kernel(
     tl.store(totals_ptr + b, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _tile_place_kernel(
     ids_ptr,
     tile_counts_ptr,
@@ -196,12 +198,17 @@ def routing_maps_triton(
         offsets.zero_()
         return
     st, sk = topk_ids.stride()
+    # Tiles from the token bucket (T rounded up to a power of two), not T: every T of a bucket
+    # runs the same compiled kernels.
+    n_bucket = triton.next_power_of_2(T) * K
     if tile is None:
-        tile = triton.next_power_of_2(N) if N <= ONE_TILE_MAX else TILE
+        tile = triton.next_power_of_2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
     tile = max(tile, 16)
+    key = (tile, K, E, topk_ids.dtype, st, sk, aligned(topk_ids, src_to_dest, dest_to_src,
+           expert_for_src, offsets))  # fmt: skip
     if tile >= N:
-        _routing_maps_one_tile_kernel[(1,)](
-            topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets,
+        _ONE_TILE.launch(
+            key, (1,), topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets,
             T, K, E, st, sk,
             BLOCK=tile, OFFSET_BINS=triton.next_power_of_2(E + 1),
             num_warps=4 if tile <= 1024 else 8,
@@ -209,20 +216,32 @@ def routing_maps_triton(
         return
     num_tiles = triton.cdiv(N, tile)
     num_bins = triton.next_power_of_2(E + K + 1)  # the padding bin E+K is gathered too
-    scratch = torch.empty(2, num_tiles, num_bins, dtype=torch.int32, device=topk_ids.device)
-    tile_counts, tiles_before = scratch[0], scratch[1]
-    totals = torch.empty(num_bins, dtype=torch.int32, device=topk_ids.device)
+    scratch = torch.empty(2 * num_tiles * num_bins + num_bins, dtype=torch.int32,
+                          device=topk_ids.device)  # fmt: skip
+    tile_counts = scratch[: num_tiles * num_bins].view(num_tiles, num_bins)
+    tiles_before = scratch[num_tiles * num_bins : 2 * num_tiles * num_bins].view(
+        num_tiles, num_bins
+    )
+    totals = scratch[2 * num_tiles * num_bins :]
     warps = 4 if tile <= 1024 else 8
-    _tile_histogram_kernel[(num_tiles,)](
-        topk_ids, tile_counts, expert_for_src, T, K, E, st, sk,
+    _HISTOGRAM.launch(
+        key, (num_tiles,), topk_ids, tile_counts, expert_for_src, T, K, E, st, sk,
         BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
     )  # fmt: skip
     scan_bins = min(num_bins, 32)
-    _bin_scan_kernel[(num_bins // scan_bins,)](
+    _SCAN.launch(
+        (num_bins, aligned(tile_counts, tiles_before, totals)), (num_bins // scan_bins,),
         tile_counts, tiles_before, totals, num_tiles,
         NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4,
     )  # fmt: skip
-    _tile_place_kernel[(num_tiles,)](
+    _PLACE.launch(
+        (*key, aligned(tile_counts, tiles_before, totals)), (num_tiles,),
         topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets,
         T, K, E, st, sk, BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
     )  # fmt: skip
+
+
+_ONE_TILE = ThinKernel(_routing_maps_one_tile_kernel)
+_HISTOGRAM = ThinKernel(_tile_histogram_kernel)
+_SCAN = ThinKernel(_bin_scan_kernel)
+_PLACE = ThinKernel(_tile_place_kernel)

@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...arch import compute_capability
-from .grouped_gemm import _mma
+from . import ThinKernel, aligned
+from .grouped_gemm import _mma, _tma_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expert_weight_grad_kernel(
     a_ptr,
     b_ptr,
@@ -137,32 +137,8 @@ def _expert_weight_grad_kernel(
             tl.store(db_ptrs, col_sum.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _pick_config(rows_per_expert: float, n: int, dtype: torch.dtype):
-    """``(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)``.
-
-    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep): with <= 512 rows per expert
-    (qwen3, deepseek-v3) 32-row steps on 4 warps beat 64-row steps on 8 by 6-21% (more CTAs
-    per SM hide the short reduction's prologue); with 1024 rows (mixtral) and a wide N
-    (2I = 28672), 256-wide N tiles won by 10%.
-    """
-    if dtype == torch.float64:
-        return 16, 32, 32, 4, 1
-    if dtype == torch.float32:
-        return 32, 64, 64, 4, 3
-    if rows_per_expert <= 512:
-        return 32, 128, 128, 4, 4
-    if n >= 8192:
-        return 64, 256, 128, 8, 3
-    return 64, 128, 128, 8, 3
-
-
-def _descriptor(t: torch.Tensor, block: list[int], use_tma: bool | None):
+def _descriptor(t: torch.Tensor, block: list[int], use_tma: bool):
     """A TMA descriptor over ``t [M, C]`` (Hopper, 16-bit, aligned), else ``None``."""
-    from .grouped_gemm import _tma_ok
-
-    if use_tma is None:
-        cc = compute_capability(t.device)
-        use_tma = cc is not None and cc >= 90
     if not use_tma or t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0:
         return None
     if not _tma_ok(t):
@@ -177,6 +153,7 @@ def expert_weight_grad_triton(
     b: torch.Tensor,
     offsets: torch.Tensor,
     dw: torch.Tensor,
+    config: tuple,
     *,
     db: torch.Tensor | None = None,
     dest_to_src: torch.Tensor | None = None,
@@ -185,8 +162,7 @@ def expert_weight_grad_triton(
     db_scale: torch.Tensor | None = None,
     num_rows: int,
     allow_tf32: bool = False,
-    config: tuple | None = None,
-    use_tma: bool | None = None,
+    use_tma: bool = False,
     a_t_load: bool = False,
 ) -> None:
     """``dw[e] = Σ_d A[d]^T B[d]`` and ``db[e] = Σ_d s_d A[d]`` over the rows of each expert.
@@ -196,6 +172,8 @@ def expert_weight_grad_triton(
         b: ``[M, Kd]`` permuted rows, or ``[T, Kd]`` token rows with ``b_gather``.
         offsets: ``expert_first_token_offset [E+1]``.
         dw: ``[E, N, Kd]`` output, any strides (e.g. ``torch.empty_like(weight)``).
+        config: ``(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)``
+            (:func:`moe_route.tuning.weight_grad_config`).
         db: optional ``[E, N]`` bias-gradient output.
         dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for gathers and scaling.
         db_scale: ``topk_weights [T, K]``: ``s_d`` is the router weight of row ``d``'s slot
@@ -203,12 +181,12 @@ def expert_weight_grad_triton(
             scaling an MMA operand.
         num_rows: ``M = T*K``.
         use_tma: load the operand that is not gathered through a TMA descriptor (only when the
-            other one is gathered and masked; default on SM90+).
+            other one is gathered and masked; the plan decides: SM90+).
     """
     E, N, KD = dw.shape
     if N == 0 or KD == 0:
         return
-    br, bn, bk, warps, stages = config or _pick_config(num_rows / max(E, 1), N, a.dtype)
+    br, bn, bk, warps, stages = config
     T = a.shape[0] if a_gather else b.shape[0] if b_gather else max(num_rows, 1)
     if db_scale is not None:
         T = db_scale.shape[0]
@@ -222,8 +200,14 @@ def expert_weight_grad_triton(
     scale = db_scale if db_scale is not None else dw
     dbt = db if db is not None else dw
     grid = (triton.cdiv(N, bn) * triton.cdiv(KD, bk), E)
-    _expert_weight_grad_kernel[grid](
-        a, b, a_desc if a_desc is not None else a, b_desc if b_desc is not None else b,
+    key = (
+        config, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
+        dw.stride(), dbt.stride(), scale.stride(), a_gather, b_gather, db_scale is not None,
+        db is not None, a_desc is not None, b_desc is not None, a_t_load, allow_tf32, N, KD,
+        aligned(a, b, dw, dbt, offsets, idx, scale),
+    )  # fmt: skip
+    _WEIGHT_GRAD.launch(
+        key, grid, a, b, a_desc if a_desc is not None else a, b_desc if b_desc is not None else b,
         dw, dbt, offsets, idx, scale, N, KD, max(T, 1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
@@ -238,7 +222,10 @@ def expert_weight_grad_triton(
     )  # fmt: skip
 
 
-@triton.jit
+_WEIGHT_GRAD = ThinKernel(_expert_weight_grad_kernel)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _router_weight_grad_kernel(
     partial_ptr,
     dout_ptr,
@@ -305,11 +292,20 @@ def router_weight_grad_triton(
     block_s = 64
     acc = tl.float64 if torch.float64 in (partial.dtype, dout.dtype) else tl.float32
     bt = b2 if b2 is not None else dout
-    _router_weight_grad_kernel[(triton.cdiv(T * K, block_s),)](
-        partial, dout, bt, src_to_dest, expert_for_src, dw, T, dout.shape[1], nt,
+    key = (
+        K, nt, partial.dtype, dout.dtype, bt.dtype, dw.dtype, partial.stride(), dout.stride(),
+        bt.stride(), dw.stride(), b2 is not None,
+        aligned(partial, dout, bt, src_to_dest, expert_for_src, dw),
+    )  # fmt: skip
+    _ROUTER_GRAD.launch(
+        key, (triton.cdiv(T * K, block_s),), partial, dout, bt, src_to_dest, expert_for_src, dw,
+        T, dout.shape[1], nt,
         partial.stride(0), dout.stride(0), dout.stride(1),
         bt.stride(0) if b2 is not None else 0, bt.stride(1) if b2 is not None else 0,
         dw.stride(0), dw.stride(1),
         K=K, HAS_B2=b2 is not None, ACC=acc, BLOCK_S=block_s,
         BLOCK_NT=triton.next_power_of_2(nt), BLOCK_H=128, num_warps=4,
     )  # fmt: skip
+
+
+_ROUTER_GRAD = ThinKernel(_router_weight_grad_kernel)

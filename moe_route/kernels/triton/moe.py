@@ -1,0 +1,181 @@
+"""The launch sequences of ``fused_moe`` on the Triton backend, forward and backward.
+
+Forward: (expand) → GEMM1 + activation → GEMM2 → finalize (standalone kernel, or in GEMM2's
+epilogue). Backward (from ``x``, GEMM1's saved pre-activation ``z``, the weights and the maps;
+never ``x_perm``, ``h`` or GEMM2's output):
+
+1. GEMM2's backward with the activation's backward in its epilogue: ``g = dout[t] @ W2[e]``
+   (rows read from ``dout`` through the maps), recompute ``h = act(z)``, write ``w[t,k]·h``
+   (for ``dW2``), ``dz = act'(z)·w[t,k] g`` and the partial router-weight gradients
+   ``<g, h>`` per column tile;
+2. ``d w[t,k]``: those partials summed in fixed order (+ ``<dout[t], b2[e]>``);
+3. ``dW2[e] = Σ dout[t]^T (w h)`` by the deterministic per-expert reduction;
+4. ``dx_perm = dz @ W1[e]`` (grouped GEMM over ``W1`` seen k-major) and ``dx[t]``, the sum
+   of its ``K`` copies in fixed ``k`` order (the finalize kernel with unit weights);
+5. ``dW1[e] = Σ dz^T x[t]`` last, when ``dx_perm`` is freed.
+
+No float atomics anywhere in the backward: same inputs, same bits. The caller (the plan)
+chooses every configuration; nothing here decides policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .expand import expand_rows_triton
+from .finalize import finalize_triton
+from .grouped_gemm import (
+    IDENTITY,
+    GemmConfig,
+    GemmEpilogue,
+    grouped_gemm_act_backward_triton,
+    grouped_gemm_finalize_triton,
+    grouped_gemm_triton,
+)
+from .weight_grad import expert_weight_grad_triton, router_weight_grad_triton
+
+
+@dataclass(frozen=True)
+class MoEConfigs:
+    """Every launch configuration of one ``fused_moe`` call (from :mod:`moe_route.tuning`)."""
+
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+    act_bwd: GemmConfig
+    dx: GemmConfig
+    wgrad2: tuple
+    wgrad1: tuple
+    epilogue: GemmEpilogue
+    #: ``"standalone"``, ``"fused"`` (ordered) or ``"fused_atomic"``.
+    finalize: str
+    gather: bool
+    allow_tf32: bool
+
+
+def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConfigs, store_z):
+    """``(out [T, H], z)``: ``z`` is GEMM1's pre-activation when ``store_z``, else empty."""
+    src_to_dest, dest_to_src, expert_for_src, offsets = maps
+    M = dest_to_src.numel()
+    T, H = x.shape
+    n_inter = w2.shape[2]
+    z = x.new_empty(M, w1.shape[1]) if store_z else x.new_empty(0)
+    h = x.new_empty(M, n_inter)
+    if cfg.gather:
+        rows, d2s = x, dest_to_src
+    else:
+        rows, d2s = x.new_empty(M, H), None
+        expand_rows_triton(x, src_to_dest, expert_for_src, rows)
+    grouped_gemm_triton(
+        rows, w1, offsets, h, cfg.gemm1, epilogue=cfg.epilogue, bias=b1, dest_to_src=d2s,
+        num_rows=M, pre_activation=z if store_z else None, allow_tf32=cfg.allow_tf32,
+    )  # fmt: skip
+    if cfg.finalize == "fused_atomic":
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
+        if bias is not None:
+            acc += bias.to(acc_dtype)
+        grouped_gemm_finalize_triton(
+            h, w2, offsets, src_to_dest, dest_to_src, expert_for_src, topk_weights, acc,
+            cfg.gemm2, ordered=False, b2=b2, allow_tf32=cfg.allow_tf32,
+        )  # fmt: skip
+        return acc.to(x.dtype), z
+    out = x.new_empty(T, H)
+    if cfg.finalize == "fused":
+        grouped_gemm_finalize_triton(
+            h, w2, offsets, src_to_dest, dest_to_src, expert_for_src, topk_weights, out,
+            cfg.gemm2, ordered=True, b2=b2, bias=bias, allow_tf32=cfg.allow_tf32,
+        )  # fmt: skip
+        return out, z
+    y = x.new_empty(M, H)
+    grouped_gemm_triton(h, w2, offsets, y, cfg.gemm2, bias=b2, allow_tf32=cfg.allow_tf32)
+    del h
+    finalize_triton(y, topk_weights, src_to_dest, expert_for_src, bias, out)
+    return out, z
+
+
+def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoEConfigs,
+                        need_dx, need_dw1, need_dw2, need_dtopk):  # fmt: skip
+    """``(dx, dw1, dw2, d_topk_weights, db1, db2)``; ``None`` for those not asked for."""
+    src_to_dest, dest_to_src, expert_for_src, offsets = maps
+    T, H = x.shape
+    K = topk_weights.shape[1]
+    M = dest_to_src.numel()
+    tf32 = cfg.allow_tf32
+    # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
+    wh = x.new_empty(M, w2.shape[2])
+    dz = torch.empty_like(z)
+    partial = grouped_gemm_act_backward_triton(
+        dout, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, cfg.act_bwd,
+        epilogue=cfg.epilogue, allow_tf32=tf32,
+    )  # fmt: skip
+    dtopk = dw2 = db2 = dx = dw1 = db1 = None
+    if need_dtopk:
+        dtopk = torch.empty_like(topk_weights)
+        router_weight_grad_triton(partial, dout, b2, src_to_dest, expert_for_src, dtopk)
+    del partial
+    if need_dw2:
+        dw2 = torch.empty_like(w2)
+        db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
+        expert_weight_grad_triton(
+            dout, wh, offsets, dw2, cfg.wgrad2, db=db2, dest_to_src=dest_to_src, a_gather=True,
+            db_scale=topk_weights, num_rows=M, allow_tf32=tf32, use_tma=cfg.act_bwd.use_tma,
+        )  # fmt: skip
+    del wh
+    if need_dx:
+        dx_perm = x.new_empty(M, H)
+        grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, cfg.dx, allow_tf32=tf32)
+        dx = x.new_empty(T, H)
+        unit = torch.ones((), dtype=torch.float32, device=x.device).expand(T, K)
+        finalize_triton(dx_perm, unit, src_to_dest, expert_for_src, None, dx)
+        del dx_perm
+    # dW1 last: dx_perm is freed by then, so the peak holds dz, dW1 and dW2 but no [M, H].
+    if need_dw1:
+        dw1 = torch.empty_like(w1)
+        db1 = torch.empty(w1.shape[:2], dtype=b1.dtype, device=x.device) if b1 is not None else None
+        expert_weight_grad_triton(
+            dz, x, offsets, dw1, cfg.wgrad1, db=db1, dest_to_src=dest_to_src, b_gather=True,
+            num_rows=M, allow_tf32=tf32, use_tma=cfg.act_bwd.use_tma,
+        )  # fmt: skip
+    return dx, dw1, dw2, dtopk, db1, db2
+
+
+def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src,
+                                 bias, activation, gate_up_layout, epilogue: GemmEpilogue, gather,
+                                 need_da, need_dw, need_db, cfg: GemmConfig, dx_cfg: GemmConfig,
+                                 wgrad_cfg: tuple, allow_tf32):  # fmt: skip
+    """``(da, dw, db)`` of :func:`grouped_gemm_triton` (stage-by-stage use; ``None`` for those
+    not asked for). The pre-activation is recomputed (one more GEMM) for a non-identity
+    activation: this backward saves only the op's inputs (``fused_moe`` saves ``z``)."""
+    from ...reference import activation_backward_reference
+
+    M = dest_to_src.numel()
+    dz = dout
+    if epilogue != IDENTITY:
+        z = a.new_empty(M, w.shape[1])
+        grouped_gemm_triton(
+            a, w, offsets, z, cfg, bias=bias, dest_to_src=dest_to_src if gather else None,
+            num_rows=M, allow_tf32=allow_tf32,
+        )  # fmt: skip
+        acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+        dz = activation_backward_reference(z.to(acc), dout.to(acc), activation, gate_up_layout)
+        dz = dz.to(a.dtype)
+    da = dw = db = None
+    if need_da:
+        da_perm = a.new_empty(M, a.shape[1])
+        grouped_gemm_triton(dz, w.transpose(1, 2), offsets, da_perm, dx_cfg, allow_tf32=allow_tf32)
+        da = da_perm
+        if gather:
+            T = a.shape[0]
+            da = a.new_empty(a.shape)
+            unit = torch.ones((), dtype=torch.float32, device=a.device).expand(T, M // max(T, 1))
+            finalize_triton(da_perm, unit, src_to_dest, expert_for_src, None, da)
+    if need_dw or need_db:
+        dw = torch.empty_like(w)
+        db = torch.empty(w.shape[:2], dtype=w.dtype, device=a.device) if need_db else None
+        expert_weight_grad_triton(
+            dz, a, offsets, dw, wgrad_cfg, db=db, dest_to_src=dest_to_src, b_gather=gather,
+            num_rows=M, allow_tf32=allow_tf32, use_tma=cfg.use_tma,
+        )  # fmt: skip
+    return da, dw, db

@@ -1,0 +1,71 @@
+"""Tile configurations of the GEMM kernels, by problem size (no autotuning: nothing to sync
+or recompile per ``T``). A plan asks once per (shapes, dtype, arch, token bucket) and caches.
+
+``rows_per_expert`` comes from the token *bucket* (``T`` rounded up to a power of two), never
+the exact ``T``, so every ``T`` in a bucket runs the same compiled kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.triton.grouped_gemm import GemmConfig
+
+
+def token_bucket(T: int) -> int:
+    """``T`` rounded up to a power of two (``0`` stays ``0``): the unit plans are cached on."""
+    return 1 << (T - 1).bit_length() if T > 0 else 0
+
+
+def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
+    """GEMM1 / GEMM2 / fused-finalize tiles.
+
+    NOTE: H200, bf16 (bench/data/gemm_sweep_h200.csv): TMA lifted GEMM1 from 77-80 % to
+    87-93 % of the dense rate at mixtral and GEMM2 from 73-81 % to 90-98 %; 16-row tiles
+    serve decode (<= 16 rows per expert), 64-row tiles up to 64.
+    """
+    tma = cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
+    if dtype == torch.float64:  # gradcheck sizes; FMA products, small tiles
+        return GemmConfig(16, 32, 16, 1, 4, 1)
+    big_k = 64 if dtype != torch.float32 else 32
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 64, 128 if dtype != torch.float32 else 64, 1, 4, 4, tma)
+    if rows_per_expert <= 64:
+        return GemmConfig(64, 64 if gated else 128, big_k, 4, 4, 4, tma)
+    if gated:
+        return GemmConfig(128, 128, big_k, 8, 8, 3, tma)
+    return GemmConfig(128, 256 if dtype != torch.float32 else 128, big_k, 8, 8, 3, tma)
+
+
+def act_backward_config(rows_per_expert: float, n_out: int, dtype: torch.dtype, cc: int | None):
+    """GEMM2's backward with the activation's backward.
+
+    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep): this epilogue (z in, w*h and dz
+    out) is register-heavy; 64x64 tiles on 4 warps beat 128x128 on 8 by 36% at qwen3
+    (I=768); at deepseek (I=2048) 4 stages won by 11%.
+    """
+    tma = cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
+    if dtype == torch.float64 or rows_per_expert <= 64:
+        return gemm_config(rows_per_expert, False, dtype, cc)
+    if n_out < 2048:
+        return GemmConfig(64, 64, 64, 4, 4, 4, tma)
+    return GemmConfig(128, 128, 64, 8, 8, 4, tma)
+
+
+def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype):
+    """``(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the weight-gradient kernel.
+
+    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep): with <= 512 rows per expert
+    (qwen3, deepseek-v3) 32-row steps on 4 warps beat 64-row steps on 8 by 6-21% (more CTAs
+    per SM hide the short reduction's prologue); with 1024 rows (mixtral) and a wide N
+    (2I = 28672), 256-wide N tiles won by 10%.
+    """
+    if dtype == torch.float64:
+        return 16, 32, 32, 4, 1
+    if dtype == torch.float32:
+        return 32, 64, 64, 4, 3
+    if rows_per_expert <= 512:
+        return 32, 128, 128, 4, 4
+    if n >= 8192:
+        return 64, 256, 128, 8, 3
+    return 64, 128, 128, 8, 3
