@@ -32,7 +32,8 @@ def host_us(fn, n: int = N) -> float:
 
 @triton.jit
 def _probe_kernel(a, b, c, d, e, f, g, h, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9,
-                  X: tl.constexpr, Y: tl.constexpr, Z: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                  X: tl.constexpr, Y: tl.constexpr, Z: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(a + offs, mask=offs < n0, other=0.0)
@@ -40,7 +41,9 @@ def _probe_kernel(a, b, c, d, e, f, g, h, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9
 
 
 @torch.library.custom_op("probe::noop", mutates_args=())
-def _noop_op(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, flag: bool, name: str) -> torch.Tensor:
+def _noop_op(
+    x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, flag: bool, name: str
+) -> torch.Tensor:
     return x.new_empty(4)
 
 
@@ -52,7 +55,7 @@ def _(x, y, z, flag, name):
 def main() -> None:
     dev = torch.device("cuda")
     rows: list[tuple[str, float]] = []
-    T, H, I, E, K = 64, 2048, 1024, 64, 8
+    T, H, I, E, K = 64, 2048, 1024, 64, 8  # noqa: E741
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     w1 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.02
@@ -67,7 +70,9 @@ def main() -> None:
     rows.append(("torch.empty", host_us(lambda: torch.empty(T * K, H, device=dev))))
     rows.append(("build_routing_maps", host_us(lambda: moe_route.build_routing_maps(ids, E))))
     rows.append(("expand_rows", host_us(lambda: moe_route.expand_rows(x, maps))))
-    rows.append(("finalize_moe_routing", host_us(lambda: moe_route.finalize_moe_routing(y, tw, maps))))
+    rows.append(
+        ("finalize_moe_routing", host_us(lambda: moe_route.finalize_moe_routing(y, tw, maps)))
+    )
     rows.append(
         (
             "grouped_gemm GEMM1 swiglu gather",
