@@ -39,7 +39,7 @@ FUSED_EXTRA_SHAPES = [
     ("deepseek-v3", 16384, 7168, 2048, 256, 8),
 ]
 
-SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+SWEEP_CONFIGS = [  # GemmConfig's tiles: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 128, 64, 8, 8, 3),
     (128, 256, 64, 8, 8, 3),
     (64, 256, 64, 8, 8, 3),
@@ -51,7 +51,8 @@ SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 
 def sweep_gemms(name, T, H, I, E, K, ceil, rows, tmas=(False, True)):  # noqa: E741
     """Time GEMM1 (swiglu, gathered) and GEMM2 under each tile configuration."""
-    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+    from moe_route.grouped_gemm import epilogue_for
+    from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_triton
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"
@@ -65,36 +66,41 @@ def sweep_gemms(name, T, H, I, E, K, ceil, rows, tmas=(False, True)):  # noqa: E
     h = torch.empty(M, I, device=dev, dtype=dt)
     y = torch.empty(M, H, device=dev, dtype=dt)
     x_perm = moe_route.expand_rows(x, maps)
-    for cfg, tma in [(c, tma) for c in SWEEP_CONFIGS for tma in tmas]:
+    swiglu = epilogue_for("swiglu", "concat")
+    for tiles, tma in [(c, tma) for c in SWEEP_CONFIGS for tma in tmas]:
+        cfg = GemmConfig(*tiles, use_tma=tma)
         for stage, flops, fn in (
-            ("gemm1", 4 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
-                x, w1, offs, h, activation="swiglu", dest_to_src=d2s, gather=True,
-                num_rows=M, config=c, use_tma=u)),
-            ("gemm1 x_perm", 4 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
-                x_perm, w1, offs, h, activation="swiglu", config=c, use_tma=u)),
-            ("gemm2", 2 * M * H * I, lambda c=cfg, u=tma: grouped_gemm_triton(
-                h, w2, offs, y, config=c, use_tma=u)),
+            ("gemm1", 4 * M * H * I, lambda c=cfg: grouped_gemm_triton(
+                x, w1, offs, h, c, epilogue=swiglu, dest_to_src=d2s, num_rows=M)),
+            ("gemm1 x_perm", 4 * M * H * I, lambda c=cfg: grouped_gemm_triton(
+                x_perm, w1, offs, h, c, epilogue=swiglu)),
+            ("gemm2", 2 * M * H * I, lambda c=cfg: grouped_gemm_triton(h, w2, offs, y, c)),
         ):  # fmt: skip
             try:
                 t = time_cuda(fn, inner=3, outer=10)
             except Exception as exc:  # a config may not fit the shared memory
-                print(f"{stage} {cfg}: {type(exc).__name__}")
+                print(f"{stage} {tiles}: {type(exc).__name__}")
                 continue
             rows.append(
-                make_row(stage, shape, "/".join(map(str, cfg)) + " tma" * tma, t, ceil, 0, flops,
-                         of_dense=flops / t.median_s / ceil.mm_flops_per_s)
+                make_row(stage, shape, "/".join(map(str, tiles)) + " tma" * tma, t, ceil, 0,
+                         flops, of_dense=flops / t.median_s / ceil.mm_flops_per_s)
             )  # fmt: skip
 
 
 # GEMM2 tile configurations for the ordered fused finalize (None: GEMM2's own choice, whose
-# rows are then bit for bit the standalone path's).
+# rows are then bit for bit the standalone path's); TMA as the library decides.
 FUSED_CONFIGS = [None, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3)]
 
 
 def sweep_fused(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     """GEMM2 + finalize: the standalone pair against the ordered fused epilogue per config."""
+    from moe_route import arch, tuning
     from moe_route.kernels.triton.finalize import finalize_triton
-    from moe_route.kernels.triton.grouped_gemm import FinalizeEpilogue, grouped_gemm_triton
+    from moe_route.kernels.triton.grouped_gemm import (
+        GemmConfig,
+        grouped_gemm_finalize_triton,
+        grouped_gemm_triton,
+    )
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"
@@ -102,27 +108,30 @@ def sweep_fused(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     tw = torch.rand(T, K, device=dev).softmax(dim=1)
     maps = moe_route.build_routing_maps(ids, E)
     M = T * K
-    offs, d2s = maps.expert_first_token_offset, maps.expanded_dest_row_to_expanded_source_row
-    s2d, efs = maps.expanded_source_row_to_expanded_dest_row, maps.expert_for_source_row
+    s2d, d2s, efs, offs = maps.tensors()
     h = torch.randn(M, I, device=dev, dtype=dt)
     w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5
     y = torch.empty(M, H, device=dev, dtype=dt)
     out = torch.empty(T, H, device=dev, dtype=dt)
     flops = 2 * M * H * I
+    # GEMM2's tiles as fused_moe's plan picks them (by the token bucket).
+    gemm2 = tuning.gemm_config(
+        tuning.token_bucket(T) * K / E, False, dt, arch.compute_capability(h.device)
+    )
 
     def standalone():
-        grouped_gemm_triton(h, w2, offs, y)
+        grouped_gemm_triton(h, w2, offs, y, gemm2)
         finalize_triton(y, tw, s2d, efs, None, out)
 
     impls = [
         ("standalone", standalone),
-        ("gemm2 alone", lambda: grouped_gemm_triton(h, w2, offs, y)),
+        ("gemm2 alone", lambda: grouped_gemm_triton(h, w2, offs, y, gemm2)),
     ]
-    epilogue = FinalizeEpilogue(tw, s2d, efs, out, None, True)
-    for cfg in FUSED_CONFIGS:
-        label = "fused " + ("auto" if cfg is None else "/".join(map(str, cfg)))
-        impls.append((label, lambda c=cfg: grouped_gemm_triton(
-            h, w2, offs, y, dest_to_src=d2s, finalize=epilogue, config=c)))  # fmt: skip
+    for tiles in FUSED_CONFIGS:
+        label = "fused " + ("auto" if tiles is None else "/".join(map(str, tiles)))
+        cfg = gemm2 if tiles is None else GemmConfig(*tiles, use_tma=gemm2.use_tma)
+        impls.append((label, lambda c=cfg: grouped_gemm_finalize_triton(
+            h, w2, offs, s2d, d2s, efs, tw, out, c, ordered=True)))  # fmt: skip
     for label, fn in impls:
         try:
             t = time_cuda(fn, inner=3, outer=10)

@@ -191,10 +191,15 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
 
 
 def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
-    """Time each kernel of the training step alone (TFLOP/s against the dense rate)."""
+    """Time each kernel of the training step alone (TFLOP/s against the dense rate), under the
+    launch configurations fused_moe's plan picks for this shape."""
     from moe_route.kernels.triton import weight_grad
     from moe_route.kernels.triton.finalize import finalize_triton
-    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+    from moe_route.kernels.triton.grouped_gemm import (
+        grouped_gemm_act_backward_triton,
+        grouped_gemm_triton,
+    )
+    from moe_route.moe import _plan_for
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"
@@ -203,12 +208,9 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5
     tw, ids = moe_route.reference.topk_routing_reference(torch.randn(T, E, device=dev), K)
     maps = moe_route.build_routing_maps(ids, E)
-    off = maps.expert_first_token_offset
-    s2d, d2s = (
-        maps.expanded_source_row_to_expanded_dest_row,
-        maps.expanded_dest_row_to_expanded_source_row,
-    )
-    efs = maps.expert_for_source_row
+    s2d, d2s, efs, off = maps.tensors()
+    cfg = _plan_for(x, w1, w2, K, "swiglu", "concat", "standalone", True, False, "auto").configs
+    tma = cfg.act_bwd.use_tma
     M = T * K
     dout = torch.randn(T, H, device=dev, dtype=dt)
     z = torch.randn(M, 2 * I, device=dev, dtype=dt)
@@ -219,24 +221,28 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     dx = torch.empty(T, H, device=dev, dtype=dt)
     dtw = torch.empty_like(tw)
     unit = torch.ones((), device=dev).expand(T, K)
-    partial = grouped_gemm_triton(dout, w2.transpose(1, 2), off, h, activation="swiglu",
-                                  dest_to_src=d2s, gather=True, num_rows=M,
-                                  act_backward=(z, dz, tw))  # fmt: skip
+
+    def act_backward():
+        return grouped_gemm_act_backward_triton(dout, w2.transpose(1, 2), off, d2s, z, tw, h, dz,
+                                                cfg.act_bwd, epilogue=cfg.epilogue)  # fmt: skip
+
+    partial = act_backward()
     g = 2 * M * H * I
     stages = {
         "fwd_gemm1_store_z": (lambda: grouped_gemm_triton(
-            x, w1, off, h, activation="swiglu", dest_to_src=d2s, gather=True, num_rows=M,
+            x, w1, off, h, cfg.gemm1, epilogue=cfg.epilogue, dest_to_src=d2s, num_rows=M,
             pre_activation=z), 2 * g),
-        "bwd_gemm2_act": (lambda: grouped_gemm_triton(
-            dout, w2.transpose(1, 2), off, h, activation="swiglu", dest_to_src=d2s, gather=True,
-            num_rows=M, act_backward=(z, dz, tw)), g),
+        "bwd_gemm2_act": (act_backward, g),
         "bwd_router_w": (lambda: weight_grad.router_weight_grad_triton(
             partial, dout, None, s2d, efs, dtw), 0),
         "bwd_dw2": (lambda: weight_grad.expert_weight_grad_triton(
-            dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M), g),
+            dout, h, off, dw2, cfg.wgrad2, dest_to_src=d2s, a_gather=True, num_rows=M,
+            use_tma=tma), g),
         "bwd_dw1": (lambda: weight_grad.expert_weight_grad_triton(
-            dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M), 2 * g),
-        "bwd_dx_gemm": (lambda: grouped_gemm_triton(dz, w1.transpose(1, 2), off, dx_perm), 2 * g),
+            dz, x, off, dw1, cfg.wgrad1, dest_to_src=d2s, b_gather=True, num_rows=M,
+            use_tma=tma), 2 * g),
+        "bwd_dx_gemm": (lambda: grouped_gemm_triton(dz, w1.transpose(1, 2), off, dx_perm, cfg.dx),
+                        2 * g),
         "bwd_dx_sum": (lambda: finalize_triton(dx_perm, unit, s2d, efs, None, dx), 0),
     }  # fmt: skip
     for stage, (fn, flops) in stages.items():
@@ -249,18 +255,20 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     dense = time_cuda(lambda: torch.mm(dz[:, : 2 * I].t(), dx_perm[:, :H]))
     print(f"  dense dz^T @ rows [{2 * I}x{M}]x[{M}x{H}]: "
           f"{2 * M * 2 * I * H / dense.median_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
-    if sweep:  # variants of the weight-gradient kernel, against the defaults timed above
+    if sweep:  # variants of the weight-gradient kernel, against the plan's configs timed above
         variants = {
             "dw1 a_t_load": lambda: weight_grad.expert_weight_grad_triton(
-                dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M, a_t_load=True),
+                dz, x, off, dw1, cfg.wgrad1, dest_to_src=d2s, b_gather=True, num_rows=M,
+                use_tma=tma, a_t_load=True),
             "dw2 a_t_load": lambda: weight_grad.expert_weight_grad_triton(
-                dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M, a_t_load=True),
+                dout, h, off, dw2, cfg.wgrad2, dest_to_src=d2s, a_gather=True, num_rows=M,
+                use_tma=tma, a_t_load=True),
             "dw1 (64,256,128,8,3)": lambda: weight_grad.expert_weight_grad_triton(
-                dz, x, off, dw1, dest_to_src=d2s, b_gather=True, num_rows=M,
-                config=(64, 256, 128, 8, 3)),
+                dz, x, off, dw1, (64, 256, 128, 8, 3), dest_to_src=d2s, b_gather=True,
+                num_rows=M, use_tma=tma),
             "dw2 (32,128,128,4,4)": lambda: weight_grad.expert_weight_grad_triton(
-                dout, h, off, dw2, dest_to_src=d2s, a_gather=True, num_rows=M,
-                config=(32, 128, 128, 4, 4)),
+                dout, h, off, dw2, (32, 128, 128, 4, 4), dest_to_src=d2s, a_gather=True,
+                num_rows=M, use_tma=tma),
         }  # fmt: skip
         for label, fn in variants.items():
             t = time_cuda(fn)

@@ -39,7 +39,10 @@ class Op:
             self.function = _autograd_function(name, impl, setup_context, backward)
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        # A torch dispatch mode (fake tensors, functionalization, make_fx: what opcheck and
+        # AOTAutograd outside Dynamo trace a backward with) must see the custom op, not the
+        # kernels, which cannot run on its tensors.
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
             return self.op(*args)
         if self.function is not None and torch.is_grad_enabled():
             for a in args:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
-from .arch import BACKENDS
+from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES
 from .moe import fused_moe
 from .reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, activation_reference
@@ -205,8 +205,7 @@ class MoELayer(nn.Module):
             )
         if finalize not in FINALIZE_CHOICES:
             raise ValueError(f"finalize={finalize!r}: expected one of {FINALIZE_CHOICES}")
-        if backend not in ("auto", *BACKENDS):
-            raise ValueError(f"backend={backend!r}: expected 'auto' or one of {BACKENDS}")
+        check_backend_name(backend)  # the torch backend's former name "reference" included
         if dtype is not None and dtype not in GEMM_DTYPES:
             raise ValueError(f"dtype={dtype}: expected one of {GEMM_DTYPES}")
 

@@ -1,7 +1,7 @@
 """Routing maps: the expanded-row permutation tables of the data contract.
 
 ``build_routing_maps(topk_ids, num_experts)`` turns the router's ``[T, K]`` expert ids into the
-tables every later stage reads. See ``docs/DESIGN.md`` for the contract; in short, expanded
+tables every later stage reads. See ``DESIGN.md`` for the contract; in short, expanded
 source row ``s = k*T + t`` is slot ``k`` of token ``t``, and the permuted (dest) order groups rows
 by expert, ascending, then token, then slot, with dropped slots (``-1``) last in source order.
 """

@@ -29,7 +29,9 @@ def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
         return GemmConfig(16, 32, 16, 1, 4, 1)
     big_k = 64 if dtype != torch.float32 else 32
     if rows_per_expert <= 16:
-        return GemmConfig(16, 64, 128 if dtype != torch.float32 else 64, 1, 4, 4, tma)
+        # Decode: no TMA descriptors. Each costs ~10-20 µs of host time per launch (built in
+        # Python, converted by Triton's launcher), more than the GEMM itself at T <= 8.
+        return GemmConfig(16, 64, 128 if dtype != torch.float32 else 64, 1, 4, 4, False)
     if rows_per_expert <= 64:
         return GemmConfig(64, 64 if gated else 128, big_k, 4, 4, 4, tma)
     if gated:

@@ -1,11 +1,13 @@
-"""Registers, spills and shared memory of the grouped GEMM kernel's variants, on any machine.
+"""Registers, spills and shared memory of the grouped GEMM kernels' variants, on any machine.
 
-Compiles ``_grouped_gemm_kernel`` ahead of time for a CUDA target (no GPU or driver needed: the
-Triton wheel carries ptxas) and prints ptxas's resource report for each epilogue and tile
-configuration. A spill or a register count at the 255 ceiling shows before any device time is
-spent (the reason the ordered fused finalize reduces in compacted row groups).
+Compiles the three grouped GEMM kernels (forward, activation backward, fused finalize) ahead of
+time for a CUDA target (no GPU or driver needed: the Triton wheel carries ptxas) and prints
+ptxas's resource report for each epilogue and tile configuration. A spill or a register count
+at the 255 ceiling shows before any device time is spent (the reason the ordered fused
+finalize reduces in compacted row groups).
 
-Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--dtype bf16]``.
+Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--experts 256]
+[--dtype bf16]``.
 """
 
 from __future__ import annotations
@@ -24,56 +26,74 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_route.kernels.triton import grouped_gemm as gg
+from moe_route.kernels.triton.activation import ACT_CODES
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)]
-# name -> the constexprs that select the epilogue (GEMM2 unless said otherwise)
+SWIGLU = dict(ACT=ACT_CODES["silu"], GATED=True)
+# name -> (kernel, the constexprs that select its epilogue)
 VARIANTS = {
-    "gemm2": dict(),
-    "gemm2 + ordered finalize": dict(FINALIZE=True, ORDERED=True),
-    "gemm2 + atomic finalize": dict(FINALIZE=True),
-    "gemm1 swiglu gather": dict(
-        ACTIVATION=gg.ACT_CODES["swiglu"], GATED=True, TWO_PRODUCTS=True, GATHER=True
-    ),
+    "gemm2": (gg._gemm_kernel, dict()),
+    "gemm1 swiglu gather": (gg._gemm_kernel, dict(SWIGLU, GATHER=True)),
+    "gemm1 swiglu gather + z": (gg._gemm_kernel, dict(SWIGLU, GATHER=True, STORE_PRE=True)),
+    "gemm2 bwd + swiglu bwd": (gg._gemm_act_bwd_kernel, dict(SWIGLU, W_KMAJOR=True)),
+    "gemm2 + ordered finalize": (gg._gemm_finalize_kernel, dict(ORDERED=True)),
+    "gemm2 + atomic finalize": (gg._gemm_finalize_kernel, dict(ORDERED=False)),
 }
 # Pointer parameters whose element type is not the activations' dtype.
 POINTER_TYPES = {
-    "offsets_ptr": "i64", "tile_start_ptr": "i32", "dest_to_src_ptr": "i32",
-    "weights_ptr": "fp32", "partial_ptr": "fp32", "counter_ptr": "i32",
-    "src_to_dest_ptr": "i32", "expert_for_src_ptr": "i32",
+    "offsets_ptr": "i64", "dest_to_src_ptr": "i32", "weights_ptr": "fp32",
+    "partial_ptr": "fp32", "counter_ptr": "i32", "src_to_dest_ptr": "i32",
+    "expert_for_src_ptr": "i32",
 }  # fmt: skip
 
 
-def compile_variant(cfg, epilogue, *, arch, top_k, dtype):
+def _params(kernel):
+    """``(name, is_constexpr)`` of the kernel's parameters, in order."""
+    fn = kernel.fn if hasattr(kernel, "fn") else kernel
+    return [
+        (name, "constexpr" in str(p.annotation))
+        for name, p in inspect.signature(fn).parameters.items()
+    ]
+
+
+def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     bm, bn, bk, group_m, warps, stages = cfg
     const = dict(
-        ACTIVATION=0, GATED=False, TWO_PRODUCTS=False, INTERLEAVED=False, HAS_BIAS=False,
-        GATHER=False, FINALIZE=False, ORDERED=False, FINAL_BIAS=False, TOP_K=top_k,
-        STORE_PRE=False, ACT_BWD=False, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False,
-        LOG2_E=8, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-        RED_M=min(bm, gg.RED_ROWS),
+        ACT=0, GATED=False, ALPHA=1.0, LIMIT=None, UP_OFFSET=0.0, INTERLEAVED=False,
+        HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
+        TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
+        E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS),
     )  # fmt: skip
     const.update(epilogue)
-    # TMA loads as on SM90 (A only when it is not gathered).
+    # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).
     const["A_DESC"] = arch >= 90 and not const["GATHER"]
     const["W_DESC"] = arch >= 90
-    atomic_out = const["FINALIZE"] and not const["ORDERED"]
-    names = list(inspect.signature(gg._grouped_gemm_kernel.fn).parameters)
+    atomic_out = kernel is gg._gemm_finalize_kernel and not const["ORDERED"]
+    if atomic_out:
+        const["TOP_K"] = 1  # as the launcher: the atomic mode needs no K
+    params = _params(kernel)
+    missing = [n for n, is_const in params if is_const and n not in const]
+    if missing:
+        raise KeyError(f"no value for the constexprs {missing}")
+    w_block = f"[1, {bk}, {bn}]" if const["W_KMAJOR"] else f"[1, {bn}, {bk}]"
     sig = {}
-    for name in names:
-        if name in const:
+    for name, is_const in params:
+        if is_const:
             sig[name] = "constexpr"
         elif name == "a_desc":
             sig[name] = f"tensordesc<{dtype}[{bm}, {bk}]>" if const["A_DESC"] else f"*{dtype}"
         elif name == "w_desc":
-            sig[name] = f"tensordesc<{dtype}[1, {bn}, {bk}]>" if const["W_DESC"] else f"*{dtype}"
-        elif name == "out_ptr":
+            sig[name] = f"tensordesc<{dtype}{w_block}>" if const["W_DESC"] else f"*{dtype}"
+        elif name == "final_ptr":
             sig[name] = "*fp32" if atomic_out else f"*{dtype}"
         elif name.endswith("_ptr"):
             sig[name] = "*" + POINTER_TYPES.get(name, dtype)
         else:
             sig[name] = "i32"
-    src = ASTSource(gg._grouped_gemm_kernel, sig, constexprs=const)
+    const = {name: const[name] for name, is_const in params if is_const}
+    src = ASTSource(kernel, sig, constexprs=const)
     target = GPUTarget("cuda", arch, 32)
     return triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
 
@@ -94,14 +114,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256, help="E (the in-kernel tile search)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = p.parse_args(argv)
-    print(f"Triton {triton.__version__}, sm_{args.arch}, {args.dtype}, K={args.top_k}")
-    for name, epilogue in VARIANTS.items():
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {args.dtype}, K={args.top_k}, "
+          f"E={args.experts}")  # fmt: skip
+    for name, (kernel, epilogue) in VARIANTS.items():
         for cfg in CONFIGS:
             try:
-                k = compile_variant(cfg, epilogue, arch=args.arch, top_k=args.top_k,
-                                    dtype=args.dtype)  # fmt: skip
+                k = compile_variant(kernel, cfg, epilogue, arch=args.arch, top_k=args.top_k,
+                                    experts=args.experts, dtype=args.dtype)  # fmt: skip
                 report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
             except Exception as exc:  # a variant this Triton cannot build for the target
                 report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

@@ -2,7 +2,7 @@
 tests/test_fused_moe.py (both on the CPU) and tests/test_gpu_moe.py (CUDA).
 
 The builders default to the CPU cases (float64 draws from a CPU generator, 20 % of the slots
-dropped, the reference backend); the GPU file binds its own device, generator, drop rate and
+dropped, the torch backend); the GPU file binds its own device, generator, drop rate and
 dtype (see its ``gemm_case`` / ``moe_case``). Values that differ between the files (TF32_TOL,
 tile sizes, occupancy patterns) stay in them.
 
@@ -11,6 +11,8 @@ anything imports moe_route or triton) has already run.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -100,7 +102,7 @@ def expand_reference(x, maps):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 def gemm_case(T, K, E, H, inter, activation, *, dtype=torch.float32, bias=False, gather=False,
-              drop=0.2, ids=None, seed=0, device="cpu", rand=rand, maps_backend="reference",
+              drop=0.2, ids=None, seed=0, device="cpu", rand=rand, maps_backend="torch",
               expand=expand_reference):  # fmt: skip
     """Operands of one grouped GEMM1: ``a`` is ``x [T, H]`` (gather) or ``x_perm [T*K, H]``."""
     ids = make_ids(T, K, E, drop=drop, seed=seed).to(device) if ids is None else ids.to(device)
@@ -125,19 +127,35 @@ def gemm_reference(a, w, maps, bias=None, *, activation="identity", layout="conc
 
 
 def launch(a, w, maps, bias=None, *, activation="identity", layout="concat", gather=False,
-           config=None, out=None, **kw):  # fmt: skip
-    """Run the Triton launcher into a NaN-poisoned (or given) ``out`` and return it."""
-    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+           config=None, use_tma=None, out=None, **kw):  # fmt: skip
+    """Run the Triton launcher into a NaN-poisoned (or given) ``out`` and return it.
+
+    ``config``: a ``GemmConfig``, or its tile fields ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    num_warps, num_stages)``; ``None`` takes the library's choice for this shape
+    (:func:`moe_route.tuning.gemm_config`). ``use_tma``: ``None`` keeps the library's choice
+    (SM90+ and 16-bit), a bool forces it."""
+    from moe_route import tuning
+    from moe_route.grouped_gemm import epilogue_for
+    from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_triton
 
     M = maps.num_expanded_rows
-    n_out = w.shape[1] // 2 if activation in GATED else w.shape[1]
+    epilogue = epilogue_for(activation, layout)
+    n_out = w.shape[1] // 2 if epilogue.gated else w.shape[1]
+    rows_per_expert = tuning.token_bucket(M) / w.shape[0]
+    cc = arch.compute_capability(a.device)
+    chosen = tuning.gemm_config(rows_per_expert, epilogue.gated, a.dtype, cc)
+    if config is None:
+        config = chosen
+    elif not isinstance(config, GemmConfig):
+        config = GemmConfig(*config, use_tma=chosen.use_tma)
+    if use_tma is not None:
+        config = dataclasses.replace(config, use_tma=use_tma)
     if out is None:
         out = torch.full((M, n_out), NAN, dtype=a.dtype, device=a.device)
     grouped_gemm_triton(
-        a, w, maps.expert_first_token_offset, out, bias=bias, activation=activation,
-        interleaved=layout == "interleaved",
-        dest_to_src=maps.expanded_dest_row_to_expanded_source_row, gather=gather, num_rows=M,
-        config=config, **kw,
+        a, w, maps.expert_first_token_offset, out, config, epilogue=epilogue, bias=bias,
+        dest_to_src=maps.expanded_dest_row_to_expanded_source_row if gather else None,
+        num_rows=M, **kw,
     )  # fmt: skip
     return out
 

@@ -8,6 +8,7 @@ lets the SM-dependent branches run on a CPU-only machine.
 import pytest
 import torch
 
+import moe_route
 from moe_route import arch
 
 
@@ -28,15 +29,15 @@ def test_triton_interpreter_enabled(monkeypatch, value, enabled):
     assert arch.triton_interpreter_enabled() is enabled
 
 
-def test_cpu_without_interpreter_is_reference(no_interpreter):
+def test_cpu_without_interpreter_is_torch(no_interpreter):
     choice = arch.backend_for("cpu")
-    assert choice.value == "reference"
+    assert choice.value == "torch"
     assert "without TRITON_INTERPRET=1" in choice.why
 
 
 def test_cpu_without_interpreter_env_unset(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert arch.backend_for(torch.device("cpu")).value == "reference"
+    assert arch.backend_for(torch.device("cpu")).value == "torch"
 
 
 def test_cpu_with_interpreter_is_triton(interpreter):
@@ -50,10 +51,26 @@ def test_explicit_triton_on_cpu_needs_interpreter(no_interpreter):
         arch.backend_for("cpu", "triton")
 
 
-def test_explicit_reference_everywhere(interpreter):
+def test_explicit_torch_everywhere(interpreter):
+    for device in ("cpu", "cuda:0", "meta"):
+        choice = arch.backend_for(device, "torch")
+        assert (choice.value, choice.why) == ("torch", "backend='torch'")
+
+
+def test_reference_is_an_alias_of_torch(interpreter):
+    """``"reference"``, the torch backend's former name, is still accepted everywhere."""
+    assert arch.check_backend_name("reference") == "reference"
     for device in ("cpu", "cuda:0", "meta"):
         choice = arch.backend_for(device, "reference")
-        assert (choice.value, choice.why) == ("reference", "backend='reference'")
+        assert (choice.value, choice.why) == ("torch", "backend='reference'")
+    assert arch.cached_backend(torch.device("cpu"), "reference") == "torch"
+    # And through a public function: the same computation, the same bits.
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(*s, generator=g) for s in ((5, 8), (3, 12, 8), (3, 8, 6)))
+    ids = torch.tensor([[0, 2], [1, -1], [2, 1], [0, 1], [-1, -1]])
+    tw = torch.rand(5, 2, generator=g)
+    outs = [moe_route.fused_moe(x, w1, w2, tw, ids, backend=b) for b in ("reference", "torch")]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_cuda_is_triton_without_touching_cuda():
@@ -62,13 +79,13 @@ def test_cuda_is_triton_without_touching_cuda():
     assert (choice.value, choice.why) == ("triton", "CUDA device")
 
 
-@pytest.mark.parametrize("value", ["reference", " Reference ", "REFERENCE"])
-def test_env_backend_reference(monkeypatch, interpreter, value):
+@pytest.mark.parametrize("value", ["torch", " Torch ", "TORCH", "reference", " Reference "])
+def test_env_backend_torch(monkeypatch, interpreter, value):
     monkeypatch.setenv("MOE_ROUTE_BACKEND", value)
     for device in ("cpu", "cuda"):
         choice = arch.backend_for(device)
-        assert choice.value == "reference"
-        assert choice.why == "MOE_ROUTE_BACKEND=reference"
+        assert choice.value == "torch"
+        assert choice.why == "MOE_ROUTE_BACKEND=torch"
 
 
 @pytest.mark.parametrize("value", ["auto", "", "  "])
@@ -86,10 +103,11 @@ def test_env_backend_triton_on_cpu_needs_interpreter(monkeypatch, no_interpreter
 
 
 def test_env_backend_only_overrides_auto(monkeypatch, interpreter):
-    monkeypatch.setenv("MOE_ROUTE_BACKEND", "reference")
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "torch")
     assert arch.backend_for("cpu", "triton").value == "triton"
     monkeypatch.setenv("MOE_ROUTE_BACKEND", "triton")
-    assert arch.backend_for("cpu", "reference").value == "reference"
+    assert arch.backend_for("cpu", "torch").value == "torch"
+    assert arch.backend_for("cpu", "reference").value == "torch"
 
 
 @pytest.mark.parametrize("value", ["cuda", "triton,reference", "1"])
@@ -222,9 +240,9 @@ def test_describe_cpu(interpreter):
 
 
 def test_describe_follows_env(monkeypatch, no_interpreter):
-    assert arch.describe("cpu")["backend"].startswith("reference  [")
-    monkeypatch.setenv("MOE_ROUTE_BACKEND", "reference")
-    assert arch.describe("cpu")["backend"] == "reference  [MOE_ROUTE_BACKEND=reference]"
+    assert arch.describe("cpu")["backend"].startswith("torch  [")
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "torch")
+    assert arch.describe("cpu")["backend"] == "torch  [MOE_ROUTE_BACKEND=torch]"
     monkeypatch.setenv("MOE_ROUTE_FINALIZE", "bogus")
     with pytest.raises(ValueError, match="MOE_ROUTE_FINALIZE='bogus'"):
         arch.describe("cpu")

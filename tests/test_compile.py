@@ -56,7 +56,7 @@ def test_compile_fullgraph_default_check_ids_on_cpu():
 
 # ----------------------------------------------------------------------------- opcheck
 def _arg_pool(backend, bias_kind="H", requires_grad=False, T=7, K=2, H=13):
-    """Every argument the three ops take, by schema name (robust to argument reordering)."""
+    """Every argument the ops take, by schema name (robust to argument reordering)."""
     device = DEVICE if backend == "triton" else torch.device("cpu")
     ids = random_topk_ids(T, K, E, drop_prob=0.3, seed=3, device=device)
     maps = moe_route.build_routing_maps(ids, E, backend="reference")
@@ -72,6 +72,9 @@ def _arg_pool(backend, bias_kind="H", requires_grad=False, T=7, K=2, H=13):
         "backend": backend,
         "x": x,
         "y_perm": y,
+        "dout": randn(T, H, seed=6, device=device),
+        "need_dy": True,
+        "need_dw": True,
         "topk_weights": w,
         "bias": bias,
         "src_to_dest": maps.expanded_source_row_to_expanded_dest_row,
@@ -88,8 +91,8 @@ def _args_for(op, pool):
     return tuple(pool[n] for n in names)
 
 
-OPS = ["routing_maps", "expand_rows", "finalize_moe_routing"]
-OPCHECK_BACKENDS = ["reference", pytest.param("triton", marks=requires_triton)]
+OPS = ["routing_maps", "expand_rows", "finalize_moe_routing", "finalize_moe_routing_backward"]
+OPCHECK_BACKENDS = ["torch", pytest.param("triton", marks=requires_triton)]
 
 
 @pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
@@ -102,13 +105,13 @@ def test_opcheck(name, backend):
 @pytest.mark.parametrize("bias_kind", [None, "TH"])
 def test_opcheck_finalize_bias_variants(bias_kind):
     op = torch.ops.moe_route.finalize_moe_routing.default
-    torch.library.opcheck(op, _args_for(op, _arg_pool("reference", bias_kind)))
+    torch.library.opcheck(op, _args_for(op, _arg_pool("torch", bias_kind)))
 
 
 def test_opcheck_empty_batch():
     for name in OPS:
         op = getattr(torch.ops.moe_route, name).default
-        torch.library.opcheck(op, _args_for(op, _arg_pool("reference", T=0)))
+        torch.library.opcheck(op, _args_for(op, _arg_pool("torch", T=0)))
 
 
 @pytest.mark.parametrize("backend", OPCHECK_BACKENDS)

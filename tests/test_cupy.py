@@ -44,7 +44,7 @@ def test_import_and_other_backends_work_without_cupy():
         import torch, moe_route
         ids = torch.tensor([[0, 1], [0, 2], [1, 2]])
         x, w = torch.randn(3, 8), torch.rand(3, 2)
-        for backend in ("reference", "triton", "auto"):
+        for backend in ("torch", "reference", "triton", "auto"):
             maps = moe_route.build_routing_maps(ids, 3, backend=backend)
             assert maps.expanded_source_row_to_expanded_dest_row.tolist() == [0, 1, 3, 2, 4, 5]
             y = moe_route.expand_rows(x, maps, backend=backend)
@@ -79,6 +79,8 @@ def test_env_backend_cupy_without_cupy(monkeypatch, no_cupy):
 
 
 def test_public_functions_raise_before_running_without_cupy(no_cupy):
+    """CPU tensors: the device is what is wrong whether CuPy is installed or not, so the error
+    names it and the backends that would run (the install hint is for CUDA devices, above)."""
     ids = random_topk_ids(5, 2, 4)
     maps = moe_route.build_routing_maps(ids, 4)
     x, w = randn(5, 8), random_weights(5, 2)
@@ -89,7 +91,7 @@ def test_public_functions_raise_before_running_without_cupy(no_cupy):
         lambda: moe_route.finalize_moe_routing(y, w, maps, backend="cupy"),
     ]
     for call in calls:
-        with pytest.raises(ImportError, match=INSTALL):
+        with pytest.raises(ValueError, match=r"backend='cupy' but the tensors are on cpu: .*torch"):
             call()
 
 
@@ -179,12 +181,12 @@ def test_env_backend_cupy(monkeypatch, fake_cupy):
 def test_availability_listing(no_cupy):
     found = arch.backend_availability("cpu")
     assert list(found) == list(arch.BACKENDS)
-    assert found["reference"].value == "yes"
+    assert found["torch"].value == "yes"
     assert found["cupy"] == arch.Choice("no", "needs a CUDA device")
     cuda = arch.backend_availability("cuda:0")["cupy"]  # no CUDA call before CuPy is found
     assert cuda.value == "no" and "not installed" in cuda.why and "pip install" in cuda.why
     info = arch.describe("cpu")
-    assert info["  cupy"].startswith("no") and info["  reference"].startswith("yes")
+    assert info["  cupy"].startswith("no") and info["  torch"].startswith("yes")
 
 
 # ----------------------------------------------------------------------------- interop

@@ -15,14 +15,16 @@ T, K, E, H = 5, 2, 4, 13
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Replace the three custom ops by tripwires: validation must fail before dispatch."""
+    """Replace the three ops (where the public functions dispatch them) by tripwires:
+    validation must fail before dispatch."""
 
     def tripwire(*args, **kwargs):
         raise AssertionError("an op was dispatched although its input was invalid")
 
-    monkeypatch.setattr(maps_mod, "_routing_maps_op", tripwire)
-    monkeypatch.setattr(permute_mod, "_expand_rows_op", tripwire)
-    monkeypatch.setattr(finalize_mod, "_finalize_op", tripwire)
+    monkeypatch.setattr(maps_mod, "routing_maps_tables", tripwire)
+    monkeypatch.setattr(maps_mod, "_ROUTING_MAPS", tripwire)
+    monkeypatch.setattr(permute_mod, "EXPAND", tripwire)
+    monkeypatch.setattr(finalize_mod, "FINALIZE", tripwire)
 
 
 def _maps(num_tokens=T):
@@ -128,7 +130,7 @@ def test_bad_num_experts(no_launch, num_experts, exc, match):
         moe_route.build_routing_maps(torch.zeros(T, 1, dtype=torch.int64), num_experts)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "Triton", "", "torch"])
+@pytest.mark.parametrize("backend", ["cuda", "Triton", "", "pytorch", "Reference"])
 def test_bad_backend_string(no_launch, maps, backend):
     ids = random_topk_ids(T, K, E)
     match = rf"backend={backend!r}: expected 'auto' or one of"

@@ -48,19 +48,26 @@ from moe_route.reference import routing_maps_reference
 
 moe_module = importlib.import_module("moe_route.moe")
 maps_module = importlib.import_module("moe_route.maps")
+launches = importlib.import_module("moe_route.kernels.triton.moe")
+torch_impl = importlib.import_module("moe_route.kernels.torch_impl")
 
 
 # ----------------------------------------------------------------------------- helpers
 class Spy:
-    """Counts calls of the finalize paths (and of any launch) inside moe_route.moe."""
+    """Counts the launches of fused_moe's forward by kind: the finalize paths (the standalone
+    finalize kernel, GEMM2 with the finalize in its epilogue), the plain grouped GEMMs, the
+    expand, the routing maps and the torch backend's forward."""
 
     def __init__(self, monkeypatch, *, forbid=False):
-        self.calls = {"standalone": 0, "fused": 0, "grouped_gemm": 0, "routing_maps": 0}
+        self.calls = {"standalone": 0, "fused": 0, "grouped_gemm": 0, "expand": 0,
+                      "routing_maps": 0, "torch": 0}  # fmt: skip
         for attr, key, module in (
-            ("finalize_moe_routing", "standalone", moe_module),
-            ("_gemm2_fused_finalize_op", "fused", moe_module),
-            ("grouped_gemm", "grouped_gemm", moe_module),
-            ("_routing_maps_op", "routing_maps", maps_module),
+            ("finalize_triton", "standalone", launches),
+            ("grouped_gemm_finalize_triton", "fused", launches),
+            ("grouped_gemm_triton", "grouped_gemm", launches),
+            ("expand_rows_triton", "expand", launches),
+            ("routing_maps_tables", "routing_maps", maps_module),
+            ("moe_forward_torch", "torch", torch_impl),
         ):
             monkeypatch.setattr(module, attr, self._wrap(getattr(module, attr), key, forbid))
 
@@ -225,6 +232,9 @@ def test_finalize_env_override(monkeypatch, env, kwargs, taken):
     out = run(case, **kwargs)
     other = "standalone" if taken == "fused" else "fused"
     assert spy.calls[taken] == 1 and spy.calls[other] == 0, spy.calls
+    # GEMM1, and GEMM2 unless the fused epilogue runs it; the maps once.
+    assert spy.calls["grouped_gemm"] == (1 if taken == "fused" else 2), spy.calls
+    assert spy.calls["routing_maps"] == 1, spy.calls
     assert_matches(out, expected(case), TOL[torch.float32])
 
 
@@ -258,7 +268,11 @@ def test_ordered_epilogue_tiles(config, bias):
     rows, several reduction groups (RED_ROWS) per tile and a partial last group; tokens with
     every slot dropped get exactly the bias."""
     from moe_route.kernels.triton.finalize import finalize_triton
-    from moe_route.kernels.triton.grouped_gemm import FinalizeEpilogue, grouped_gemm_triton
+    from moe_route.kernels.triton.grouped_gemm import (
+        GemmConfig,
+        grouped_gemm_finalize_triton,
+        grouped_gemm_triton,
+    )
 
     T, K, E, H, inter = 150, 2, 3, 40, 24
     case = make_moe(T, K, E, H, inter, b2=True, bias=bias, drop=0.1, seed=31)
@@ -267,15 +281,14 @@ def test_ordered_epilogue_tiles(config, bias):
     s2d, d2s, efs, off = routing_maps_reference(ids, E)
     tw = case["topk_weights"]
     h = rand(T * K, inter, seed=32)
+    cfg = GemmConfig(*config)
     y = torch.full((T * K, H), float("nan"))
-    grouped_gemm_triton(h, case["w2"], off, y, bias=case["b2"], config=config)
+    grouped_gemm_triton(h, case["w2"], off, y, cfg, bias=case["b2"])
     want = torch.full((T, H), float("nan"))
     finalize_triton(y, tw, s2d, efs, case["bias"], want)
     out = torch.full((T, H), float("nan"))
-    scratch = torch.full((T * K, H), float("nan"))
-    epilogue = FinalizeEpilogue(tw, s2d, efs, out, case["bias"], True)
-    grouped_gemm_triton(h, case["w2"], off, scratch, bias=case["b2"], dest_to_src=d2s,
-                        finalize=epilogue, config=config)  # fmt: skip
+    grouped_gemm_finalize_triton(h, case["w2"], off, s2d, d2s, efs, tw, out, cfg, ordered=True,
+                                 b2=case["b2"], bias=case["bias"])  # fmt: skip
     assert torch.equal(out, want)
     dead = (ids < 0).all(dim=1)
     assert dead.any()
@@ -416,13 +429,16 @@ def test_compile_with_graph_breaks_cpu():
     torch.testing.assert_close(compiled(*args), moe_route.fused_moe(*args, **kw), rtol=0, atol=0)
 
 
-def test_opcheck_fused_finalize_op():
-    case = make_moe(7, 2, 3, 8, 4, b2=True, bias="TH", seed=20)
-    s2d, d2s, efs, off = routing_maps_reference(case["topk_ids"], 3)
-    h = rand(14, 4, seed=21)
-    args = (h, case["w2"], off, s2d, d2s, efs, case["topk_weights"].nan_to_num(0.0), case["b2"],
-            case["bias"], "fused", False, "reference")  # fmt: skip
-    torch.library.opcheck(moe_module._gemm2_fused_finalize_op, args)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("path", ["fused", "fused_atomic"])
+def test_opcheck_fused_finalize_op(backend, path):
+    """The MoE op with the finalize in GEMM2's epilogue (inference: no ``z``)."""
+    case = make_moe(7, 2, 3, 8, 4, b1=True, b2=True, bias="TH", seed=20)
+    tables = routing_maps_reference(case["topk_ids"], 3)
+    floats = [case[n].nan_to_num(0.0) for n in ("x", "w1", "w2", "topk_weights", "b1", "b2",
+                                                 "bias")]  # fmt: skip
+    args = (*floats, *tables, "swiglu", "concat", path, True, False, backend, False)
+    torch.library.opcheck(moe_module.MOE.op, args)
 
 
 # ----------------------------------------------------------------------------- random routings

@@ -43,7 +43,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-moe_module = importlib.import_module("moe_route.moe")
+launches = importlib.import_module("moe_route.kernels.triton.moe")  # fused_moe's launches
 
 CUDA = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -321,8 +321,8 @@ def test_auto_path_follows_arch(monkeypatch):
     case = moe_case(37, 2, 8, 200, 136, b2=True, seed=18)
     ref = moe_expected(case)
     calls = []
-    for attr in ("finalize_moe_routing", "_gemm2_fused_finalize_op"):
-        monkeypatch.setattr(moe_module, attr, _recording(getattr(moe_module, attr), attr, calls))
+    for attr in ("finalize_triton", "grouped_gemm_finalize_triton"):
+        monkeypatch.setattr(launches, attr, _recording(getattr(launches, attr), attr, calls))
     for forced in (None, "80", "89", "90", "100"):
         if forced is None:
             monkeypatch.delenv("MOE_ROUTE_ARCH", raising=False)
@@ -335,7 +335,7 @@ def test_auto_path_follows_arch(monkeypatch):
                 assert choice.value == "standalone", choice
             calls.clear()
             out = run_moe(case, finalize="auto", deterministic=deterministic)
-            want = "_gemm2_fused_finalize_op" if choice.value == "fused" else "finalize_moe_routing"
+            want = "grouped_gemm_finalize_triton" if choice.value == "fused" else "finalize_triton"
             assert calls == [want], (forced, deterministic, choice, calls)
             assert_matches(out, ref, TOL[torch.bfloat16])
 

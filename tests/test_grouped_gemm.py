@@ -43,10 +43,12 @@ from moe_cases import gemm_reference as reference
 
 import moe_route
 from moe_route import arch
+from moe_route.kernels.triton.grouped_gemm import GemmConfig
 
 gg_module = importlib.import_module("moe_route.grouped_gemm")  # the attribute is the function
 
-SMALL_TILES = (16, 16, 16, 2, 4, 2)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
+# BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
+SMALL_TILES = GemmConfig(16, 16, 16, 2, 4, 2)
 TF32_TOL = 2e-3  # fp32 with allow_tf32 here; tests/test_gpu_moe.py has 5e-3 (tensor cores)
 
 # Kernel launches: 16x16x16 tiles into a NaN-poisoned ``out``, exact "ieee" products.
@@ -275,14 +277,18 @@ def test_kernel_random_routings(T, K, E, drop, act_layout, gather, seed):
 
 
 # ----------------------------------------------------------------------------- custom op
-def test_opcheck_grouped_gemm_op():
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_opcheck_grouped_gemm_op(backend):
     """Schema, fake (meta) implementation and autograd registration of moe_route::grouped_gemm."""
     a, w, b, maps = make_case(7, 2, 3, 8, 4, "swiglu", bias=True, gather=True, seed=41)
     a, w, b = (t.requires_grad_(True) for t in (a, w, b))  # exercises the registered backward
-    args = (a, w, maps.expert_first_token_offset, maps.expanded_source_row_to_expanded_dest_row,
-            maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
-            b, "swiglu", "concat", True, False, "reference")  # fmt: skip
-    torch.library.opcheck(gg_module._grouped_gemm_op, args)
+    args = (a, w, *maps.tensors(), b, "swiglu", "concat", True, False, backend)
+    torch.library.opcheck(gg_module.GEMM.op, args)
+    dout = rand(*gg_module.GEMM.op(*args).shape, seed=42)
+    plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args[:-2])
+    for need in ((True, True, True), (False, True, False)):  # (da, dw, db)
+        bwd_args = (dout, *plain, *need, False, backend)
+        torch.library.opcheck(gg_module._GEMM_BACKWARD.op, bwd_args)
 
 
 def test_compile_fullgraph_reference():
@@ -352,7 +358,7 @@ def _no_launch(*args, **kwargs):
 @pytest.mark.parametrize(("call", "exc", "match"), [c[1:] for c in BAD_CALLS],
                          ids=[c[0] for c in BAD_CALLS])  # fmt: skip
 def test_validation_errors(monkeypatch, call, exc, match):
-    monkeypatch.setattr(gg_module, "_grouped_gemm_op", _no_launch)
+    monkeypatch.setattr(gg_module, "GEMM", _no_launch)
     args, kwargs = call(_operands())
     with pytest.raises(exc, match=match):
         moe_route.grouped_gemm(*args, **kwargs)
@@ -361,6 +367,6 @@ def test_validation_errors(monkeypatch, call, exc, match):
 @pytest.mark.parametrize("gather", [False, True])
 def test_maps_not_routing_maps(monkeypatch, gather):
     o = _operands()
-    monkeypatch.setattr(gg_module, "_grouped_gemm_op", _no_launch)
+    monkeypatch.setattr(gg_module, "GEMM", _no_launch)
     with pytest.raises(TypeError, match=r"maps must be a RoutingMaps, got str"):
         moe_route.grouped_gemm(o["x"] if gather else o["a"], o["w"], "maps", gather=gather)

@@ -1,4 +1,4 @@
-"""fused_moe backward on the CPU: the reference backend's explicit formulas and the Triton
+"""fused_moe backward on the CPU: the torch backend's explicit formulas and the Triton
 kernels (through the interpreter) against ``torch.autograd`` through
 ``moe_route.reference.moe_forward_reference`` in float64, plus float64 ``gradcheck``,
 ``opcheck`` of the training ops, and ``torch.compile`` of forward + backward.
@@ -34,7 +34,7 @@ moe_module = importlib.import_module("moe_route.moe")
 
 NAMES = ("x", "w1", "w2", "topk_weights", "b1", "b2", "bias")
 GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3}
-BACKENDS = ["reference", pytest.param("triton", marks=needs_interpreter)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 def _case(T=9, K=2, E=4, H=16, inter=8, *, activation="swiglu", dtype=torch.float32,
@@ -188,18 +188,20 @@ def _train_op_args(backend, requires_grad):
     case = _case(7, 2, 3, 8, 4, bias="TH", seed=5)
     s2d, d2s, efs, off = routing_maps_reference(case["topk_ids"], 3)
     floats = [case[n].nan_to_num(0.0).requires_grad_(requires_grad) for n in NAMES]
-    return (*floats, off, s2d, d2s, efs, "swiglu", "concat", "standalone", True, False, backend)
+    return (*floats, s2d, d2s, efs, off, "swiglu", "concat", "standalone", True, False, backend,
+            True)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_training_ops(backend):
-    torch.library.opcheck(moe_module._moe_experts_op, _train_op_args(backend, True))
+    torch.library.opcheck(moe_module.MOE.op, _train_op_args(backend, True))
     args = _train_op_args(backend, False)
-    out, z = moe_module._moe_experts_op(*args)
-    x, w1, w2, tw, b1, b2, _bias, off, s2d, d2s, efs = args[:11]
-    bwd_args = (torch.ones_like(out), x, w1, w2, tw, b1, b2, z, off, s2d, d2s, efs, "swiglu",
+    out, z = moe_module.MOE.op(*args)
+    assert z.shape == (args[8].numel(), args[1].shape[1])  # GEMM1's pre-activation, stored
+    x, w1, w2, tw, b1, b2, _bias, s2d, d2s, efs, off = args[:11]
+    bwd_args = (torch.ones_like(out), x, w1, w2, tw, b1, b2, z, s2d, d2s, efs, off, "swiglu",
                 "concat", True, True, True, True, False, backend)  # fmt: skip
-    torch.library.opcheck(moe_module._moe_experts_backward_op, bwd_args)
+    torch.library.opcheck(moe_module._MOE_BACKWARD.op, bwd_args)
 
 
 def test_compile_fullgraph_forward_backward():

@@ -485,17 +485,28 @@ def stage_gemm(shape: Shape, ctx: Context) -> None:
     )
     if not ctx.cuda:
         return
-    # The epilogue-fused finalize: ordered (deterministic, the default) and atomic.
-    for impl, path in (("moe_route fused", "fused"), ("moe_route fused atomic", "fused_atomic")):
+    # The epilogue-fused finalize, ordered (deterministic, the default) and atomic: the launch
+    # fused_moe makes, with the tiles its plan takes for GEMM2 at this token bucket.
+    from .. import arch, tuning
+    from ..kernels.triton.grouped_gemm import grouped_gemm_finalize_triton
+
+    rows_per_expert = tuning.token_bucket(T) * shape.K / shape.E
+    cfg = tuning.gemm_config(rows_per_expert, False, h.dtype, arch.compute_capability(h.device))
+    s2d, d2s, efs, expert_offsets = maps.tensors()
+
+    def fused(ordered):
+        if ordered:
+            out = h.new_empty(T, H)
+        else:  # float32 accumulator, as fused_moe's atomic path
+            out = torch.zeros(T, H, dtype=torch.float32, device=h.device)
+        grouped_gemm_finalize_triton(h, w2, expert_offsets, s2d, d2s, efs, tw, out, cfg,
+                                     ordered=ordered)  # fmt: skip
+        return out if ordered else out.to(h.dtype)
+
+    for impl, ordered in (("moe_route fused", True), ("moe_route fused atomic", False)):
         ctx.measure(
-            "gemm2+fin", shape, impl,
-            lambda path=path: moe_route.moe._gemm2_fused_finalize_op(
-                h, w2, maps.expert_first_token_offset,
-                maps.expanded_source_row_to_expanded_dest_row,
-                maps.expanded_dest_row_to_expanded_source_row, maps.expert_for_source_row,
-                tw, None, None, path, False, ctx.backend,
-            ),
-            g2_bytes, g2_flops, check=check, tol=_tol(ctx),
+            "gemm2+fin", shape, impl, lambda o=ordered: fused(o), g2_bytes, g2_flops,
+            check=check, tol=_tol(ctx),
         )  # fmt: skip
 
 
