@@ -105,6 +105,16 @@ def _(topk_ids, num_experts, backend):
     )
 
 
+def _check_kernel_limits(chosen: str, E: int, K: int, device: torch.device) -> None:
+    if chosen == "triton":
+        from .kernels.triton.routing_maps import check_num_experts_supported
+    elif chosen == "cupy":
+        from .kernels.cupy.routing_maps import check_num_experts_supported
+    else:
+        return  # the reference takes any E
+    check_num_experts_supported(E, K, device)
+
+
 def build_routing_maps(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -118,7 +128,9 @@ def build_routing_maps(
         topk_ids: ``[T, K]`` int32/int64 expert ids (any strides), a torch tensor or a CuPy
             array (viewed without a copy); ``-1`` marks a dropped slot. ``T = 0`` is allowed;
             ``K <= num_experts``.
-        num_experts: ``E >= 1``.
+        num_experts: ``E >= 1``. The kernels hold a counter per expert in one program: Triton
+            takes ``E + K + 1 <= 32768`` on an A100/H100/H200 (fewer on GPUs with less shared
+            memory), CuPy ``E + K <= opt-in shared memory / 8 bytes``; the reference any ``E``.
         backend: ``"auto"`` (Triton on CUDA, or the CuPy kernels at the sizes where they
             measured faster when CuPy is installed; reference on CPU), ``"triton"``,
             ``"cupy"`` or ``"reference"``.
@@ -134,7 +146,8 @@ def build_routing_maps(
     """
     E = _checks.check_num_experts(num_experts)
     ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
-    backend_for(ids.device, backend, op="routing_maps", slots=ids.numel())  # before any launch
+    chosen = backend_for(ids.device, backend, op="routing_maps", slots=ids.numel()).value
+    _check_kernel_limits(chosen, E, ids.shape[1], ids.device)  # before any launch
     if _checks.ids_value_check_wanted(ids, check_ids):
         _checks.check_topk_id_values(ids, E)
     T, K = ids.shape
