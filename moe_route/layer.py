@@ -9,6 +9,7 @@ over ``[T, H]``). See :class:`MoELayer` for the parameter layout.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -411,20 +412,54 @@ class MoELayer(nn.Module):
         only steers the choice of experts, never the weights. Call it after the optimizer
         step with ``MoEOutput.tokens_per_expert`` (summed over micro-batches, or all-reduced
         over data-parallel ranks, as you see fit). In place, on the device, no host sync.
+
+        Args:
+            tokens_per_expert: ``[E]`` counts, of an integer dtype or (e.g. averaged over
+                ranks) a floating one, on any device. Floating counts must be finite: a NaN
+                or infinite count raises ``ValueError`` when the counts are on the CPU; on a
+                GPU, where reading them would synchronise, such a call leaves the bias as it
+                was (so one bad step never writes NaN into it).
+            rate: a finite real number ``>= 0`` (a Python or NumPy scalar; ``0`` changes
+                nothing).
         """
         if self.expert_bias is None:
             raise ValueError(
                 f"update_expert_bias needs router='sigmoid_grouped' (this layer's router is "
                 f"{self.router!r}, which has no expert bias)"
             )
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            raise TypeError(
+                f"rate must be a real number (a Python float), got {type(rate).__name__}"
+            )
+        if not math.isfinite(rate) or rate < 0:
+            raise ValueError(f"rate must be a finite number >= 0, got {rate!r}")
         counts = _checks.check_tensor("tokens_per_expert", tokens_per_expert, ndim=1)
+        if counts.dtype == torch.bool or counts.dtype.is_complex:
+            raise TypeError(
+                f"tokens_per_expert must hold counts of an integer or floating dtype, got "
+                f"{_checks.describe(counts)}"
+            )
         if counts.shape[0] != self.num_experts:
             raise ValueError(
                 f"tokens_per_expert must be [E] = [{self.num_experts}], got "
                 f"{_checks.describe(counts)}"
             )
-        counts = counts.to(device=self.expert_bias.device, dtype=torch.float32)
-        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=float(rate))
+        floating = counts.is_floating_point()
+        unread = floating and counts.device.type != "cpu"
+        if floating and not unread:
+            bad = ~torch.isfinite(counts)
+            if bool(bad.any()):
+                e = int(bad.nonzero()[0])
+                raise ValueError(
+                    f"tokens_per_expert[{e}] = {counts[e].item()} is not finite: expected "
+                    f"finite counts, got {_checks.describe(counts)}"
+                )
+        # float64: integer counts below 2**53 compare with their mean exactly.
+        counts = counts.to(device=self.expert_bias.device, dtype=torch.float64)
+        step = torch.sign(counts.mean() - counts)
+        if unread:  # not checked (a sync): a non-finite count cancels the whole update
+            step = torch.where(torch.isfinite(counts).all(), step, 0.0)
+        self.expert_bias.add_(step.to(self.expert_bias.dtype), alpha=float(rate))
 
     # ------------------------------------------------------------------ loading
     @torch.no_grad()

@@ -103,6 +103,30 @@ def test_maps_non_contiguous_and_empty():
     assert empty.expert_first_token_offset.tolist() == [0] * 65
 
 
+@pytest.mark.parametrize("T", [64, 4096], ids=["one-tile", "multi-tile"])
+def test_maps_gpu_at_the_expert_limit(T, capsys):
+    """The largest E the Triton kernels accept on this GPU (E + K + 1 bins staged in shared
+    memory, see kernels/triton/routing_maps.py) compiles, runs and equals the reference; one
+    more expert is refused before any launch. Prints the first call's time (compile included),
+    the number that says whether the limit is practical."""
+    import time
+
+    from moe_route.kernels.triton import routing_maps as triton_maps_module
+
+    K = 8
+    E = triton_maps_module.max_num_experts(K, CUDA)
+    ids = torch.randint(0, E, (T, K), device=CUDA)
+    ids[0] = torch.arange(E - K, E, device=CUDA)  # the last bins are used
+    start = time.perf_counter()
+    maps = moe_route.build_routing_maps(ids, E, backend="triton", check_ids=False)
+    torch.cuda.synchronize()
+    with capsys.disabled():
+        print(f"\nrouting maps at E={E}, T={T}: first call {time.perf_counter() - start:.1f} s")
+    assert_tables_equal(maps_tables(maps), routing_maps_reference(ids, E))
+    with pytest.raises(ValueError, match=rf"num_experts={E + 1} with K=8"):
+        moe_route.build_routing_maps(ids, E + 1, backend="triton")
+
+
 def test_maps_unchecked_ids_on_gpu_are_dropped(monkeypatch):
     E = 16
     ids = random_topk_ids(512, 4, E, device=CUDA, seed=2)

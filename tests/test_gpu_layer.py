@@ -189,3 +189,25 @@ def test_training_example_bf16_triton():
     args = ["--device", "cuda", "--steps", "150", "--quiet"]
     assert example.main(args) == 0
     assert example.main([*args, "--router", "sigmoid_grouped", "--capacity-factor", "1.25"]) == 0
+
+
+def test_update_expert_bias_non_finite_gpu_counts_leave_the_bias():
+    """GPU counts are not read (no sync): a NaN or infinite one cancels the update on the
+    device instead of writing NaN into the bias; finite float counts update it."""
+    layer = make_layer("deepseek")
+    before = layer.expert_bias.clone()
+    counts = torch.arange(E, device=CUDA, dtype=torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for bad in (float("nan"), float("inf")):
+            poisoned = counts.clone()
+            poisoned[3] = bad
+            layer.update_expert_bias(poisoned, 1e-3)
+        unchanged = layer.expert_bias.clone()
+        layer.update_expert_bias(counts, 1e-3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(unchanged, before)
+    step = torch.sign(counts.double().mean() - counts.double()).float() * 1e-3
+    assert torch.equal(layer.expert_bias, before + step)
