@@ -108,7 +108,7 @@ def stage_backward(shape: Shape, ctx: Context) -> None:
         ),
     }
     costs = step_costs(shape, inp.touched, inp.x.element_size())
-    calls = 3 if ctx.cuda else 2
+    calls = 3 if ctx.cuda else 1
     per_impl: dict[str, dict[str, list[float]]] = {}
     for impl, fwd in forwards.items():
         try:
@@ -139,9 +139,10 @@ def stage_backward(shape: Shape, ctx: Context) -> None:
 
 def _profile(fwd, table: dict, leaves, dout, ctx: Context, calls: int) -> dict:
     """``{step: [µs per call]}`` (``total`` included) and ``"_kernels"``: ``{step: {kernel name:
-    mean µs per call}}``, over ``calls`` profiled backward calls after one warm-up; ``table``
-    groups the kernels into steps (:func:`.profiling.attribute`)."""
-    torch.autograd.grad(fwd(), leaves, dout, allow_unused=True)  # compiles, allocates
+    mean µs per call}}``, over ``calls`` profiled backward calls (after a warm-up on CUDA);
+    ``table`` groups the kernels into steps (:func:`.profiling.attribute`)."""
+    if ctx.cuda:  # compile the kernels, fill the allocator's cache
+        torch.autograd.grad(fwd(), leaves, dout, allow_unused=True)
     names = (*BACKWARD_STEPS, OTHER)
     samples: dict[str, list[float]] = {s: [] for s in (*names, TOTAL)}
     kernels: dict[str, dict[str, float]] = {}

@@ -107,11 +107,15 @@ def time_cuda(
         with torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        previous = torch.cuda.current_stream()
+        previous.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    fn()
+        finally:  # a capture that fails leaves torch.cuda.graph's stream current
+            torch.cuda.set_stream(previous)
 
         def run():
             graph.replay()
@@ -230,7 +234,7 @@ def time_eager(fn, device, *, rep_ms: int = 100) -> Timing:
     on CUDA — CUDA events around each call, L2 flushed between calls —, wall clock on the CPU."""
     device = torch.device(device)
     if device.type != "cuda":
-        return time_cpu(fn, inner=1, outer=5, warmup=1)
+        return time_cpu(fn, inner=1, outer=3, warmup=1)
     try:
         from triton.testing import do_bench
     except ImportError:  # pragma: no cover - triton ships with torch's CUDA wheels

@@ -119,7 +119,10 @@ def stage_host(shape: Shape, ctx: Context) -> None:
     yardstick_us = None
     for name, fn in calls.items():
         try:
-            host = time_host(fn, ctx.device, calls=ctx.host_calls, repeats=3 if ctx.cuda else 1)
+            host = time_host(
+                fn, ctx.device, calls=ctx.host_calls, repeats=3 if ctx.cuda else 1,
+                warmup=3 if ctx.cuda else 1,
+            )  # fmt: skip
             eager_us = time_eager(fn, ctx.device).median_s * 1e6
         except Exception as exc:
             ctx.fail(STAGE, shape, name, exc)
@@ -157,7 +160,7 @@ def _first_calls(shape: Shape, ctx: Context) -> None:
         return lambda: moe_route.fused_moe(x[:t], w1, w2, tw[:t], ids[:t], backend=ctx.backend)
 
     first = [time_once(call(t), ctx.device) for t in counts]
-    repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3)]
+    repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3 if ctx.cuda else 1)]
     repeat_us = statistics.median(repeat) * 1e6
     row = make_row(
         STAGE, shape.label, NEW_T, _summarise(first), ctx.ceilings, 0,
