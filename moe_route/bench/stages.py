@@ -575,8 +575,10 @@ def stage_train(shape: Shape, ctx: Context) -> None:
     beyond what was allocated before; ``activation_MiB``, the same without the gradients the
     step returns (dx, dw1, dw2, d topk_weights), each left out from the moment it is allocated:
     what the forward saves, its output and the temporaries of both passes
-    (:func:`.profiling.step_memory`); ``saved_bytes_per_token``, what autograd saves for the
-    backward beyond the inputs' storage, per token.
+    (:func:`.profiling.step_memory`); ``grads_MiB``, those gradients (``peak_mib - grads_MiB``
+    would undercount an implementation whose peak comes before its last gradient is
+    allocated); ``saved_bytes_per_token``, what autograd saves for the backward beyond the
+    inputs' storage, per token.
 
     Baselines: the ``_grouped_mm`` pipeline under autograd, and the per-expert loop with one
     weight tensor per expert (as an ``nn.ModuleList`` of experts has: indexing one ``[E, ...]``
@@ -665,6 +667,7 @@ def stage_train(shape: Shape, ctx: Context) -> None:
         mem = ctx.attempt("train", shape, impl, lambda fn=one_step: step_memory(fn, ctx.device)[1])
         if mem is not None:
             row.extra["activation_MiB"] = mem.activation / 2**20
+            row.extra["grads_MiB"] = mem.grads / 2**20
         if is_ours:
             row.extra.update({f"rel_err_{k}": v for k, v in errs.items()})
 
