@@ -113,7 +113,10 @@ def stage_backward(shape: Shape, ctx: Context) -> None:
     for impl, fwd in forwards.items():
         try:
             per_impl[impl] = _profile(fwd, TABLES[impl], leaves, dout, ctx, calls)
+            if not max(per_impl[impl][TOTAL]):
+                raise RuntimeError("the profiler recorded no device activity (no CUPTI?)")
         except Exception as exc:
+            per_impl.pop(impl, None)
             ctx.fail(STAGE, shape, impl, exc)
     for impl, steps in per_impl.items():
         for step, samples in steps.items():
