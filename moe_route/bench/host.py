@@ -1,5 +1,5 @@
-"""The ``host`` stage: what one call costs the host (issue 11's method), eager against CUDA-graph
-latency, and the cost of the first call at a token count not seen before.
+"""The ``host`` stage: what one call costs the host, eager against CUDA-graph latency, and the
+cost of the first call at a token count not seen before.
 
 For every public op, ``fused_moe`` (forward, and forward + backward) and ``MoELayer`` forward,
 one row (``impl`` = the op) with:
@@ -8,8 +8,8 @@ one row (``impl`` = the op) with:
   around ``ctx.host_calls`` calls with no synchronisation inside the loop, after warm-up; one
   synchronisation after each loop, outside the timed region);
 * ``extra["per_index_select"]``: that over the host time of one ``torch.index_select`` of the
-  expand's size (``T*K`` rows of ``x``) timed the same way in the same process, the yardstick of
-  issue 11's floors (its own row is ``index_select``);
+  expand's size (``T*K`` rows of ``x``) timed the same way in the same process: a yardstick
+  that makes host times comparable across machines (its own row is ``index_select``);
 * ``extra["eager_us"]``: the latency of one eager call (``triton.testing.do_bench`` median);
   ``extra["graph_us"]``: one call replayed from a CUDA graph of 10 calls;
   ``extra["eager_over_graph"]``;
@@ -20,7 +20,7 @@ And one row ``fused_moe new T``: after calls at ``T``, the first call at each of
 token counts of ``T``'s power-of-two bucket (``(2^(b-1), 2^b]``, below ``T``) not used before in
 this process, device drained before and after (``median_us`` = the median first call); the
 same calls repeated give ``extra["repeat_us"]``, and ``extra["first_over_repeat"]`` is the worst
-first call over it (issue 11 item 5's floor: at most 1.5).
+first call over it (near 1 when a new token count compiles nothing).
 
 Only public functions are called (``moe_route.*``), so the stage measures whatever the package's
 internals are.
@@ -35,7 +35,7 @@ import torch
 
 import moe_route
 
-from .harness import _summarise, make_row, time_eager, time_host, time_once
+from .harness import _summarise, make_row, time_cuda, time_eager, time_host, time_once
 
 if TYPE_CHECKING:
     from .stages import Context, Inputs, Shape
@@ -109,8 +109,6 @@ def _calls(shape: Shape, ctx: Context) -> dict:
 def _graph_us(fn, ctx: Context) -> float | None:
     if not ctx.cuda:
         return None
-    from .harness import time_cuda
-
     return time_cuda(fn, use_graph=True, inner=10, outer=10, warmup=1).median_s * 1e6
 
 

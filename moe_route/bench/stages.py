@@ -68,7 +68,7 @@ class Shape:
 
 
 # DESIGN.md "Measuring": model dimensions, the prefill token counts, and the decode ones.
-# olmoe-1b-7b (decode only) has the sizes of issue 11's host measurements.
+# olmoe-1b-7b (decode only): the small decode configuration of the host-time measurements.
 MODELS = {
     "mixtral-8x7b": {"H": 4096, "I": 14336, "E": 8, "K": 2, "prefill": (4096, 32768)},
     "qwen3-30b-a3b": {"H": 2048, "I": 768, "E": 128, "K": 8, "prefill": (8192, 32768)},
