@@ -86,11 +86,12 @@ def pytest_pyfunc_call(pyfuncitem):
 
     For CUDA-graph captures: a capture that fails leaves process-wide state behind that no
     public API restores — the capture stream stays current (``torch.cuda.graph`` does not exit
-    its stream context when ``capture_end`` raises), the caching allocator keeps routing
-    allocations to the graph's pool, the generators keep the capture's state, and an error
-    inside the capture may be sticky — and on an H100 that failed the three tests after it. A
-    child process takes all of that with it; it costs a few seconds (importing torch, loading
-    the already compiled Triton kernels from the cache).
+    its stream context when ``capture_end`` raises), the caching allocator keeps the aborted
+    capture's pool registered, the generators keep its capture state while the graph object
+    lives (pytest keeps the failed test's frames), and an error inside the capture may be
+    sticky — and on an H100 that failed the three tests after it. A child process takes all
+    of that with it; it costs a few seconds (importing torch, loading the already compiled
+    Triton kernels from the cache).
     """
     if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(ISOLATED_CHILD):
         return None
