@@ -163,6 +163,10 @@ def test_host_and_backward_stages_apply_to_their_shapes(capsys):
     assert [s.label for s in std if stages.STAGES["backward"].applies(s)] == [
         "mixtral-8x7b T=4096", "qwen3-30b-a3b T=8192", "deepseek-v3 T=4096",
     ]  # fmt: skip
+    smaller = stages.select_shapes(["mixtral"], tokens=[64, 1024], custom=["512,64,32,4,2"])
+    assert [s.label for s in smaller if stages.STAGES["backward"].applies(s)] == [
+        "mixtral-8x7b T=1024", "custom-H64-I32-E4-K2 T=512",
+    ]  # fmt: skip
     assert cli_main(["bench", "--list", "--device", "cpu", "--tokens", "8", "64"]) == 0
     listed = capsys.readouterr().out
     assert "  host " in listed and "  backward " in listed

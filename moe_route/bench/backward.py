@@ -69,13 +69,15 @@ TABLES = {"moe_route": MOE_ROUTE_KERNELS, "grouped_mm": GROUPED_MM_KERNELS}
 
 
 def applies(shape: Shape) -> bool:
-    """The training shapes: each model's first prefill size; custom shapes; the CPU's T >= 64."""
+    """Prefill sizes but the models' larger standard ones (32768, 16384): by default the training
+    shapes (each model's first prefill size); ``--tokens`` and ``--custom`` pick others. On the
+    CPU, T >= 64."""
     from .stages import MODELS
 
-    if shape.model in MODELS:
-        prefill = MODELS[shape.model]["prefill"]
-        return bool(prefill) and prefill[0] == shape.T
-    return not shape.decode or (shape.model == "cpu-tiny" and shape.T >= 64)
+    if shape.model == "cpu-tiny":
+        return shape.T >= 64
+    model = MODELS.get(shape.model)
+    return not shape.decode and (model is None or shape.T not in model["prefill"][1:])
 
 
 def step_costs(shape: Shape, touched: int, es: int) -> dict[str, tuple[float, float]]:
