@@ -117,11 +117,12 @@ def stage_host(shape: Shape, ctx: Context) -> None:
     yardstick_us = None
     for name, fn in calls.items():
         try:
-            host = time_host(
-                fn, ctx.device, calls=ctx.host_calls, repeats=3 if ctx.cuda else 1,
-                warmup=3 if ctx.cuda else 1,
-            )  # fmt: skip
             eager_us = time_eager(fn, ctx.device).median_s * 1e6
+            # One loop when a loop takes seconds (device-bound calls at deepseek-v3's sizes).
+            repeats = 3 if ctx.cuda and eager_us * ctx.host_calls < 2e6 else 1
+            host = time_host(
+                fn, ctx.device, calls=ctx.host_calls, repeats=repeats, warmup=3 if ctx.cuda else 1
+            )
         except Exception as exc:
             ctx.fail(STAGE, shape, name, exc)
             continue
