@@ -123,6 +123,8 @@ class MoELayer(nn.Module):
             sync per forward, for the split sizes), an int ``C`` exchanges ``C`` rows per pair
             of ranks (no host sync: CUDA graphs, ``fullgraph`` compile); a rank's rows for
             another beyond ``C`` are dropped (see :mod:`moe_route.parallel.expert_parallel`).
+        ep_chunks: with ``ep_group``, split the local batch into this many chunks whose
+            all-to-alls overlap the experts of the others (``ep_capacity`` is then per chunk).
         device, dtype: of the parameters (``dtype`` one of fp32 / bf16 / fp16 / fp64).
 
     Parameter layout (``N1 = 2I`` for gated activations, else ``I``; ``S`` the shared width):
@@ -178,6 +180,7 @@ class MoELayer(nn.Module):
         backend: str = "auto",
         ep_group: object = None,
         ep_capacity: int | None = None,
+        ep_chunks: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -230,8 +233,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"backend={backend!r}: expected 'auto' or one of {BACKENDS}")
         if dtype is not None and dtype not in GEMM_DTYPES:
             raise ValueError(f"dtype={dtype}: expected one of {GEMM_DTYPES}")
-        if ep_capacity is not None and ep_group is None:
-            raise ValueError(f"ep_capacity={ep_capacity!r} needs an ep_group (expert parallelism)")
+        if ep_group is None and (ep_capacity is not None or ep_chunks != 1):
+            raise ValueError(
+                f"ep_capacity={ep_capacity!r}, ep_chunks={ep_chunks!r}: these need an ep_group "
+                "(expert parallelism)"
+            )
 
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, inter, E, K
         self.router = router
@@ -252,7 +258,7 @@ class MoELayer(nn.Module):
             config = {name: getattr(self, name) for name in _EP_CONFIG}
             config["bias"], config["dtype"] = bool(bias), dtype or torch.get_default_dtype()
             config["shared_expert_gate"] = bool(shared_expert_gate)
-            self.ep = expert_parallel.setup(ep_group, E, ep_capacity, config)
+            self.ep = expert_parallel.setup(ep_group, E, ep_capacity, ep_chunks, config)
             self._register_load_state_dict_pre_hook(slice_full_experts, with_module=True)
         E_here = E if self.ep is None else self.ep.num_local_experts
 
@@ -346,7 +352,7 @@ class MoELayer(nn.Module):
                 f"ep_size={self.ep.size}, ep_rank={self.ep.rank}, "
                 f"local_experts=[{self.ep.first_expert}, "
                 f"{self.ep.first_expert + self.ep.num_local_experts}), "
-                f"ep_capacity={self.ep.capacity}"
+                f"ep_capacity={self.ep.capacity}, ep_chunks={self.ep.chunks}"
             )
         return ", ".join(parts)
 

@@ -39,12 +39,18 @@ SCENARIOS = {
              z_loss_coef=0.1), (0, 8), (6, 0, 3, 0)),
     "fixed": (
         dict(ep_capacity=30, aux_loss_coef=0.1, capacity_factor=1.3), (6, 9), (6, 9, 1, 5)),
+    # chunks of the local batch, some empty (T=2 in 3 chunks; T=0)
+    "chunked": (
+        dict(ep_chunks=3, aux_loss_coef=0.1, capacity_factor=0.9, num_shared_experts=1),
+        (5, 9), (5, 9, 2, 0)),
+    "fixed-chunked": (
+        dict(ep_capacity=12, ep_chunks=2, z_loss_coef=0.1, bias=True), (6, 9), (6, 9, 1, 5)),
     # fixed capacity too small: rows beyond 2 per pair are dropped
     "fixed-truncated": (
         dict(ep_capacity=2, num_shared_experts=1, activation="gelu", bias=True), (6, 9),
         (6, 9, 1, 5)),
 }  # fmt: skip
-EP_ONLY = ("ep_capacity",)
+EP_ONLY = ("ep_capacity", "ep_chunks")
 
 
 def tokens(name: str, world: int) -> tuple[int, ...]:
@@ -146,6 +152,30 @@ def run_errors(group, world: int, rank: int) -> dict:
     return msgs
 
 
+def run_compiled(group) -> dict:
+    """The fixed-capacity layer under ``torch.compile(fullgraph=True)`` (aot_eager: Dynamo's
+    capture and AOT autograd, without code generation) next to eager: outputs and grads."""
+    name = "fixed-chunked"
+    full = full_layer(name, group.size())
+    ep = moe_route.MoELayer(
+        H, INTER, E, K, **layer_kwargs(name), **ep_kwargs(name), backend="reference",
+        router_dtype=None, dtype=torch.float64, ep_group=group,
+    )  # fmt: skip
+    ep.load_state_dict(full.state_dict())
+    x = inputs(name, group.size())[0][group.rank()].requires_grad_(True)
+    leaves = [x, *ep.parameters()]
+
+    def step(x):
+        out = ep(x)
+        return out.output.square().sum() + out.aux_loss
+
+    torch._dynamo.reset()
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    compiled = [loss, *torch.autograd.grad(loss, leaves)]
+    loss = step(x)
+    return {"compiled": compiled, "eager": [loss, *torch.autograd.grad(loss, leaves)]}
+
+
 def run_from_experts(group) -> tuple[torch.Tensor, ...]:
     """``from_experts`` with all E modules: the full layer's w1, w2 and the rank's."""
     torch.manual_seed(7)
@@ -170,6 +200,8 @@ def worker(rank: int, world: int, port: int, outdir: str, names: list[str]) -> N
         results = {name: run_scenario(name, dist.group.WORLD, world, rank) for name in names}
         results["errors"] = run_errors(dist.group.WORLD, world, rank)
         results["from_experts"] = run_from_experts(dist.group.WORLD)
+        if world == 2:  # compiling costs seconds per rank: one world size is enough
+            results["compiled"] = run_compiled(dist.group.WORLD)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

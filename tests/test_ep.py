@@ -162,6 +162,17 @@ def test_from_experts_keeps_the_rank_slice(job):
         assert torch.equal(mine_w2, full_w2[r * El : (r + 1) * El])
 
 
+def test_fixed_capacity_compiles_fullgraph(job):
+    """No graph break (no host sync) in the fixed-capacity forward; the compiled forward and
+    its AOT-autograd backward give what eager gives."""
+    W, results = job
+    if W != 2:
+        pytest.skip("compiled in the W=2 job only (it costs seconds per rank)")
+    for res in results:
+        for got, want in zip(res["compiled"]["compiled"], res["compiled"]["eager"], strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+
+
 def test_collective_errors_name_the_argument(job):
     W, results = job
     for r, res in enumerate(results):
@@ -195,7 +206,9 @@ def test_group_that_cannot_exchange_is_refused():
         (dict(ep_group=_NoAllToAll(0, 3)), "ep_group has 3 ranks, which does not divide "
                                            "num_experts=4"),
         (dict(ep_group="world"), "ep_group must be a torch.distributed ProcessGroup"),
-        (dict(ep_capacity=4), "ep_capacity=4 needs an ep_group"),
+        (dict(ep_capacity=4), "ep_capacity=4, ep_chunks=1: these need an ep_group"),
+        (dict(ep_chunks=2), "ep_capacity=None, ep_chunks=2: these need an ep_group"),
+        (dict(ep_group=_NoAllToAll(0, 2), ep_chunks=0), "ep_chunks=0: expected an int >= 1"),
         (dict(ep_group=_NoAllToAll(0, 2), ep_capacity=0), "ep_capacity=0: expected None"),
     ],
 )  # fmt: skip

@@ -52,6 +52,7 @@ fixed order, and the float statistics summed in rank order after an ``all_gather
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
 import zlib
 
@@ -83,8 +84,11 @@ class ExpertParallel:
     rank: int
     #: ``E / W``, experts on each rank; this rank holds ``[rank·E/W, (rank+1)·E/W)``.
     num_local_experts: int
-    #: Rows per (source, destination) pair of the fixed-capacity exchange, or ``None``.
+    #: Rows per (source, destination) pair and chunk of the fixed-capacity exchange, or
+    #: ``None`` (the exact rows, split sizes read on the host).
     capacity: int | None
+    #: Chunks of the local batch whose exchanges overlap the other chunks' experts.
+    chunks: int = 1
 
     @property
     def first_expert(self) -> int:
@@ -132,7 +136,7 @@ def _config_text(mine: object, theirs: int) -> str:
 
 
 def setup(
-    group: object, num_experts: int, capacity: object, config: dict[str, object]
+    group: object, num_experts: int, capacity: object, chunks: object, config: dict[str, object]
 ) -> ExpertParallel:
     """Validate an expert-parallel group and check that every rank built the same layer.
 
@@ -159,7 +163,9 @@ def setup(
             f"ep_capacity={capacity!r}: expected None (exact exchange, one host sync) or an int "
             ">= 1 (rows per pair of ranks)"
         )
-    config = {"ep_group size": W, "ep_capacity": capacity, **config}
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"ep_chunks={chunks!r}: expected an int >= 1")
+    config = {"ep_group size": W, "ep_capacity": capacity, "ep_chunks": chunks, **config}
     names = list(config)
     mine = torch.tensor([_config_value(config[n]) for n in names], dtype=torch.int64)
     device = _probe_device(group)
@@ -183,7 +189,7 @@ def setup(
                 f"{config[name]!r}; rank {other}: {theirs}): every rank of the group must "
                 "build the layer with the same arguments and dtype"
             )
-    return ExpertParallel(group, W, rank, num_experts // W, capacity)
+    return ExpertParallel(group, W, rank, num_experts // W, capacity, chunks)
 
 
 # --------------------------------------------------------------------------- exchange helpers
@@ -241,6 +247,94 @@ def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backe
     return torch.where(keep, ids, torch.full_like(ids, -1))
 
 
+class _Chunk:
+    """One chunk of a rank's tokens through the exchange: routing maps and rows to send
+    (constructor), the rows out and back (:meth:`send`, :meth:`compute`), the finalize
+    (:meth:`combine`). ``counts [W, E/W]``: its rows for each (destination, local expert)."""
+
+    def __init__(self, layer, x, ids, weights, ep: ExpertParallel):
+        self.layer, self.ep, self.weights = layer, ep, weights
+        T, K = ids.shape
+        W, El = ep.size, ep.num_local_experts
+        maps = build_routing_maps(ids, layer.num_experts, backend=layer.backend)
+        self.x_perm = expand_rows(x, maps, backend=layer.backend)
+        offsets = maps.expert_first_token_offset
+        counts = torch.diff(offsets).view(W, El)
+        C = ep.capacity
+        if C is not None:  # keep the first C rows of each destination's block
+            before_in_block = counts.cumsum(1) - counts
+            counts = (C - before_in_block).clamp(min=0).minimum(counts)
+            efs = maps.expert_for_source_row.to(torch.int64)
+            block = offsets[efs.clamp(min=0) // El * El]
+            sent = (efs >= 0) & (maps.expanded_source_row_to_expanded_dest_row - block < C)
+            ids = torch.where(sent.view(K, T).t(), ids, torch.full_like(ids, -1))
+            # the finalize skips the slots not sent, exactly like dropped ones
+            maps = dataclasses.replace(
+                maps, expert_for_source_row=torch.where(sent, maps.expert_for_source_row, -1)
+            )
+            self._fixed_indices(offsets, counts.sum(1), T * K)
+        self.maps, self.ids, self.counts = maps, ids, counts
+        self.in_splits = self.out_splits = None  # dynamic mode: set from the count exchange
+        self.recv_counts = None
+
+    def _fixed_indices(self, offsets, kept, N):
+        """The bijection between the sent rows (``[W·C]``, chunk ``d`` for rank ``d``) and
+        the permuted rows (``[N]``) that travel, in both directions."""
+        W, El, C = self.ep.size, self.ep.num_local_experts, self.ep.capacity
+        dev = offsets.device
+        j = torch.arange(C, device=dev)
+        block_start = offsets[::El]  # [W+1]: the destinations' blocks of permuted rows
+        self.send_index = (block_start[:W].unsqueeze(1) + j).reshape(-1)
+        self.send_valid = (j < kept.unsqueeze(1)).reshape(-1)
+        p = torch.arange(N, device=dev)
+        dest = torch.searchsorted(block_start[1:].contiguous(), p, right=True).clamp(max=W - 1)
+        in_block = p - block_start[dest]
+        self.row_index = dest * C + in_block
+        self.row_valid = (p < offsets[-1]) & (in_block < C)
+
+    def send(self) -> torch.Tensor:
+        """The rows this rank's experts get from every rank (source-major, then local expert)."""
+        if self.ep.capacity is None:
+            routed = sum(self.in_splits)
+            rows = self.x_perm[:routed]
+            return _exchange(rows, self.out_splits, self.in_splits, self.ep.group)
+        rows = _PermuteRows.apply(
+            self.x_perm, self.send_index, self.send_valid, self.row_index, self.row_valid
+        )
+        return _exchange(rows, None, None, self.ep.group)
+
+    def compute(self, recv: torch.Tensor) -> torch.Tensor:
+        """Run the local experts on the received rows and send the results back."""
+        W, El, C = self.ep.size, self.ep.num_local_experts, self.ep.capacity
+        dev = recv.device
+        if C is None:
+            R = sum(self.out_splits)
+            local = torch.arange(El, device=dev).repeat(W)
+            local_ids = torch.repeat_interleave(local, self.recv_counts.reshape(-1), output_size=R)
+            y = _run_experts(self.layer, recv, local_ids.view(R, 1).to(torch.int32))
+            return _exchange(y, self.in_splits, self.out_splits, self.ep.group)
+        # row i of a source's C rows belongs to the local expert whose count range holds i
+        bounds = self.recv_counts.cumsum(1)
+        i = torch.arange(C, device=dev).expand(W, C).contiguous()
+        local = torch.searchsorted(bounds, i, right=True)
+        local_ids = torch.where(local < El, local, -1).view(W * C, 1).to(torch.int32)
+        y = _run_experts(self.layer, recv, local_ids)
+        return _exchange(y, None, None, self.ep.group)
+
+    def combine(self, back: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The finalize at the origin: router weights, ``K``-way reduction, shared expert."""
+        N, H = self.x_perm.shape
+        if self.ep.capacity is None:
+            y_perm = torch.cat([back, back.new_zeros(N - back.shape[0], H)])
+        else:
+            y_perm = _PermuteRows.apply(
+                back, self.row_index, self.row_valid, self.send_index, self.send_valid
+            )
+        return finalize_moe_routing(
+            y_perm, self.weights, self.maps, bias=shared, backend=self.layer.backend
+        )
+
+
 # --------------------------------------------------------------------------- forward
 def forward(layer, x2: torch.Tensor):
     """The expert-parallel forward of ``layer`` on this rank's tokens ``x2 [T, H]``.
@@ -249,7 +343,7 @@ def forward(layer, x2: torch.Tensor):
     """
     ep: ExpertParallel = layer.ep
     group, W, me, El = ep.group, ep.size, ep.rank, ep.num_local_experts
-    T, H = x2.shape
+    T = x2.shape[0]
     E, K = layer.num_experts, layer.top_k
     dev = x2.device
     rdt = x2.dtype if layer.router_dtype is None else layer.router_dtype
@@ -288,62 +382,29 @@ def forward(layer, x2: torch.Tensor):
         before = every_i[:me, :E].sum(0)  # slots of each expert on lower ranks
         ids = _keep_within(ids, E, cap.to(torch.int64) - before, layer.backend)
 
-    maps = build_routing_maps(ids, E, backend=layer.backend)
-    x_perm = expand_rows(x2, maps, backend=layer.backend)
-    offsets = maps.expert_first_token_offset
-    counts = torch.diff(offsets).view(W, El)  # [destination, local expert]
-    C = ep.capacity
-    if C is not None:  # fixed capacity: keep the first C rows of each destination's block
-        before_in_block = counts.cumsum(1) - counts
-        counts = (C - before_in_block).clamp(min=0).minimum(counts)
-        efs = maps.expert_for_source_row.to(torch.int64)
-        block = offsets[efs.clamp(min=0) // El * El]
-        sent = (efs >= 0) & (maps.expanded_source_row_to_expanded_dest_row - block < C)
-        ids = torch.where(sent.view(K, T).t(), ids, torch.full_like(ids, -1))
-        # the finalize skips the slots not sent, exactly like dropped ones
-        maps = dataclasses.replace(
-            maps, expert_for_source_row=torch.where(sent, maps.expert_for_source_row, -1)
-        )
-
-    # ---- counts: [source, destination, local expert] on every rank
-    every_counts = all_gather(counts.reshape(-1), 0, group).view(W, W, El)
-    recv_counts = every_counts[:, me]  # [source, local expert]
-    tpe = every_counts.sum(0).reshape(E)  # global slots per expert, after every drop
-
-    if C is None:
-        sizes = torch.cat([counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host sync
-        in_splits, out_splits = sizes[:W], sizes[W:]
-        routed, R = sum(in_splits), sum(out_splits)
-        recv = _exchange(x_perm[:routed], out_splits, in_splits, group)
-        local_ids = torch.repeat_interleave(
-            torch.arange(El, device=dev).repeat(W), recv_counts.reshape(-1), output_size=R
-        )
-        y = _run_experts(layer, recv, local_ids.view(R, 1).to(torch.int32))
-        back = _exchange(y, in_splits, out_splits, group)
-        y_perm = torch.cat([back, back.new_zeros(T * K - routed, H)])
-    else:
-        N = T * K
-        j = torch.arange(C, device=dev)
-        kept = counts.sum(1)  # rows sent to each rank
-        block_start = offsets[::El][:W]  # first permuted row of each destination's block
-        send_index = (block_start.unsqueeze(1) + j).reshape(-1)
-        send_valid = (j < kept.unsqueeze(1)).reshape(-1)
-        p = torch.arange(N, device=dev)
-        dest_rank = torch.searchsorted(offsets[El::El].contiguous(), p, right=True)
-        in_block = p - offsets[::El][dest_rank.clamp(max=W - 1)]
-        row_index = dest_rank.clamp(max=W - 1) * C + in_block
-        row_valid = (p < offsets[E]) & (in_block < C)
-        send = _PermuteRows.apply(x_perm, send_index, send_valid, row_index, row_valid)
-        recv = _exchange(send, None, None, group)
-        # row i of source s's chunk belongs to the local expert whose count range holds i
-        bounds = recv_counts.cumsum(1)
-        local = torch.searchsorted(bounds, j.expand(W, C).contiguous(), right=True)
-        local_ids = torch.where(local < El, local, -1).view(W * C, 1).to(torch.int32)
-        y = _run_experts(layer, recv, local_ids)
-        back = _exchange(y, None, None, group)
-        y_perm = _PermuteRows.apply(back, row_index, row_valid, send_index, send_valid)
-
-    out = finalize_moe_routing(
-        y_perm, weights, maps, bias=layer.shared_expert(x2), backend=layer.backend
-    )
+    # ---- dispatch: per chunk of tokens, the rows for each rank, then one count exchange
+    n = ep.chunks
+    cuts = [c * T // n for c in range(n + 1)]  # static chunk bounds (T may differ per rank)
+    spans = list(itertools.pairwise(cuts))
+    chunks = [_Chunk(layer, x2[a:b], ids[a:b], weights[a:b], ep) for a, b in spans]
+    ids = torch.cat([c.ids for c in chunks])  # minus the fixed-capacity drops
+    every = torch.stack([c.counts for c in chunks]).reshape(-1)
+    every = all_gather(every, 0, group).view(W, n, W, El)  # [source, chunk, dest, local]
+    tpe = every.sum((0, 1)).reshape(E)  # global slots per expert, after every drop
+    if ep.capacity is None:  # the one host sync: every chunk's split sizes at once
+        sizes = torch.stack([every[me, :, :, :].sum(-1), every[:, :, me].sum(-1).t()])
+        sizes = sizes.tolist()
+        for c, chunk in enumerate(chunks):
+            chunk.in_splits, chunk.out_splits = sizes[0][c], sizes[1][c]
+    for c, chunk in enumerate(chunks):
+        chunk.recv_counts = every[:, c, me]  # [source, local expert]
+    # Every chunk's rows are on their way before any expert runs: the all-to-all of chunk
+    # c + 1 runs on the communication stream while the experts of chunk c compute.
+    recv = [chunk.send() for chunk in chunks]
+    back = [chunk.compute(rows) for chunk, rows in zip(chunks, recv, strict=True)]
+    shared = layer.shared_expert(x2)
+    out = torch.cat([
+        chunk.combine(rows, None if shared is None else shared[a:b])
+        for chunk, rows, (a, b) in zip(chunks, back, spans, strict=True)
+    ])  # fmt: skip
     return out, aux, logits, tpe, ids, weights, lb, z
