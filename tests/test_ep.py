@@ -12,7 +12,10 @@ process group that cannot exchange).
 
 from __future__ import annotations
 
+import csv
 import functools
+import importlib.util
+import pathlib
 
 import ep_worker
 import pytest
@@ -215,3 +218,31 @@ def test_group_that_cannot_exchange_is_refused():
 def test_bad_ep_arguments_name_the_argument(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         moe_route.MoELayer(16, 8, 4, 2, **kw)
+
+
+# ----------------------------------------------------------------------------- benchmark
+def test_bench_ep_smoke_on_cpu(tmp_path, monkeypatch, capsys):
+    """bench/bench_ep.py at W=1 over gloo, tiny shape: every implementation runs, the
+    grouped_mm baseline agrees with moe_route (the script checks it) and the CSV is written."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_ep.py"
+    spec = importlib.util.spec_from_file_location("bench_ep", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    for key, value in {**env, "MASTER_PORT": str(ep_worker.free_port())}.items():
+        monkeypatch.setenv(key, value)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only contend (as in the spawned workers)
+    try:
+        bench.main(["--smoke", "--backend", "reference", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    with open(tmp_path / "ep_w1.csv") as f:
+        rows = list(csv.DictReader(f))
+    impls = ["moe_route", "moe_route-fixed", "moe_route-chunks2", "grouped_mm"]
+    assert [r["impl"] for r in rows] == impls
+    for r in rows:
+        assert float(r["fwd_ms"]) > 0 and 0 <= float(r["comm_share_fwd"]) <= 1
+        assert r["dropped_slots"] == "0"
+    assert "moe_route-chunks2" in capsys.readouterr().out
+    assert not dist.is_initialized()
