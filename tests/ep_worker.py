@@ -11,6 +11,7 @@ sides rebuild them alike.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import socket
@@ -149,6 +150,11 @@ def run_errors(group, world: int, rank: int) -> dict:
         moe_route.MoELayer(H, INTER, 2 * world - 1, K, ep_group=group)
     except ValueError as err:
         msgs["divide"] = str(err)
+    for arg, key in (("ep_capacity", "capacity"), ("ep_chunks", "chunks")):
+        try:
+            moe_route.MoELayer(H, INTER, E, K, ep_group=group, **{arg: 0})
+        except ValueError as err:
+            msgs[key] = str(err)
     return msgs
 
 
@@ -186,7 +192,8 @@ def run_from_experts(group) -> tuple[torch.Tensor, ...]:
         m.down_proj = torch.nn.Linear(INTER, H, bias=False)
         experts.append(m.double())
     full = moe_route.MoELayer.from_experts(experts, K)
-    mine = moe_route.MoELayer.from_experts(experts, K, ep_group=group)
+    mine = copy.deepcopy(moe_route.MoELayer.from_experts(experts, K, ep_group=group))
+    assert mine.ep_group is group  # a deep copy shares the process group
     return full.w1.detach(), full.w2.detach(), mine.w1.detach(), mine.w2.detach()
 
 

@@ -26,16 +26,25 @@ forward on the rank's own tokens ``x [T, H]``:
 
 Two ways to size the exchange:
 
-* **dynamic** (default): the exact rows, with the split sizes read on the host: one host
-  synchronisation per forward (the ``.tolist()`` of the ``2W`` split sizes, after the count
-  exchange) and one per backward is not needed (the backward reuses the forward's sizes).
+* **exact** (default): the routed rows only, with split sizes read on the host: one host
+  synchronisation per forward (the ``.tolist()`` of the ``2W`` split sizes per chunk, all
+  chunks at once, after the count exchange); the backward reuses the forward's sizes.
 * **fixed capacity** (``ep_capacity=C`` rows per (source, destination) pair): every rank sends
-  ``W`` chunks of exactly ``C`` rows (padding ignored through the exchanged counts), so nothing
-  waits on the host and the forward and backward can be captured in a CUDA graph or compiled
-  with ``fullgraph=True``. The chunk for rank ``d`` keeps its first ``C`` rows in the permuted
-  order (local expert ascending, then token, then slot); rows beyond are dropped like capacity
-  drops: their slot becomes ``-1`` in ``topk_ids``, contributes nothing to the output and is not
-  counted in ``tokens_per_expert``. Nothing is dropped while ``C >= T·K``.
+  ``W`` blocks of exactly ``C`` rows (the padding is ignored through the exchanged counts), so
+  nothing waits on the host: the forward and backward compile with ``fullgraph=True`` and
+  can be captured in a CUDA graph. The block for rank ``d`` keeps its first ``C`` rows in the
+  permuted order (local expert ascending, then token, then slot); the rows beyond are dropped
+  like capacity drops: their slot becomes ``-1`` in ``topk_ids``, contributes nothing to the
+  output and is not counted in ``tokens_per_expert``. Nothing is dropped while ``C >= T·K``.
+  The price: every rank sends, receives and computes ``W·C`` rows, whatever the routing.
+
+``ep_chunks=n`` splits the rank's tokens into ``n`` contiguous chunks (after the routing, the
+statistics and the capacity, which see the whole batch) that go through steps 4-7 each: every
+chunk's rows are sent before any expert runs, so the all-to-all of one chunk proceeds on the
+communication stream while the experts of another compute, and each chunk's results travel
+back while the next computes (``ep_capacity`` then counts rows per pair and chunk). The
+results equal the unchunked ones (each row's arithmetic is the same). Only the forward
+overlaps: autograd runs the chunks' backward exchanges one after the other.
 
 The backward goes through the same exchanges in reverse (the autograd of
 ``torch.distributed._functional_collectives.all_to_all_single``): every expert weight gets the
@@ -67,8 +76,8 @@ from ..moe import fused_moe
 from ..permute import expand_rows
 from ..routing import tokens_per_expert
 
-# torch >= 2.9 names it all_gather_single (all_gather_tensor warns there); older torch has only
-# all_gather_tensor.
+# Newer torch (2.13 here) names it all_gather_single and warns on all_gather_tensor, the only
+# name older releases have.
 all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 
 
@@ -150,22 +159,10 @@ def setup(
             f"every rank, or dist.group.WORLD), got {type(group).__name__}; a rank outside the "
             "group gets no group object and cannot hold the layer's experts"
         )
+    # The exchange comes first, so that a rank built differently fails with the others below
+    # instead of leaving them waiting in the collective.
     W, rank = group.size(), group.rank()
-    if num_experts % W:
-        raise ValueError(
-            f"ep_group has {W} ranks, which does not divide num_experts={num_experts}: every "
-            "rank must hold the same number of experts"
-        )
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-    ):
-        raise ValueError(
-            f"ep_capacity={capacity!r}: expected None (exact exchange, one host sync) or an int "
-            ">= 1 (rows per pair of ranks)"
-        )
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"ep_chunks={chunks!r}: expected an int >= 1")
-    config = {"ep_group size": W, "ep_capacity": capacity, "ep_chunks": chunks, **config}
+    config = {"ep_capacity": capacity, "ep_chunks": chunks, **config}
     names = list(config)
     mine = torch.tensor([_config_value(config[n]) for n in names], dtype=torch.int64)
     device = _probe_device(group)
@@ -189,6 +186,20 @@ def setup(
                 f"{config[name]!r}; rank {other}: {theirs}): every rank of the group must "
                 "build the layer with the same arguments and dtype"
             )
+    if num_experts % W:
+        raise ValueError(
+            f"ep_group has {W} ranks, which does not divide num_experts={num_experts}: every "
+            "rank must hold the same number of experts"
+        )
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+    ):
+        raise ValueError(
+            f"ep_capacity={capacity!r}: expected None (exact exchange, one host sync) or an int "
+            ">= 1 (rows per pair of ranks)"
+        )
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"ep_chunks={chunks!r}: expected an int >= 1")
     return ExpertParallel(group, W, rank, num_experts // W, capacity, chunks)
 
 
@@ -281,7 +292,7 @@ class _Chunk:
         self.recv_counts = None
 
     def _fixed_indices(self, offsets, kept, N):
-        """The bijection between the sent rows (``[W·C]``, chunk ``d`` for rank ``d``) and
+        """The bijection between the sent rows (``[W·C]``, block ``d`` for rank ``d``) and
         the permuted rows (``[N]``) that travel, in both directions."""
         W, El, C = self.ep.size, self.ep.num_local_experts, self.ep.capacity
         dev = offsets.device
