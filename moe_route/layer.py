@@ -150,7 +150,10 @@ class MoELayer(nn.Module):
 
     ``forward(x [..., H])`` returns a :class:`MoEOutput`; nothing in it synchronises with the
     host, so it runs under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, and with
-    ``deterministic=True`` it gives the same bits on every run, backward included.
+    ``deterministic=True`` it gives the same bits on every run, backward included. With an
+    ``ep_group`` the expert tensors hold this rank's ``E/W`` experts (rows ``[rank·E/W,
+    (rank+1)·E/W)`` of the table's), and the exact exchange (``ep_capacity=None``) reads its
+    split sizes on the host once per forward; ``ep_capacity`` keeps it free of host syncs.
     """
 
     def __init__(
