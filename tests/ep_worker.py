@@ -46,16 +46,34 @@ SCENARIOS = {
         (5, 9), (5, 9, 2, 0)),
     "fixed-chunked": (
         dict(ep_capacity=12, ep_chunks=2, z_loss_coef=0.1, bias=True), (6, 9), (6, 9, 1, 5)),
+    # the Triton kernels (interpreted on the CPU: seconds, so W=2 only), float32, padded rows
+    "triton-fixed": (
+        dict(ep_capacity=12, ep_chunks=2, z_loss_coef=0.1, aux_loss_coef=0.1, bias=True),
+        (5, 6), None),
     # fixed capacity too small: rows beyond 2 per pair are dropped
     "fixed-truncated": (
         dict(ep_capacity=2, num_shared_experts=1, activation="gelu", bias=True), (6, 9),
         (6, 9, 1, 5)),
 }  # fmt: skip
 EP_ONLY = ("ep_capacity", "ep_chunks")
+# Scenarios whose expert-parallel layer runs the Triton kernels in float32 (routing in float64,
+# on parameters and tokens that float32 holds exactly, so that it routes as the float64 oracle).
+TRITON = ("triton-fixed",)
 
 
-def tokens(name: str, world: int) -> tuple[int, ...]:
+def tokens(name: str, world: int) -> tuple[int, ...] | None:
+    """Tokens per rank, or None where the scenario does not run at this world size."""
     return SCENARIOS[name][1] if world == 2 else SCENARIOS[name][2]
+
+
+def ep_layer(name: str, group) -> moe_route.MoELayer:
+    if name in TRITON:
+        kw = dict(backend="triton", router_dtype=torch.float64, dtype=torch.float32)
+    else:
+        kw = dict(backend="reference", router_dtype=None, dtype=torch.float64)
+    return moe_route.MoELayer(
+        H, INTER, E, K, **layer_kwargs(name), **ep_kwargs(name), **kw, ep_group=group
+    )
 
 
 def layer_kwargs(name: str) -> dict:
@@ -79,6 +97,9 @@ def full_layer(name: str, world: int, **extra) -> moe_route.MoELayer:
         if layer.expert_bias is not None:
             layer.expert_bias.copy_(torch.linspace(-0.2, 0.3, E))
             layer.expert_bias[E - E // world :] = -1e3  # the last rank's experts: no tokens
+        if name in TRITON:
+            for p in layer.parameters():
+                p.copy_(p.float())
     return layer
 
 
@@ -89,6 +110,8 @@ def inputs(name: str, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor
         g = torch.Generator().manual_seed(1000 * world + 10 * r + sum(map(ord, name)))
         xs.append(torch.randn(T, H, generator=g, dtype=torch.float64))
         douts.append(torch.randn(T, H, generator=g, dtype=torch.float64))
+    if name in TRITON:
+        xs, douts = [x.float().double() for x in xs], [d.float().double() for d in douts]
     return xs, douts
 
 
@@ -111,19 +134,14 @@ def _step(layer, x, dout):
 
 def run_scenario(name: str, group, world: int, rank: int) -> dict:
     full = full_layer(name, world)
-    ep = moe_route.MoELayer(
-        H, INTER, E, K, **layer_kwargs(name), **ep_kwargs(name), backend="reference",
-        router_dtype=None, dtype=torch.float64, ep_group=group,
-    )  # fmt: skip
+    ep = ep_layer(name, group)
     ep.load_state_dict(full.state_dict())
     xs, douts = inputs(name, world)
-    runs = [_step(ep, xs[rank], douts[rank]) for _ in range(2)]
+    dtype = ep.w1.dtype
+    runs = [_step(ep, xs[rank].to(dtype), douts[rank].to(dtype)) for _ in range(2)]
     # checkpoints: the gathered full state dict, and the per-rank one into a fresh layer
     torch.manual_seed(12345 + rank)
-    fresh = moe_route.MoELayer(
-        H, INTER, E, K, **layer_kwargs(name), **ep_kwargs(name), backend="reference",
-        router_dtype=None, dtype=torch.float64, ep_group=group,
-    )  # fmt: skip
+    fresh = ep_layer(name, group)
     fresh.load_state_dict(ep.state_dict())
     return {
         "runs": runs,
@@ -163,10 +181,7 @@ def run_compiled(group) -> dict:
     capture and AOT autograd, without code generation) next to eager: outputs and grads."""
     name = "fixed-chunked"
     full = full_layer(name, group.size())
-    ep = moe_route.MoELayer(
-        H, INTER, E, K, **layer_kwargs(name), **ep_kwargs(name), backend="reference",
-        router_dtype=None, dtype=torch.float64, ep_group=group,
-    )  # fmt: skip
+    ep = ep_layer(name, group)
     ep.load_state_dict(full.state_dict())
     x = inputs(name, group.size())[0][group.rank()].requires_grad_(True)
     leaves = [x, *ep.parameters()]
@@ -204,7 +219,11 @@ def worker(rank: int, world: int, port: int, outdir: str, names: list[str]) -> N
         timeout=datetime.timedelta(seconds=120),  # a rank that fails does not hang the rest
     )  # fmt: skip
     try:
-        results = {name: run_scenario(name, dist.group.WORLD, world, rank) for name in names}
+        results = {
+            name: run_scenario(name, dist.group.WORLD, world, rank)
+            for name in names
+            if tokens(name, world) is not None
+        }
         results["errors"] = run_errors(dist.group.WORLD, world, rank)
         results["from_experts"] = run_from_experts(dist.group.WORLD)
         if world == 2:  # compiling costs seconds per rank: one world size is enough

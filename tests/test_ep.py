@@ -32,6 +32,8 @@ pytestmark = pytest.mark.skipif(
 
 EPS = torch.finfo(torch.float64).eps
 TOL = dict(rtol=64 * EPS, atol=64 * EPS)  # float64: only the order of a few sums differs
+# float32 Triton kernels against the float64 oracle: sums of a few dozen float32 roundings
+TOL32 = dict(rtol=128 * torch.finfo(torch.float32).eps, atol=128 * torch.finfo(torch.float32).eps)
 EXPERT = ("w1", "w2", "b1", "b2")
 EXACT = ("tokens_per_expert", "topk_ids")  # integers: equal
 MATCHED = [n for n in ep_worker.SCENARIOS if n != "fixed-truncated"]
@@ -76,7 +78,7 @@ def single_process(name: str, world: int, ids_override: tuple | None = None) -> 
     return rec
 
 
-def _check_against(ref: dict, ranks: list[dict]) -> None:
+def _check_against(ref: dict, ranks: list[dict], tol: dict = TOL) -> None:
     per_rank = ("output", "router_logits", "topk_ids", "topk_weights", "x.grad")
     for field, want in ref.items():
         if field == "state" or want is None:
@@ -94,15 +96,18 @@ def _check_against(ref: dict, ranks: list[dict]) -> None:
         if field in EXACT:
             assert torch.equal(got, want), f"{field}: {got.tolist()} != {want.tolist()}"
         else:
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m, f=field: f"{f}: {m}")
+            got = got.to(want.dtype)
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, f=field: f"{f}: {m}")
 
 
 @pytest.mark.parametrize("name", MATCHED)
 def test_matches_single_process_on_concatenated_batch(job, name):
     W, results = job
+    if ep_worker.tokens(name, W) is None:
+        pytest.skip(f"{name} runs in the W=2 job only (the Triton interpreter takes seconds)")
     ranks = [r[name]["runs"][0] for r in results]
     ref = single_process(name, W)
-    _check_against(ref, ranks)
+    _check_against(ref, ranks, TOL32 if name in ep_worker.TRITON else TOL)
     if name == "deepseek":  # the last rank's experts got nothing: it received no rows
         assert (ref["tokens_per_expert"][-ep_worker.E // W :] == 0).all()
     if name == "zero-tokens":
@@ -130,7 +135,9 @@ def test_fixed_capacity_drops_rows_beyond_the_capacity(job):
 
 @pytest.mark.parametrize("name", list(ep_worker.SCENARIOS))
 def test_two_runs_give_the_same_bits(job, name):
-    _, results = job
+    W, results = job
+    if ep_worker.tokens(name, W) is None:
+        pytest.skip(f"{name} runs in the W=2 job only (the Triton interpreter takes seconds)")
     for r, res in enumerate(results):
         first, second = res[name]["runs"]
         for field, t in first.items():
