@@ -52,11 +52,13 @@ class MoEOutput(NamedTuple):
     output: torch.Tensor
     #: float32 scalar (float64 for a float64 router): ``aux_loss_coef · load_balancing_loss +
     #: z_loss_coef · z_loss``, to add to the training loss (zero when both coefficients are 0).
+    #: With an ``ep_group``: the value over every rank's tokens, on every rank.
     aux_loss: torch.Tensor
     #: ``[T, E]`` router logits in ``router_dtype`` (``T`` = tokens of ``x`` flattened).
     router_logits: torch.Tensor
     #: ``[E]`` int64: slots each expert computed (after capacity drops); feed it (summed over
-    #: steps or ranks if you like) to :meth:`MoELayer.update_expert_bias`.
+    #: steps or ranks if you like) to :meth:`MoELayer.update_expert_bias`. With an
+    #: ``ep_group``: already summed over the group's ranks (the same on every rank).
     tokens_per_expert: torch.Tensor
     #: ``[T, K]`` int32 expert ids as run (``-1`` = dropped by the capacity).
     topk_ids: torch.Tensor
