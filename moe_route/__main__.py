@@ -111,16 +111,58 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+DESCRIPTION = """\
+moe_route: GPU kernels for the token path of mixture-of-experts layers
+(routing maps, expand, grouped GEMMs, finalize), with a pure-PyTorch reference.
+"""
+
+EPILOG = """\
+examples:
+  python -m moe_route info
+  python -m moe_route demo --device cpu
+  python -m moe_route bench --quick
+  python -m moe_route bench --list
+
+'python -m moe_route COMMAND --help' shows the options of one command.
+"""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_route", description=__doc__.splitlines()[0]
+        prog="python -m moe_route",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="which implementation runs where, and why")
-    demo = sub.add_parser("demo", help="golden example + random routing through the whole chain")
-    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    demo.add_argument("--seed", type=int, default=0)
-    bench = sub.add_parser("bench", help="benchmark suite: tables, CSV/JSON, plots")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    sub.add_parser(
+        "info",
+        help="which implementation and finalize path run on each device, and why",
+        description="Print the versions, then per device the backend, the finalize path and "
+        "why they were chosen, and which backends are usable there.",
+    )
+    demo = sub.add_parser(
+        "demo",
+        help="the golden example and a random routing through the whole chain, checked "
+        "against the reference",
+        description="Walk the golden 3-token example and one random routing (some slots "
+        "dropped) through maps, expand, experts and finalize, print the routing tables, and "
+        "compare with the reference. Exit status 1 on a mismatch.",
+    )
+    demo.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device to run on (default: cuda when available, else cpu)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random case (default 0)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark suite: every stage against the per-expert PyTorch loop; tables, "
+        "CSV/JSON, plots",
+        description="Measure the copy bandwidth and matmul rate, then time every stage (and "
+        "forward + backward) next to the per-expert PyTorch loop and the torch._grouped_mm "
+        "pipeline. Without a GPU: a small CPU comparison.",
+    )
     from moe_route.bench.suite import add_arguments as add_bench_arguments
     from moe_route.bench.suite import run as cmd_bench
 

@@ -9,6 +9,7 @@ over ``[T, H]``). See :class:`MoELayer` for the parameter layout.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -20,6 +21,8 @@ from . import _checks
 from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES
 from .moe import fused_moe
+from .parallel import expert_parallel
+from .parallel.state import full_state_dict, slice_full_experts
 from .reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, activation_reference
 from .routing import (
     ROUTERS,
@@ -34,6 +37,13 @@ from .routing import (
 )
 
 FINALIZE_CHOICES = ("auto", "fused", "standalone")
+# What every rank of an expert-parallel group must agree on (checked at construction).
+_EP_CONFIG = (
+    "hidden_size", "intermediate_size", "num_experts", "top_k", "router", "renormalize",
+    "n_group", "topk_group", "routed_scaling_factor", "router_dtype", "aux_loss_coef",
+    "z_loss_coef", "capacity_factor", "num_shared_experts", "shared_intermediate_size",
+    "activation", "gate_up_layout",
+)  # fmt: skip
 
 
 class MoEOutput(NamedTuple):
@@ -43,11 +53,13 @@ class MoEOutput(NamedTuple):
     output: torch.Tensor
     #: float32 scalar (float64 for a float64 router): ``aux_loss_coef · load_balancing_loss +
     #: z_loss_coef · z_loss``, to add to the training loss (zero when both coefficients are 0).
+    #: With an ``ep_group``: the value over every rank's tokens, on every rank.
     aux_loss: torch.Tensor
     #: ``[T, E]`` router logits in ``router_dtype`` (``T`` = tokens of ``x`` flattened).
     router_logits: torch.Tensor
     #: ``[E]`` int64: slots each expert computed (after capacity drops); feed it (summed over
-    #: steps or ranks if you like) to :meth:`MoELayer.update_expert_bias`.
+    #: steps or ranks if you like) to :meth:`MoELayer.update_expert_bias`. With an
+    #: ``ep_group``: already summed over the group's ranks (the same on every rank).
     tokens_per_expert: torch.Tensor
     #: ``[T, K]`` int32 expert ids as run (``-1`` = dropped by the capacity).
     topk_ids: torch.Tensor
@@ -104,6 +116,18 @@ class MoELayer(nn.Module):
         bias: per-expert biases ``b1``, ``b2``.
         finalize, deterministic, backend: passed to :func:`moe_route.fused_moe` (``backend``
             also builds the capacity's routing maps).
+        ep_group: a ``torch.distributed`` process group of ``W`` ranks (``W`` divides ``E``)
+            to shard the experts over (expert parallelism): this rank holds experts
+            ``[rank·E/W, (rank+1)·E/W)``, so ``w1``, ``w2``, ``b1``, ``b2`` have ``E/W`` rows;
+            the router, ``expert_bias`` and the shared expert are replicated. Every rank of the
+            group must construct the layer alike (the constructor checks that, collectively)
+            and call it on its own tokens; see :mod:`moe_route.parallel`. ``None``: one process.
+        ep_capacity: with ``ep_group``, ``None`` exchanges exactly the routed rows (one host
+            sync per forward, for the split sizes), an int ``C`` exchanges ``C`` rows per pair
+            of ranks (no host sync: CUDA graphs, ``fullgraph`` compile); a rank's rows for
+            another beyond ``C`` are dropped (see :mod:`moe_route.parallel.expert_parallel`).
+        ep_chunks: with ``ep_group``, split the local batch into this many chunks whose
+            all-to-alls overlap the experts of the others (``ep_capacity`` is then per chunk).
         device, dtype: of the parameters (``dtype`` one of fp32 / bf16 / fp16 / fp64).
 
     Parameter layout (``N1 = 2I`` for gated activations, else ``I``; ``S`` the shared width):
@@ -129,7 +153,10 @@ class MoELayer(nn.Module):
 
     ``forward(x [..., H])`` returns a :class:`MoEOutput`; nothing in it synchronises with the
     host, so it runs under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, and with
-    ``deterministic=True`` it gives the same bits on every run, backward included.
+    ``deterministic=True`` it gives the same bits on every run, backward included. With an
+    ``ep_group`` the expert tensors hold this rank's ``E/W`` experts (rows ``[rank·E/W,
+    (rank+1)·E/W)`` of the table's), and the exact exchange (``ep_capacity=None``) reads its
+    split sizes on the host once per forward; ``ep_capacity`` keeps it free of host syncs.
     """
 
     def __init__(
@@ -157,6 +184,9 @@ class MoELayer(nn.Module):
         finalize: str = "auto",
         deterministic: bool = True,
         backend: str = "auto",
+        ep_group: object = None,
+        ep_capacity: int | None = None,
+        ep_chunks: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -208,6 +238,11 @@ class MoELayer(nn.Module):
         check_backend_name(backend)  # the torch backend's former name "reference" included
         if dtype is not None and dtype not in GEMM_DTYPES:
             raise ValueError(f"dtype={dtype}: expected one of {GEMM_DTYPES}")
+        if ep_group is None and (ep_capacity is not None or ep_chunks != 1):
+            raise ValueError(
+                f"ep_capacity={ep_capacity!r}, ep_chunks={ep_chunks!r}: these need an ep_group "
+                "(expert parallelism)"
+            )
 
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, inter, E, K
         self.router = router
@@ -222,13 +257,23 @@ class MoELayer(nn.Module):
         self.activation, self.gate_up_layout = activation, gate_up_layout
         self.finalize, self.deterministic, self.backend = finalize, bool(deterministic), backend
 
+        #: :class:`moe_route.parallel.ExpertParallel` (group, rank, local experts) or None.
+        self.ep = None
+        if ep_group is not None:
+            config = {name: getattr(self, name) for name in _EP_CONFIG}
+            config["bias"], config["dtype"] = bool(bias), dtype or torch.get_default_dtype()
+            config["shared_expert_gate"] = bool(shared_expert_gate)
+            self.ep = expert_parallel.setup(ep_group, E, ep_capacity, ep_chunks, config)
+            self._register_load_state_dict_pre_hook(slice_full_experts, with_module=True)
+        E_here = E if self.ep is None else self.ep.num_local_experts
+
         fk = dict(device=device, dtype=dtype)
         n1 = 2 * inter if activation in GATED_ACTIVATIONS else inter
         self.gate = nn.Linear(H, E, bias=False, **fk)
-        self.w1 = nn.Parameter(torch.empty(E, n1, H, **fk))
-        self.w2 = nn.Parameter(torch.empty(E, H, inter, **fk))
-        self.b1 = nn.Parameter(torch.empty(E, n1, **fk)) if bias else None
-        self.b2 = nn.Parameter(torch.empty(E, H, **fk)) if bias else None
+        self.w1 = nn.Parameter(torch.empty(E_here, n1, H, **fk))
+        self.w2 = nn.Parameter(torch.empty(E_here, H, inter, **fk))
+        self.b1 = nn.Parameter(torch.empty(E_here, n1, **fk)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(E_here, H, **fk)) if bias else None
         if n_shared:
             S = n_shared * self.shared_intermediate_size
             s1 = 2 * S if activation in GATED_ACTIVATIONS else S
@@ -307,7 +352,25 @@ class MoELayer(nn.Module):
             f"finalize={self.finalize!r}, deterministic={self.deterministic}, "
             f"backend={self.backend!r}"
         )
+        if self.ep is not None:
+            parts.append(
+                f"ep_size={self.ep.size}, ep_rank={self.ep.rank}, "
+                f"local_experts=[{self.ep.first_expert}, "
+                f"{self.ep.first_expert + self.ep.num_local_experts}), "
+                f"ep_capacity={self.ep.capacity}, ep_chunks={self.ep.chunks}"
+            )
         return ", ".join(parts)
+
+    @property
+    def ep_group(self):
+        """The expert-parallel process group, or None (one process)."""
+        return None if self.ep is None else self.ep.group
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict of this layer built without ``ep_group``: the full ``[E, ...]``
+        expert tensors, gathered on every rank (a collective). Plain ``state_dict()`` when
+        the layer is not expert-parallel. ``load_state_dict`` takes either form."""
+        return full_state_dict(self)
 
     # ------------------------------------------------------------------ forward
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,6 +429,9 @@ class MoELayer(nn.Module):
                 "one of them (layer.to(dtype) or x.to(dtype))"
             )
         x2 = x.reshape(-1, H)
+        if self.ep is not None:
+            out, *rest = expert_parallel.forward(self, x2)
+            return MoEOutput(out.view(x.shape), *rest)
         T, E = x2.shape[0], self.num_experts
         rdt = x.dtype if self.router_dtype is None else self.router_dtype
         logits = F.linear(x2.to(rdt), self.gate.weight.to(rdt))
@@ -410,20 +476,54 @@ class MoELayer(nn.Module):
         only steers the choice of experts, never the weights. Call it after the optimizer
         step with ``MoEOutput.tokens_per_expert`` (summed over micro-batches, or all-reduced
         over data-parallel ranks, as you see fit). In place, on the device, no host sync.
+
+        Args:
+            tokens_per_expert: ``[E]`` counts, of an integer dtype or (e.g. averaged over
+                ranks) a floating one, on any device. Floating counts must be finite: a NaN
+                or infinite count raises ``ValueError`` when the counts are on the CPU; on a
+                GPU, where reading them would synchronise, such a call leaves the bias as it
+                was (so one bad step never writes NaN into it).
+            rate: a finite real number ``>= 0`` (a Python or NumPy scalar; ``0`` changes
+                nothing).
         """
         if self.expert_bias is None:
             raise ValueError(
                 f"update_expert_bias needs router='sigmoid_grouped' (this layer's router is "
                 f"{self.router!r}, which has no expert bias)"
             )
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            raise TypeError(
+                f"rate must be a real number (a Python float), got {type(rate).__name__}"
+            )
+        if not math.isfinite(rate) or rate < 0:
+            raise ValueError(f"rate must be a finite number >= 0, got {rate!r}")
         counts = _checks.check_tensor("tokens_per_expert", tokens_per_expert, ndim=1)
+        if counts.dtype == torch.bool or counts.dtype.is_complex:
+            raise TypeError(
+                f"tokens_per_expert must hold counts of an integer or floating dtype, got "
+                f"{_checks.describe(counts)}"
+            )
         if counts.shape[0] != self.num_experts:
             raise ValueError(
                 f"tokens_per_expert must be [E] = [{self.num_experts}], got "
                 f"{_checks.describe(counts)}"
             )
-        counts = counts.to(device=self.expert_bias.device, dtype=torch.float32)
-        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=float(rate))
+        floating = counts.is_floating_point()
+        unread = floating and counts.device.type != "cpu"
+        if floating and not unread:
+            bad = ~torch.isfinite(counts)
+            if bool(bad.any()):
+                e = int(bad.nonzero()[0])
+                raise ValueError(
+                    f"tokens_per_expert[{e}] = {counts[e].item()} is not finite: expected "
+                    f"finite counts, got {_checks.describe(counts)}"
+                )
+        # float64: integer counts below 2**53 compare with their mean exactly.
+        counts = counts.to(device=self.expert_bias.device, dtype=torch.float64)
+        step = torch.sign(counts.mean() - counts)
+        if unread:  # not checked (a sync): a non-finite count cancels the whole update
+            step = torch.where(torch.isfinite(counts).all(), step, 0.0)
+        self.expert_bias.add_(step.to(self.expert_bias.dtype), alpha=float(rate))
 
     # ------------------------------------------------------------------ loading
     @torch.no_grad()
@@ -448,18 +548,22 @@ class MoELayer(nn.Module):
             shared_expert_gate: ``nn.Linear(H, 1)`` or its ``[1, H]`` weight (Qwen2-MoE).
 
         Returns:
-            ``self``. Values are copied (converted to the layer's dtype and device).
+            ``self``. Values are copied (converted to the layer's dtype and device). An
+            expert-parallel layer takes all ``E`` modules and copies its own experts.
         """
         if len(experts) != self.num_experts:
             raise ValueError(f"experts has {len(experts)} modules, expected num_experts = "
                              f"{self.num_experts}")  # fmt: skip
+        first = 0 if self.ep is None else self.ep.first_expert
         for e, module in enumerate(experts):
             w1, b1, w2, b2 = self._expert_tensors(module, f"experts[{e}]", self.intermediate_size)
-            self.w1[e].copy_(w1)
-            self.w2[e].copy_(w2)
+            if not 0 <= e - first < self.w1.shape[0]:
+                continue  # another rank's expert
+            self.w1[e - first].copy_(w1)
+            self.w2[e - first].copy_(w2)
             if self.b1 is not None:
-                self.b1[e].copy_(b1)
-                self.b2[e].copy_(b2)
+                self.b1[e - first].copy_(b1)
+                self.b2[e - first].copy_(b2)
         if gate is not None:
             self._copy_weight(self.gate.weight, gate, "gate")
         if shared_expert is not None:

@@ -202,6 +202,17 @@ def maps_backend(device: torch.device, backend: str, T: int, K: int) -> str:
     return arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
 
 
+def check_kernel_limits(chosen: str, E: int, K: int, device: torch.device) -> None:
+    """Raise before any launch if the maps kernels of ``chosen`` cannot hold ``E`` experts."""
+    if chosen == "triton":
+        from .kernels.triton.routing_maps import check_num_experts_supported
+    elif chosen == "cupy":
+        from .kernels.cupy.routing_maps import check_num_experts_supported
+    else:
+        return  # the torch backend takes any E
+    check_num_experts_supported(E, K, device)
+
+
 def build_routing_maps(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -215,7 +226,9 @@ def build_routing_maps(
         topk_ids: ``[T, K]`` int32/int64 expert ids (any strides), a torch tensor or a CuPy
             array (viewed without a copy); ``-1`` marks a dropped slot. ``T = 0`` is allowed;
             ``K <= num_experts``.
-        num_experts: ``E >= 1``.
+        num_experts: ``E >= 1``. The kernels hold a counter per expert in one program: Triton
+            takes ``E + K + 1 <= 32768`` on an A100/H100/H200 (fewer on GPUs with less shared
+            memory), CuPy ``E + K <= opt-in shared memory / 8 bytes``; the reference any ``E``.
         backend: ``"auto"`` (Triton on CUDA, or the CuPy kernels at the sizes where they
             measured faster when CuPy is installed; torch on CPU), ``"triton"``, ``"cupy"`` or
             ``"torch"``.
@@ -232,7 +245,7 @@ def build_routing_maps(
     E = _checks.check_num_experts(num_experts)
     ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
     T, K = ids.shape
-    chosen = _cached_maps_backend(ids.device, backend, T, K)
+    chosen = _cached_maps_backend(ids.device, backend, T, K, E)
     if _checks.ids_value_check_wanted(ids, check_ids):
         _checks.check_topk_id_values(ids, E)
     return maps_op(ids, E, chosen)
@@ -241,10 +254,12 @@ def build_routing_maps(
 _BACKEND_CACHE: dict = {}
 
 
-def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int) -> str:
-    key = (device, backend, T.bit_length(), K, arch.env_key())
+def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: int) -> str:
+    key = (device, backend, T.bit_length(), K, E, arch.env_key())
     chosen = _BACKEND_CACHE.get(key)
     if chosen is None:
         arch.check_backend_name(backend)
-        chosen = _BACKEND_CACHE[key] = maps_backend(device, backend, T, K)
+        chosen = maps_backend(device, backend, T, K)
+        check_kernel_limits(chosen, E, K, device)  # before any launch
+        _BACKEND_CACHE[key] = chosen
     return chosen

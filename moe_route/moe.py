@@ -26,7 +26,7 @@ from .grouped_gemm import (
     gemm_configs,
 )
 from .kernels import torch_impl
-from .maps import maps_backend, maps_op
+from .maps import check_kernel_limits, maps_backend, maps_op
 from .tuning import token_bucket
 
 
@@ -49,6 +49,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
 
     chosen = arch.backend_for(device, backend).value
     maps_chosen = maps_backend(device, backend, bucket, K)
+    check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
         return MoEPlan("torch", maps_chosen, None)
     epi = epilogue_for(activation, layout)

@@ -281,3 +281,35 @@ def check_routing_invariants(tables, topk_ids: torch.Tensor, num_experts: int) -
     # Dropped slots sit after every routed row, in ascending source-row order.
     assert (expert_of_dest[routed:] == -1).all(), "a routed row sits after offset[E]"
     assert (np.diff(d2s[routed:]) > 0).all(), f"dropped rows not in source order: {d2s[routed:]}"
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def capture_cuda_graph(fn, *, warmup: int = 3):
+    """``(graph, out)``: one call of ``fn`` captured in a CUDA graph by the standard recipe.
+
+    ``warmup`` calls run on a side stream first (Triton compiles, the allocator's cache
+    fills), then one call is captured with ``torch.cuda.set_sync_debug_mode("error")``, so a
+    host sync raises with its own stack instead of invalidating the capture. ``out`` is what
+    the captured call returned: its static outputs, rewritten by every replay.
+
+    ``fn`` must return tensors, never an autograd graph (``.detach()`` its outputs): a graph
+    that outlives a call keeps its leaves' gradient accumulators, which keep the stream they
+    were made on, and a backward captured later would make that stream wait on the capturing
+    one — with the default stream, "operation would make the legacy stream depend on a
+    capturing blocking stream". Mark the test ``isolated`` (tests/conftest.py): a failed
+    capture leaves the process unfit for the tests after it.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return graph, out

@@ -11,12 +11,14 @@ import io
 import json
 import math
 import os
+import re
+import tempfile
 
 import pytest
 import torch
 
 from moe_route.__main__ import main as cli_main
-from moe_route.bench import harness, report, stages, suite
+from moe_route.bench import backward, harness, host, profiling, report, stages, suite
 from moe_route.bench.harness import Ceilings, Row, Timing, add_speedups, make_row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,6 +153,143 @@ def test_stage_selection():
     assert stages._variants(ctx) == [("moe_route", "auto"), ("moe_route cupy", "cupy")]
 
 
+def test_host_and_backward_stages_apply_to_their_shapes(capsys):
+    std = stages.select_shapes()
+    host_shapes = [s.label for s in std if stages.STAGES["host"].applies(s)]
+    assert host_shapes == [s.label for s in std if s.T <= 64]
+    assert {(s.H, s.I, s.E, s.K) for s in std if s.label in host_shapes} >= {
+        (2048, 1024, 64, 8), (7168, 2048, 256, 8),  # issue 11's two decode configurations
+    }  # fmt: skip
+    assert [s.label for s in std if stages.STAGES["backward"].applies(s)] == [
+        "mixtral-8x7b T=4096", "qwen3-30b-a3b T=8192", "deepseek-v3 T=4096",
+    ]  # fmt: skip
+    smaller = stages.select_shapes(["mixtral"], tokens=[64, 1024], custom=["512,64,32,4,2"])
+    assert [s.label for s in smaller if stages.STAGES["backward"].applies(s)] == [
+        "mixtral-8x7b T=1024", "custom-H64-I32-E4-K2 T=512",
+    ]  # fmt: skip
+    assert cli_main(["bench", "--list", "--device", "cpu", "--tokens", "8", "64"]) == 0
+    listed = capsys.readouterr().out
+    assert "  host " in listed and "  backward " in listed
+    assert "cpu-tiny T=8" in listed and listed.split("cpu-tiny T=64")[1].split()[-1] == "host"
+
+
+def test_new_token_counts_stay_in_the_bucket_and_are_not_reused():
+    key = ("test", object())
+    first = host.new_token_counts(stages.Shape("m", 64, 1, 1, 1, 1), key)
+    assert first == [63, 48, 33]  # spread over (32, 64), below T
+    again = host.new_token_counts(stages.Shape("m", 64, 1, 1, 1, 1), key)
+    assert len(again) == 3 and not set(again) & set(first) and all(32 < t < 64 for t in again)
+    assert host.new_token_counts(stages.Shape("m", 8, 1, 1, 1, 1), key) == [7, 6, 5]
+    assert host.new_token_counts(stages.Shape("m", 8, 1, 1, 1, 1), key) == []  # bucket used up
+    for T in (1, 2, 3, 5):  # nothing else below T in its power-of-two bucket
+        assert host.new_token_counts(stages.Shape("m", T, 1, 1, 1, 1), key) == []
+
+
+def test_kernels_are_grouped_into_steps_by_name_and_launch_order():
+    table = {r"_gemm": ("a", "b"), r"_wgrad": ("w2", "w1"), r"_fin": ("x",)}
+    launched = [("_tile", 1.0), ("_gemm_k", 10.0), ("_wgrad_k", 5.0), ("_gemm_k", 20.0),
+                ("_fin_k", 2.0), ("_wgrad_k", 7.0), ("memset", 0.5)]  # fmt: skip
+    assert profiling.attribute(launched, table) == {
+        "a": {"_gemm_k": 10.0}, "b": {"_gemm_k": 20.0}, "w2": {"_wgrad_k": 5.0},
+        "w1": {"_wgrad_k": 7.0}, "x": {"_fin_k": 2.0}, "other": {"_tile": 1.0, "memset": 0.5},
+    }  # fmt: skip
+    # a GEMM launched once per expert (a loop): its launches are split evenly, in order
+    loop = [("gemm", float(i)) for i in range(8)]
+    assert profiling.attribute(loop, {"gemm": ("dX", "dW")}) == {
+        "dX": {"gemm": 6.0}, "dW": {"gemm": 22.0},
+    }  # fmt: skip
+    # the first pattern that matches wins (a renamed, more specific kernel goes first)
+    first = {r"_act_bwd": ("d",), r"_grouped_gemm": ("x",)}
+    assert profiling.attribute([("_grouped_gemm_act_bwd", 1.0)], first) == {
+        "d": {"_grouped_gemm_act_bwd": 1.0}
+    }
+
+
+def test_every_backward_pattern_names_a_kernel_of_the_package():
+    """A renamed kernel must not leave its pattern behind (its time would go to "other")."""
+    import pkgutil
+
+    import moe_route.kernels.triton as kernels
+
+    names = set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        names |= {n for n in vars(module) if n.endswith("_kernel")}
+    for pattern, steps in backward.MOE_ROUTE_KERNELS.items():
+        assert any(re.search(pattern, n) for n in names), (pattern, sorted(names))
+        assert set(steps) <= set(backward.BACKWARD_STEPS)
+    for steps in backward.GROUPED_MM_KERNELS.values():
+        assert set(steps) <= set(backward.BACKWARD_STEPS)
+    covered = {s for steps in backward.MOE_ROUTE_KERNELS.values() for s in steps}
+    assert covered == set(backward.BACKWARD_STEPS)
+
+
+def test_step_memory_leaves_out_the_returned_gradients_from_their_allocation():
+    before = torch.empty(10_000, dtype=torch.uint8)
+
+    def step():
+        nonlocal before
+        grad = torch.empty(2000, dtype=torch.uint8)  # returned: not an activation
+        saved = torch.empty(1000, dtype=torch.uint8)
+        temp = torch.empty(3000, dtype=torch.uint8)
+        del temp
+        before = None  # memory allocated before the step and freed in it: not the step's
+        del saved
+        return (grad, None)
+
+    out, mem = profiling.step_memory(step, "cpu")
+    assert out[0].numel() == 2000
+    assert (mem.peak, mem.activation, mem.grads) == (6000, 4000, 2000)
+
+
+def test_host_and_backward_tables():
+    def row(stage, shape, impl, us, nbytes=0.0, **extra):
+        return make_row(stage, shape, impl, Timing(us * 1e-6, us * 1e-6, us * 1e-6, 3),
+                        Ceilings(1e12, 1e15), nbytes, **extra)  # fmt: skip
+
+    rows = [
+        row("host", "m T=64", "index_select", 30.0, per_index_select=1.0, eager_us=10.0,
+            graph_us=5.0, eager_over_graph=2.0),
+        row("host", "m T=64", "fused_moe", 300.0, per_index_select=10.0, eager_us=280.0,
+            graph_us=270.0, eager_over_graph=280 / 270, device_bound=False),
+        row("host", "m T=64", "fused_moe fwd+bwd", 900.0, per_index_select=30.0,
+            eager_us=950.0, graph="capture failed: RuntimeError"),
+        row("host", "m T=64", "fused_moe new T", 2000.0, new_T=[63, 48], first_us=[2000.0, 1500.0],
+            repeat_us=500.0, first_over_repeat=4.0),
+        row("backward", "m T=4096", "moe_route: total", 200.0, 2e8, step="total", of="moe_route"),
+        row("backward", "m T=4096", "moe_route: dW1", 40.0, 2e7, step="dW1", of="moe_route"),
+        row("backward", "m T=4096", "grouped_mm: dW1", 60.0, 2e7, step="dW1", of="grouped_mm"),
+        row("backward", "m T=4096", "grouped_mm: other", 5.0, step="other", of="grouped_mm"),
+    ]  # fmt: skip
+    md = report.markdown([report.Source("x.json", {"gpu": "G"}, rows)])
+    assert "| m T=64 | fused_moe | 300 µs | 10.0× | 280 µs | 270 µs | 1.04× |" in md
+    assert "| m T=64 | fused_moe fwd+bwd | 900 µs | 30.0× | 950 µs | capture failed | — |" in md
+    assert "| m T=64 | 63, 48 | 2.00 ms, 1.50 ms | 500 µs | 4.00× |" in md
+    lines = md.split("### backward")[1].splitlines()
+    table = [line for line in lines if line.startswith("| m T=4096")]
+    assert table == [  # steps in the backward's order, other and total last
+        "| m T=4096 | dW1 | 40.0 µs (50 %) | 60.0 µs (33 %) | 1.50× |",
+        "| m T=4096 | other | — | 5.0 µs | — |",
+        "| m T=4096 | total | 200 µs (100 %) | — | — |",
+    ]
+    # they have their own tables, and no place in the roofline and speed-up plots
+    src = report.Source("x.json", {"gpu": "G"}, rows)
+    assert report.plot_roofline([src], "unused.png") is None
+    assert report.plot_speedup([src], "unused.png") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what runs without a GPU")
+def test_default_output_folder_is_not_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    rc = suite.main(["--stages", "maps", "--tokens", "8", "--budget", "0.003", "--no-plots"])
+    assert rc == 0 and os.listdir(tmp_path) == []
+    out = capsys.readouterr().out
+    where = out.split("results go to ")[1].split()[0]
+    assert os.path.isfile(os.path.join(where, "suite.json"))
+    assert os.path.commonpath([where, tempfile.gettempdir()]) == tempfile.gettempdir()
+
+
 def test_progress_bar_in_a_log():
     out = io.StringIO()
     p = suite.Progress(4, stream=out)
@@ -224,12 +363,13 @@ def test_plots_are_written(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what runs without a GPU")
-def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys):
+def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(host, "_SEEN_T", {})  # token counts a previous run used are taken
     out = tmp_path / "out"
     readme = tmp_path / "README.md"
     readme.write_text(f"# bench\n\n{report.BEGIN}\n{report.END}\n")
-    rc = cli_main(["bench", "--tokens", "8", "64", "--budget", "0.003", "--out", str(out),
-                   "--readme", str(readme)])  # fmt: skip
+    rc = cli_main(["bench", "--tokens", "8", "64", "--budget", "0.003", "--host-calls", "4",
+                   "--out", str(out), "--readme", str(readme)])  # fmt: skip
     text = capsys.readouterr()
     assert rc == 0
     assert "no CUDA device here" in text.out and "CPU comparison" in text.out
@@ -244,6 +384,41 @@ def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys):
     assert {i for s, sh, i in got if s == "forward"} == {"moe_route", "grouped_mm", "loop"}
     assert {i for s, sh, i in got if s == "train"} == {"moe_route", "grouped_mm", "loop"}
     for r in data["rows"]:
+        if r["stage"] == "train":  # peak memory without the gradients: > 0, < what is saved + out
+            assert 0 < r["extra"]["activation_MiB"] < 1, r
+    # host: every op at both decode sizes, as a multiple of one index_select, with the eager
+    # latency; the first calls at new token counts of each bucket
+    ops = {"index_select", "build_routing_maps", "expand_rows", "finalize_moe_routing",
+           "grouped_gemm GEMM1", "grouped_gemm GEMM2", "fused_moe", "fused_moe fwd+bwd",
+           "MoELayer", "fused_moe new T"}  # fmt: skip
+    for T in (8, 64):
+        hrows = {r["impl"]: r for r in data["rows"] if r["stage"] == "host"
+                 and r["shape"] == f"cpu-tiny T={T}"}  # fmt: skip
+        assert set(hrows) == ops, T
+        assert hrows["index_select"]["extra"]["per_index_select"] == 1.0
+        for name, r in hrows.items():
+            if name != "fused_moe new T":
+                assert r["extra"]["calls"] == 4 and r["extra"]["eager_us"] > 0, r
+                assert r["extra"]["per_index_select"] > 0, r
+        new_t = hrows["fused_moe new T"]["extra"]
+        assert new_t["new_T"] == {8: [7, 6, 5], 64: [63, 48, 33]}[T]
+        assert len(new_t["first_us"]) == 3 and new_t["repeat_us"] > 0
+    # backward: per-step rows of both implementations at the training size (T >= 64 on a CPU)
+    brows = [r for r in data["rows"] if r["stage"] == "backward"]
+    assert {r["shape"] for r in brows} == {"cpu-tiny T=64"}
+    assert {r["extra"]["of"] for r in brows} == {"moe_route", "grouped_mm"}
+    for of in ("moe_route", "grouped_mm"):
+        steps = {r["extra"]["step"]: r for r in brows if r["extra"]["of"] == of}
+        assert "total" in steps
+        assert (
+            steps["total"]["median_us"]
+            >= max(r["median_us"] for k, r in steps.items() if k != "total") * 0.999
+        )
+    # on the CPU, torch._grouped_mm's operator is the one name the baseline's table matches
+    assert {"dGEMM2 + act'", "dW2", "dX GEMM1", "dW1"} <= {
+        r["extra"]["step"] for r in brows if r["extra"]["of"] == "grouped_mm"
+    }
+    for r in data["rows"]:
         assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"]
         assert math.isfinite(r["roofline_fraction"])
         if r["impl"] == "moe_route" and "rel_err" in r["extra"]:
@@ -257,7 +432,10 @@ def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys):
     else:
         for name in ("suite_roofline.png", "suite_speedup.png", "suite_decode.png"):
             assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
-    assert "### forward" in readme.read_text() and "cpu-tiny T=64" in readme.read_text()
+    text = readme.read_text()
+    assert "### forward" in text and "cpu-tiny T=64" in text
+    assert "| cpu-tiny T=64 | fused_moe fwd+bwd |" in text and "| cpu-tiny T=8 | 7, 6, 5 |" in text
+    assert "### backward" in text and "| cpu-tiny T=64 | total |" in text
 
 
 def test_a_failing_stage_is_reported_and_the_rest_continue(tmp_path, capsys, monkeypatch):

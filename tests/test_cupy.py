@@ -254,11 +254,14 @@ def test_finalize_vector_width():
 
 
 def test_routing_maps_warps_fit_shared_memory(monkeypatch):
-    cpu, tile, one = torch.device("cpu"), cupy_maps.TILE_WARPS, cupy_maps.ONE_TILE_WARPS
-    assert cupy_maps._warps(264, cpu, tile) == 8  # deepseek: E=256, K=8
-    assert cupy_maps._warps(264, cpu, one) == 32  # one block places 2048 slots
-    assert cupy_maps._warps(4008, cpu, one) == 2  # 4 * 4008 * 3 bytes fit in 48 KiB
+    tile, one = cupy_maps.TILE_WARPS, cupy_maps.ONE_TILE_WARPS
+    assert cupy_maps._warps(264, tile) == 8  # deepseek: E=256, K=8
+    assert cupy_maps._warps(264, one) == 32  # one block places 2048 slots
+    assert cupy_maps._warps(4008, one) == 2  # 4 * 4008 * 3 bytes fit in 48 KiB
+    assert cupy_maps._warps(20008, tile) == 1  # opts in to 160 KB
+    cpu = torch.device("cpu")  # the limit only asks the device for its shared memory
     monkeypatch.setattr(cupy_maps._nvrtc, "max_shared_memory", lambda device: 227 * 1024)
-    assert cupy_maps._warps(20008, cpu, tile) == 1  # opts in to 160 KB
-    with pytest.raises(ValueError, match=r"E \+ K = 40000 bin counters .* backend='triton'"):
-        cupy_maps._warps(40000, cpu, tile)
+    assert cupy_maps.max_num_experts(8, cpu) == 227 * 1024 // 8 - 8 == 29048
+    cupy_maps.check_num_experts_supported(29048, 8, cpu)
+    with pytest.raises(ValueError, match=r"num_experts=29049 with K=8: .* E <= 29048; use backe"):
+        cupy_maps.check_num_experts_supported(29049, 8, cpu)

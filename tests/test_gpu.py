@@ -12,6 +12,7 @@ import torch
 from helpers import (
     assert_finalize_close,
     assert_tables_equal,
+    capture_cuda_graph,
     check_routing_invariants,
     maps_tables,
     poisoned,
@@ -101,6 +102,30 @@ def test_maps_non_contiguous_and_empty():
     assert_tables_equal(triton_maps(sliced, 256), routing_maps_reference(ids, 256))
     empty = moe_route.build_routing_maps(torch.empty(0, 8, dtype=torch.int64, device=CUDA), 64)
     assert empty.expert_first_token_offset.tolist() == [0] * 65
+
+
+@pytest.mark.parametrize("T", [64, 4096], ids=["one-tile", "multi-tile"])
+def test_maps_gpu_at_the_expert_limit(T, capsys):
+    """The largest E the Triton kernels accept on this GPU (E + K + 1 bins staged in shared
+    memory, see kernels/triton/routing_maps.py) compiles, runs and equals the reference; one
+    more expert is refused before any launch. Prints the first call's time (compile included),
+    the number that says whether the limit is practical."""
+    import time
+
+    from moe_route.kernels.triton import routing_maps as triton_maps_module
+
+    K = 8
+    E = triton_maps_module.max_num_experts(K, CUDA)
+    ids = torch.randint(0, E, (T, K), device=CUDA)
+    ids[0] = torch.arange(E - K, E, device=CUDA)  # the last bins are used
+    start = time.perf_counter()
+    maps = moe_route.build_routing_maps(ids, E, backend="triton", check_ids=False)
+    torch.cuda.synchronize()
+    with capsys.disabled():
+        print(f"\nrouting maps at E={E}, T={T}: first call {time.perf_counter() - start:.1f} s")
+    assert_tables_equal(maps_tables(maps), routing_maps_reference(ids, E))
+    with pytest.raises(ValueError, match=rf"num_experts={E + 1} with K=8"):
+        moe_route.build_routing_maps(ids, E + 1, backend="triton")
 
 
 def test_maps_unchecked_ids_on_gpu_are_dropped(monkeypatch):
@@ -214,21 +239,16 @@ def test_no_sync_debug_mode():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize("T", [64, 4096])  # one-tile and multi-tile maps
 def test_cuda_graph_capture_and_replay(T):
     K, E, H = 8, 64, 512
     a = _case(T, K, E, H, torch.bfloat16, bias="H", seed=9, drop_prob=0.1)
     b = _case(T, K, E, H, torch.bfloat16, bias="H", seed=10, drop_prob=0.2)
     static = {k: a[k].clone() for k in ("x", "ids", "w", "bias")}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _chain(static["x"], static["ids"], static["w"], static["bias"], E)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(static["x"], static["ids"], static["w"], static["bias"], E)
+    graph, out = capture_cuda_graph(
+        lambda: _chain(static["x"], static["ids"], static["w"], static["bias"], E), warmup=2
+    )
     for case in (b, a):  # new inputs copied into the captured buffers, then replay
         for k in static:
             static[k].copy_(case[k])

@@ -11,6 +11,7 @@ import torch
 from helpers import (
     assert_finalize_close,
     assert_tables_equal,
+    capture_cuda_graph,
     check_routing_invariants,
     maps_tables,
     poisoned,
@@ -323,21 +324,16 @@ def test_no_sync_and_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize("T", [64, 4096])  # one-tile and multi-tile maps
 def test_cuda_graph_capture_and_replay(T):
     K, E, H = 8, 64, 512
     a = _case(T, K, E, H, torch.bfloat16, bias="H", seed=9, drop_prob=0.1)
     b = _case(T, K, E, H, torch.bfloat16, bias="H", seed=10, drop_prob=0.2)
     static = {k: a[k].clone() for k in ("x", "ids", "w", "bias")}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _chain(static["x"], static["ids"], static["w"], static["bias"], E)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(static["x"], static["ids"], static["w"], static["bias"], E)
+    graph, out = capture_cuda_graph(
+        lambda: _chain(static["x"], static["ids"], static["w"], static["bias"], E), warmup=2
+    )
     for case in (b, a):
         for k in static:
             static[k].copy_(case[k])

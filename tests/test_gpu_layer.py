@@ -16,6 +16,7 @@ import pathlib
 
 import pytest
 import torch
+from helpers import capture_cuda_graph
 from moe_cases import assert_matches
 
 import moe_route
@@ -113,46 +114,49 @@ def test_deterministic_20_runs():
 
 
 # ----------------------------------------------------------------------------- capture
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_no_host_sync_and_cuda_graph_forward_backward(config):
+    """Forward + backward (router, aux losses, capacity, shared expert) captured in a CUDA graph
+    by the standard recipe, with no host sync inside (``set_sync_debug_mode("error")`` during
+    the capture), replayed: the same output, aux loss and gradients as eager.
+
+    The eager reference keeps no autograd graph alive (an earlier version of this test kept its
+    output, whose graph held the leaves' gradient accumulators made on the default stream: the
+    captured backward then made the legacy stream wait on the capture, and the capture failed).
+    """
     layer = make_layer(config)
     x = make_x(256).requires_grad_(True)
     dout = torch.randn(256, H, device=CUDA)
     params = [x, *layer.parameters()]
-    step(layer, x, dout)  # warm-up: compile the kernels
-    for p in params:
-        p.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def fwd_bwd():
+        for p in params:
+            p.grad = None
         out = step(layer, x, dout)
-        if layer.expert_bias is not None:
+        return out.output.detach(), out.aux_loss.detach()
+
+    want_out, want_aux = fwd_bwd()  # eager, on the default stream (compiles the kernels)
+    want = [p.grad.clone() for p in params]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # no host sync in eager mode either
+    try:
+        fwd_bwd()
+        if layer.expert_bias is not None:  # nor in the aux-loss-free balancing update
             bias = layer.expert_bias.clone()
-            layer.update_expert_bias(out.tokens_per_expert, 1e-3)
+            with torch.no_grad():
+                layer.update_expert_bias(layer(x).tokens_per_expert, 1e-3)
             layer.expert_bias.copy_(bias)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    eager = [p.grad.clone() for p in params]
-    eager_out = out.output.clone()
-    for p in params:
-        p.grad = None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step(layer, x, dout)
-            for p in params:
-                p.grad = None
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step(layer, x, dout)
+    graph, (static_out, static_aux) = capture_cuda_graph(fwd_bwd)
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(static.output, eager_out)
-    for p, want in zip(params, eager, strict=True):
-        assert torch.equal(p.grad, want)
+    assert torch.equal(static_out, want_out)
+    assert torch.equal(static_aux, want_aux)
+    for p, w in zip(params, want, strict=True):
+        assert torch.equal(p.grad, w)
 
 
 # ----------------------------------------------------------------------------- compile
@@ -189,3 +193,25 @@ def test_training_example_bf16_triton():
     args = ["--device", "cuda", "--steps", "150", "--quiet"]
     assert example.main(args) == 0
     assert example.main([*args, "--router", "sigmoid_grouped", "--capacity-factor", "1.25"]) == 0
+
+
+def test_update_expert_bias_non_finite_gpu_counts_leave_the_bias():
+    """GPU counts are not read (no sync): a NaN or infinite one cancels the update on the
+    device instead of writing NaN into the bias; finite float counts update it."""
+    layer = make_layer("deepseek")
+    before = layer.expert_bias.clone()
+    counts = torch.arange(E, device=CUDA, dtype=torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for bad in (float("nan"), float("inf")):
+            poisoned = counts.clone()
+            poisoned[3] = bad
+            layer.update_expert_bias(poisoned, 1e-3)
+        unchanged = layer.expert_bias.clone()
+        layer.update_expert_bias(counts, 1e-3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(unchanged, before)
+    step = torch.sign(counts.double().mean() - counts.double()).float() * 1e-3
+    assert torch.equal(layer.expert_bias, before + step)

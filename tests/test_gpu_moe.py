@@ -19,6 +19,7 @@ import importlib
 import moe_cases
 import pytest
 import torch
+from helpers import capture_cuda_graph
 from moe_cases import (
     ACT_IDS,
     ACT_LAYOUTS,
@@ -363,6 +364,7 @@ def test_no_host_sync(path):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_cuda_graph(path, gather):
@@ -376,15 +378,7 @@ def test_cuda_graph(path, gather):
     def step():
         return run_moe(static, **kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_cuda_graph(step, warmup=2)
 
     for seed in (21, 22):
         fresh = moe_case(T, K, E, H, inter, b1=True, b2=True, bias="TH", drop=0.3, seed=seed)

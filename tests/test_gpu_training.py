@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import capture_cuda_graph
 from moe_cases import PATHS, assert_matches, f64, make_ids, n_rows
 
 import moe_route
@@ -214,35 +215,33 @@ def _step(x, w1, w2, tw, ids):
     return out
 
 
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 def test_no_host_sync_and_cuda_graph():
+    """Forward + backward captured in a CUDA graph (no host sync inside: the capture runs under
+    ``set_sync_debug_mode("error")``) and replayed: the same output and gradients as eager."""
     case = make_case(256, 4, 8, 256, 128, biases=False)
     leaves = [case[n].clone().requires_grad_(True) for n in ("x", "w1", "w2", "topk_weights")]
     ids = case["topk_ids"]
-    _step(*leaves, ids)  # warm-up: compile kernels
-    eager = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    torch.cuda.set_sync_debug_mode("error")
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        return _step(*leaves, ids).detach()  # no autograd graph outlives the call
+
+    want_out = fwd_bwd()  # eager, on the default stream (compiles the kernels)
+    want = [t.grad.clone() for t in leaves]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # no host sync in eager mode either
     try:
-        _step(*leaves, ids)
+        fwd_bwd()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    for t in leaves:
-        t.grad = None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _step(*leaves, ids)
-    torch.cuda.current_stream().wait_stream(s)
-    for t in leaves:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _step(*leaves, ids)
+    graph, static_out = capture_cuda_graph(fwd_bwd)
     graph.replay()
     torch.cuda.synchronize()
-    for t, want in zip(leaves, eager, strict=True):
-        assert torch.equal(t.grad, want)
+    assert torch.equal(static_out, want_out)
+    for t, w in zip(leaves, want, strict=True):
+        assert torch.equal(t.grad, w)
 
 
 def test_compile_fullgraph_forward_backward():

@@ -15,6 +15,7 @@ import importlib.util
 import math
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -471,6 +472,66 @@ def test_bad_inputs_name_the_argument():
     grouped = moe_route.MoELayer(H, INTER, E, K, router="sigmoid_grouped")
     with pytest.raises(ValueError, match=r"tokens_per_expert must be \[E\] = \[6\]"):
         grouped.update_expert_bias(torch.zeros(E + 1), 0.1)
+
+
+@pytest.mark.parametrize(
+    ("counts", "rate", "exc", "match"),
+    [
+        (torch.tensor([3, 1, 2, 2, 2, 2]), float("nan"), ValueError, "rate must be a finite"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), float("inf"), ValueError, "rate must be a finite"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), -1e-3, ValueError, r"finite number >= 0, got -0\.001"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), "1e-3", TypeError, "rate must be a real number"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), True, TypeError, "got bool"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), torch.tensor(1e-3), TypeError, "got Tensor"),
+        (torch.tensor([3.0, float("nan"), 2, 2, 2, 2]), 1e-3, ValueError, r"\[1\] = nan"),
+        (torch.tensor([3.0, 1, 2, float("-inf"), 2, 2]), 1e-3, ValueError, r"\[3\] = -inf"),
+        (torch.ones(E, dtype=torch.bool), 1e-3, TypeError, "integer or floating dtype"),
+        (torch.ones(E, dtype=torch.complex64), 1e-3, TypeError, "integer or floating dtype"),
+        (torch.ones(E, 1), 1e-3, ValueError, "tokens_per_expert must have 1 dimensions"),
+        (torch.ones(E - 1), 1e-3, ValueError, r"tokens_per_expert must be \[E\] = \[6\]"),
+        ([1, 2, 3, 4, 5, 6], 1e-3, TypeError, "tokens_per_expert must be a torch.Tensor"),
+    ],
+    ids=["nan-rate", "inf-rate", "negative-rate", "str-rate", "bool-rate", "tensor-rate",
+         "nan-count", "inf-count", "bool-counts", "complex-counts", "2d", "short", "list"],
+)  # fmt: skip
+def test_update_expert_bias_rejects_bad_input(counts, rate, exc, match):
+    layer = make_layer(router="sigmoid_grouped")
+    before = layer.expert_bias.clone()
+    with pytest.raises(exc, match=match):
+        layer.update_expert_bias(counts, rate=rate)
+    assert torch.equal(layer.expert_bias, before), "a rejected call changed the bias"
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        torch.tensor([10, 2, 4, 4, 5, 5], dtype=torch.int32),
+        torch.tensor([10, 2, 4, 4, 5, 5], dtype=torch.uint8),
+        torch.tensor(
+            [1.0, 0.25, 0.375, 0.375, 0.5, 0.5], dtype=torch.bfloat16
+        ),  # averaged over ranks
+        torch.tensor([10, 2, 4, 4, 5, 5], dtype=torch.float64),
+    ],
+    ids=["int32", "uint8", "bf16", "float64"],
+)
+@pytest.mark.parametrize("rate", [0.01, np.float32(0.01), 0], ids=["float", "numpy", "zero"])
+def test_update_expert_bias_count_dtypes(counts, rate):
+    layer = make_layer(router="sigmoid_grouped")
+    layer.expert_bias.fill_(0.5)
+    layer.update_expert_bias(counts, rate=rate)
+    step = torch.tensor([-1.0, 1, 1, 1, 0, 0]) * float(rate)
+    assert layer.expert_bias.dtype == torch.float32
+    assert torch.equal(layer.expert_bias, 0.5 + step)
+
+
+def test_update_expert_bias_large_integer_counts_are_exact():
+    """float64 arithmetic: counts that float32 cannot tell apart still compare with the mean."""
+    layer = make_layer(router="sigmoid_grouped")
+    layer.expert_bias.zero_()
+    big = 2**25  # float32 rounds 2**25 + 1 to 2**25
+    counts = torch.tensor([big + 1, big - 1, big, big, big, big], dtype=torch.int64)
+    layer.update_expert_bias(counts, rate=1.0)
+    assert layer.expert_bias.tolist() == [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 # ----------------------------------------------------------------------------- the example

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moe_route
+from moe_route.kernels.triton import routing_maps as triton_maps_module
 from moe_route.reference import routing_maps_reference
 
 ID_LAYOUTS = ("contiguous", "transposed", "cols", "rows")
@@ -235,3 +236,50 @@ def test_auto_backend_runs_triton_where_available():
     maps = moe_route.build_routing_maps(ids, 4)
     assert_tables_equal(maps_tables(maps), routing_maps_reference(ids, 4))
     assert maps.device == ids.device
+
+
+# ----------------------------------------------------------------------------- expert limit
+@requires_triton
+@pytest.mark.parametrize("tile", [None, 16], ids=["one-tile", "multi-tile"])
+def test_triton_maps_just_under_the_expert_limit(tile):
+    """E = the largest the kernels hold (E + K + 1 bins = Triton's 2**20-element cap under the
+    interpreter): exact maps, experts at both ends used, one or several tiles."""
+    K = 2
+    E = triton_maps_module.max_num_experts(K, DEVICE)
+    ids = torch.tensor([[E - 1, 0], [3, E - 1], [-1, E - 2], [0, 5]], device=DEVICE)
+    assert_tables_equal(triton_maps(ids, E, tile=tile), routing_maps_reference(ids, E))
+    if tile is None:
+        maps = moe_route.build_routing_maps(ids, E, backend="triton")
+        assert_tables_equal(maps_tables(maps), routing_maps_reference(ids, E))
+
+
+@requires_triton
+def test_triton_maps_over_the_expert_limit_raises_before_launch(monkeypatch):
+    K = 2
+    E = triton_maps_module.max_num_experts(K, DEVICE) + 1
+    bins = triton_maps_module.max_bins(DEVICE)
+    monkeypatch.setattr(triton_maps_module, "routing_maps_triton", _no_launch)
+    with pytest.raises(ValueError, match=rf"num_experts={E} with K=2: .* at most {bins} on "):
+        moe_route.build_routing_maps(torch.zeros(3, K, dtype=torch.int64, device=DEVICE), E,
+                                     backend="triton")  # fmt: skip
+    # the reference has no such limit
+    ids = torch.tensor([[E - 1, 0]], device=DEVICE)
+    maps = moe_route.build_routing_maps(ids, E, backend="reference")
+    assert maps.expert_first_token_offset[-1] == 2
+
+
+def test_triton_expert_limit_follows_the_shared_memory_of_the_gpu(monkeypatch):
+    """On a GPU the histogram stages 4 bytes per bin in shared memory: 2**15 bins fit an
+    H100's 227 KiB, 2**14 a 99 KiB GPU; under the interpreter only Triton's tensor cap."""
+    for optin, bins in ((227 * 1024, 2**15), (163 * 1024, 2**15), (99 * 1024, 2**14)):
+        monkeypatch.setattr(triton_maps_module, "_shared_memory_optin", lambda i, b=optin: b)
+        assert triton_maps_module.max_bins("cuda:0") == bins
+        assert triton_maps_module.max_num_experts(8, "cuda:0") == bins - 9
+        triton_maps_module.check_num_experts_supported(bins - 9, 8, "cuda:0")
+        with pytest.raises(ValueError, match=rf"\(so E <= {bins - 9}\); use backend='reference'"):
+            triton_maps_module.check_num_experts_supported(bins - 8, 8, "cuda:0")
+    assert triton_maps_module.max_bins("cpu") == triton_maps_module.MAX_TENSOR_BINS == 2**20
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("the routing-maps kernels were launched although E is too large")

@@ -107,11 +107,15 @@ def time_cuda(
         with torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        previous = torch.cuda.current_stream()
+        previous.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    fn()
+        finally:  # a capture that fails leaves torch.cuda.graph's stream current
+            torch.cuda.set_stream(previous)
 
         def run():
             graph.replay()
@@ -194,6 +198,60 @@ def time_auto(
             t.note = note
             return t
     return time_cuda(fn, use_graph=False, inner=inner, outer=outer, warmup=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_host(fn, device, *, calls: int = 300, repeats: int = 3, warmup: int = 3) -> Timing:
+    """Host time of one call of ``fn``: ``time.perf_counter`` around ``calls`` calls issued back
+    to back with no synchronisation inside the loop, divided by ``calls``; one sample per loop.
+
+    After ``warmup`` calls. Each loop is followed by one synchronisation, outside the timed
+    region, so that the next loop starts with an empty queue. As long as the device keeps up
+    with the launches this is the time the host spends per call (Python, validation, dispatch,
+    launches); when one call's device time exceeds it, the launch queue fills and the loop
+    waits for the device (the ``host`` stage flags those rows, see ``device_bound``).
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+        _sync(device)
+    return _summarise(samples)
+
+
+def time_eager(fn, device, *, rep_ms: int = 100) -> Timing:
+    """Latency of one eager call: ``triton.testing.do_bench``'s median (and 20/80 percentiles)
+    on CUDA — CUDA events around each call, L2 flushed between calls —, wall clock on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time_cpu(fn, inner=1, outer=3, warmup=1)
+    try:
+        from triton.testing import do_bench
+    except ImportError:  # pragma: no cover - triton ships with torch's CUDA wheels
+        return time_cuda(fn, use_graph=False, inner=1, outer=30)
+    median, p20, p80 = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return Timing(median * 1e-3, p20 * 1e-3, p80 * 1e-3, 0)
+
+
+def time_once(fn, device) -> float:
+    """Seconds of one call of ``fn``, the device drained before and after (a first call's cost,
+    compilation included)."""
+    device = torch.device(device)
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
 
 
 @dataclass
@@ -329,6 +387,28 @@ def write_results(rows: list[Row], env: dict, out_dir: str, name: str, **meta) -
     return [json_path, csv_path]
 
 
+def _notes(r: Row) -> str:
+    """The console's last column: speed-ups and the measurements some stages add."""
+    e = r.extra
+    notes = [f"{k}={v:.2f}x" for k, v in e.items() if k.startswith("x_")]
+    if "of_dense" in e:
+        notes.append(f"{100 * e['of_dense']:.0f}% of dense mm")
+    if "peak_mib" in e:
+        notes.append(f"peak {e['peak_mib']:.0f} MiB")
+    if "activation_MiB" in e:
+        notes.append(f"activations {e['activation_MiB']:.1f} MiB")
+    if "per_index_select" in e:
+        notes.append(f"= {e['per_index_select']:.1f} index_select")
+    if "eager_us" in e:
+        graph = f", graph {e['graph_us']:.1f} us" if "graph_us" in e else ""
+        notes.append(f"eager {e['eager_us']:.1f} us{graph}")
+    if e.get("device_bound"):
+        notes.append("device-bound")
+    if "first_over_repeat" in e:
+        notes.append(f"T={e['new_T']}: first/repeated {e['first_over_repeat']:.2f}x")
+    return " ".join(notes)
+
+
 def print_table(rows: list[Row], env: dict, file=None) -> None:
     mm = "bf16" if env.get("mm_dtype", "bfloat16") == "bfloat16" else env["mm_dtype"]
     copy, rate = env["copy_TB_s"], env["bf16_mm_TFLOP_s"]
@@ -337,21 +417,17 @@ def print_table(rows: list[Row], env: dict, file=None) -> None:
         f"copy {copy:.3g} TB/s, {mm} mm {rate:.3g} TFLOP/s",
         file=file,
     )
+    wi = max([16, *(len(r.impl) + 2 for r in rows)])
     head = (
-        f"{'stage':<10}{'shape':<30}{'impl':<16}{'median us':>11}{'p20-p80':>22}"
-        f"{'GB/s':>8}{'roof':>7}  vs"
+        f"{'stage':<10}{'shape':<30}{'impl':<{wi}}{'median us':>11}{'p20-p80':>22}"
+        f"{'GB/s':>8}{'roof':>7}  notes"
     )
     print(head, file=file)
     print("-" * (len(head) + 20), file=file)
     for r in rows:
-        vs = " ".join(f"{k}={v:.2f}x" for k, v in r.extra.items() if k.startswith("x_"))
-        if "of_dense" in r.extra:
-            vs += f" {100 * r.extra['of_dense']:.0f}% of dense mm"
-        if "peak_mib" in r.extra:
-            vs += f" peak {r.extra['peak_mib']:.0f} MiB"
         print(
-            f"{r.stage:<10}{r.shape:<30}{r.impl:<16}{r.median_us:>11.1f}"
+            f"{r.stage:<10}{r.shape:<30}{r.impl:<{wi}}{r.median_us:>11.1f}"
             f"{f'{r.p20_us:.1f}-{r.p80_us:.1f}':>22}{r.achieved_gb_s:>8.0f}"
-            f"{100 * r.roofline_fraction:>6.0f}%  {vs.strip()}",
+            f"{100 * r.roofline_fraction:>6.0f}%  {_notes(r)}",
             file=file,
         )

@@ -19,11 +19,15 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from .backward import BACKWARD_STEPS, TOTAL
 from .harness import BASELINES, Row, add_speedups, row_from_dict
+from .profiling import OTHER
 
 BEGIN = "<!-- bench-results:begin -->"
 END = "<!-- bench-results:end -->"
-STAGE_ORDER = ("maps", "expand", "finalize", "gemm1", "gemm2+fin", "forward", "train")
+STAGE_ORDER = (
+    "maps", "expand", "finalize", "gemm1", "gemm2+fin", "forward", "train", "backward", "host",
+)  # fmt: skip
 # Tuning sweeps (tile / block / GEMM config) are not part of the tables or plots.
 _SWEEP_IMPL = re.compile(r"^(tile=|block=|\d+/\d+/)")
 # bench_moe.py before the suite labelled two shapes "decode T=64": its last one had the
@@ -126,7 +130,9 @@ def _fmt_ratio(x: float) -> str:
 
 
 def _fmt_mem(mib: float) -> str:
-    return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
+    if mib >= 1024:
+        return f"{mib / 1024:.1f} GiB"
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
 
 
 def describe_env(env: dict) -> str:
@@ -172,6 +178,8 @@ def stage_table(rows: list[Row], stage: str) -> str:
             cell = fmt_time(r.median_us)
             if show_mem and r.extra.get("peak_mib", float("nan")) == r.extra.get("peak_mib"):
                 cell += f", {_fmt_mem(r.extra['peak_mib'])}"
+            if "activation_MiB" in r.extra:
+                cell += f", act. {_fmt_mem(r.extra['activation_MiB'])}"
             if impl != primary and p is not None:
                 cell += f" ({_fmt_ratio(r.median_us / p.median_us)})"
             if r.extra.get("mismatch"):
@@ -186,6 +194,102 @@ def stage_table(rows: list[Row], stage: str) -> str:
             cells.append(roof)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def host_table(rows: list[Row], stage: str = "host") -> str:
+    """The host stage: a line per (shape, op) with its host time per call, that over one
+    ``index_select``'s, eager and CUDA-graph latency; then the first calls at new token counts."""
+    rows = [r for r in rows if r.stage == stage]
+    lines = [
+        "| shape | op | host time / call | ÷ index_select | eager | CUDA graph | eager ÷ graph |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e = r.extra
+        if "new_T" in e:
+            continue
+        host = fmt_time(r.median_us) + (" (device-bound)" if e.get("device_bound") else "")
+        graph = fmt_time(e["graph_us"]) if "graph_us" in e else "—"
+        if "graph" in e:
+            graph = "capture failed"
+        cells = [
+            r.shape,
+            r.impl,
+            host,
+            _fmt_ratio(e["per_index_select"]) if "per_index_select" in e else "—",
+            fmt_time(e["eager_us"]) if "eager_us" in e else "—",
+            graph,
+            _fmt_ratio(e["eager_over_graph"]) if "eager_over_graph" in e else "—",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = [r for r in rows if "new_T" in r.extra]
+    if first:
+        lines += [
+            "",
+            "`fused_moe`, first call at a token count not used before in the process (the "
+            "shape's power-of-two bucket), against the same calls repeated:",
+            "",
+            "| shape | new T | first calls | repeated call | worst first ÷ repeated |",
+            "|---|---|---|---|---|",
+        ]
+        for r in first:
+            e = r.extra
+            firsts = ", ".join(fmt_time(us) for us in e.get("first_us", []))
+            cells = [r.shape, ", ".join(str(t) for t in e["new_T"]), firsts,
+                     fmt_time(e["repeat_us"]), _fmt_ratio(e["first_over_repeat"])]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def backward_table(rows: list[Row], stage: str = "backward") -> str:
+    """The backward stage: a line per (shape, step), a column per implementation with the
+    step's device time and roofline fraction, and how many times faster the first one is."""
+    rows = [r for r in rows if r.stage == stage]
+    of = list(dict.fromkeys(r.extra.get("of", r.impl) for r in rows))
+    of.sort(key=lambda i: i != "moe_route")
+    steps = list(dict.fromkeys(r.extra.get("step", r.impl) for r in rows))
+    order = [*BACKWARD_STEPS, OTHER, TOTAL]
+    steps.sort(key=lambda s: order.index(s) if s in order else len(order))
+    by = {(r.shape, r.extra.get("of", r.impl), r.extra.get("step", r.impl)): r for r in rows}
+    head = ["shape", "step", *of]
+    if len(of) > 1:
+        head.append(f"{of[1]} ÷ {of[0]}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in _shapes(rows):
+        for step in steps:
+            found = [by.get((shape, impl, step)) for impl in of]
+            if not any(found):
+                continue
+            cells = [shape, step]
+            for r in found:
+                if r is None:
+                    cells.append("—")
+                elif r.floor_us > 0:
+                    cells.append(f"{fmt_time(r.median_us)} ({100 * r.roofline_fraction:.0f} %)")
+                else:
+                    cells.append(fmt_time(r.median_us))
+            if len(of) > 1:
+                a, b = found[0], found[1]
+                cells.append(_fmt_ratio(b.median_us / a.median_us) if a and b else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# Stages with a table of their own (and no place in the roofline / speed-up plots).
+OWN_TABLES = {"host": host_table, "backward": backward_table}
+STAGE_NOTES = {
+    "train": "Memory: peak allocated during forward + backward beyond what was allocated "
+    "before; act. = the same without the gradients the step returns (each from the moment it "
+    "is allocated): what the forward saves, its output, the temporaries of both passes.",
+    "host": "Host time per call: `time.perf_counter()` around many calls with no "
+    "synchronisation inside the loop, after warm-up (device-bound: the CUDA-graph latency is "
+    "at least 80 % of it, so the loop may have waited for the device). ÷ index_select: over one "
+    "`torch.index_select` of the expand's size timed the same way. Eager: `do_bench` median of "
+    "one call; CUDA graph: one call of a replayed graph of 10.",
+    "backward": "Device time per backward call of each step, from `torch.profiler` (kernels "
+    "grouped by name, moe_route/bench/backward.py), and in brackets its roofline fraction "
+    "(the step's own bytes and FLOPs); `other` are kernels no pattern matched, `total` all.",
+}
 
 
 def markdown(sources: list[Source], plots: dict | None = None, relative_to: str = ".") -> str:
@@ -213,7 +317,10 @@ def markdown(sources: list[Source], plots: dict | None = None, relative_to: str 
                 os.path.basename(s.path) for s in sources if any(r.stage == stage for r in s.rows)
             ]
             title += " (" + ", ".join(f"`{n}`" for n in names) + ")"
-        out += ["", title, "", stage_table(rows, stage)]
+        out += ["", title, ""]
+        if stage in STAGE_NOTES:
+            out += [STAGE_NOTES[stage], ""]
+        out.append(OWN_TABLES.get(stage, stage_table)(rows, stage))
     if plots:
         out += ["", "### plots", ""]
         for name, path in plots.items():
@@ -293,7 +400,7 @@ def _bars(ax, shapes, series: dict[str, list[float]]) -> None:
 
 def plot_roofline(sources: list[Source], path: str) -> str | None:
     rows = all_rows(sources)
-    stages = _stages(rows)
+    stages = [s for s in _stages(rows) if s not in OWN_TABLES]
     if not stages:
         return None
     fig, axes = _figure(len(stages))
@@ -320,7 +427,11 @@ def plot_roofline(sources: list[Source], path: str) -> str | None:
 
 def plot_speedup(sources: list[Source], path: str) -> str | None:
     rows = all_rows(sources)
-    stages = [s for s in _stages(rows) if any(r.impl in BASELINES for r in rows if r.stage == s)]
+    stages = [
+        s
+        for s in _stages(rows)
+        if s not in OWN_TABLES and any(r.impl in BASELINES for r in rows if r.stage == s)
+    ]
     if not stages:
         return None
     fig, axes = _figure(len(stages))

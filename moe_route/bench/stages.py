@@ -24,7 +24,11 @@ import torch
 import moe_route
 
 from . import baselines as B
+from .backward import applies as backward_applies
+from .backward import stage_backward
 from .harness import Ceilings, Row, make_row, time_auto
+from .host import stage_host
+from .profiling import step_memory
 
 # --------------------------------------------------------------------------- shapes
 
@@ -64,9 +68,11 @@ class Shape:
 
 
 # DESIGN.md "Measuring": model dimensions, the prefill token counts, and the decode ones.
+# olmoe-1b-7b (decode only): the small decode configuration of the host-time measurements.
 MODELS = {
     "mixtral-8x7b": {"H": 4096, "I": 14336, "E": 8, "K": 2, "prefill": (4096, 32768)},
     "qwen3-30b-a3b": {"H": 2048, "I": 768, "E": 128, "K": 8, "prefill": (8192, 32768)},
+    "olmoe-1b-7b": {"H": 2048, "I": 1024, "E": 64, "K": 8, "prefill": ()},
     "deepseek-v3": {"H": 7168, "I": 2048, "E": 256, "K": 8, "prefill": (4096, 16384)},
 }
 DECODE_T = (1, 8, 64)
@@ -216,6 +222,7 @@ class Context:
     # Other backends of the memory-bound stages to time too (e.g. "cupy" where it works).
     alt_backends: tuple[str, ...] = ()
     seed: int = 0
+    host_calls: int = 300  # calls per host-time loop (the host stage)
     rows: list[Row] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
     _inputs: Inputs | None = None
@@ -575,6 +582,15 @@ def saved_bytes(fn, inputs) -> int:
 def stage_train(shape: Shape, ctx: Context) -> None:
     """Forward + backward (w.r.t. x, w1, w2, topk_weights), peak memory, saved activations.
 
+    ``extra``: ``peak_mib`` (CUDA), the most memory allocated at once during forward + backward
+    beyond what was allocated before; ``activation_MiB``, the same without the gradients the
+    step returns (dx, dw1, dw2, d topk_weights), each left out from the moment it is allocated:
+    what the forward saves, its output and the temporaries of both passes
+    (:func:`.profiling.step_memory`); ``grads_MiB``, those gradients (``peak_mib - grads_MiB``
+    would undercount an implementation whose peak comes before its last gradient is
+    allocated); ``saved_bytes_per_token``, what autograd saves for the backward beyond the
+    inputs' storage, per token.
+
     Baselines: the ``_grouped_mm`` pipeline under autograd, and the per-expert loop with one
     weight tensor per expert (as an ``nn.ModuleList`` of experts has: indexing one ``[E, ...]``
     parameter per expert would make autograd add ``E`` full-size gradients).
@@ -658,6 +674,11 @@ def stage_train(shape: Shape, ctx: Context) -> None:
         )
         if saved is not None:
             row.extra["saved_bytes_per_token"] = saved / shape.T
+        one_step = step(fwd, wrt)
+        mem = ctx.attempt("train", shape, impl, lambda fn=one_step: step_memory(fn, ctx.device)[1])
+        if mem is not None:
+            row.extra["activation_MiB"] = mem.activation / 2**20
+            row.extra["grads_MiB"] = mem.grads / 2**20
         if is_ours:
             row.extra.update({f"rel_err_{k}": v for k, v in errs.items()})
 
@@ -698,9 +719,20 @@ for _stage in (
         ("forward",), cost=3.0,
     ),
     Stage(
-        "train", stage_train, "forward+backward, peak memory, saved activations; same baselines",
+        "train", stage_train,
+        "forward+backward, peak and activation memory, saved activations; same baselines",
         ("train",), applies=lambda s: not s.decode or (s.model == "cpu-tiny" and s.T >= 64),
         cost=4.0,
+    ),
+    Stage(
+        "backward", stage_backward,
+        "device time and roofline of each backward step (profiler) vs _grouped_mm autograd",
+        ("backward",), applies=backward_applies, cost=3.0,
+    ),
+    Stage(
+        "host", stage_host,
+        "host time per call of each op (÷ one index_select), eager vs CUDA-graph latency, "
+        "first call at a new T", ("host",), applies=lambda s: s.decode, cost=3.0,
     ),
 ):  # fmt: skip
     register_stage(_stage)

@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import torch
@@ -120,7 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--loop-max-tokens", type=int, default=8192, help="largest T for the loop baseline"
     )
-    p.add_argument("--out", help="output folder (default $OUT/bench, else bench/results)")
+    p.add_argument(
+        "--host-calls", type=int, metavar="N",
+        help="calls per host-time loop of the host stage (default 300, CPU 20)",
+    )  # fmt: skip
+    p.add_argument(
+        "--out", help="output folder (default $OUT/bench, else a new temporary folder; printed)"
+    )
     p.add_argument("--name", default="suite", help="stem of the JSON/CSV files (default: suite)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.add_argument(
@@ -139,11 +146,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _out_dir(args) -> str:
+    """``--out``, else ``$OUT/bench``, else a new temporary folder: never the source tree."""
     if args.out:
         return args.out
     if os.environ.get("OUT"):
         return os.path.join(os.environ["OUT"], "bench")
-    return os.path.join("bench", "results")
+    return tempfile.mkdtemp(prefix="moe_route_bench-")
 
 
 def _finish_outputs(paths: list[str], out_dir: str, args, stem: str) -> list[str]:
@@ -214,7 +222,10 @@ def run(args) -> int:
 
     budget = args.budget or (0.05 if cpu else 0.4 if args.quick else 1.0)
     out_dir = _out_dir(args)
-    print(f"bench: {len(units)} steps ({len(shapes)} shapes, {len(stages)} stages) -> {out_dir}")
+    print(
+        f"bench: {len(units)} steps ({len(shapes)} shapes, {len(stages)} stages); results go to "
+        f"{out_dir}"
+    )
     progress = Progress(1 + sum(st.cost for _, st in units))
     progress.step("measuring copy bandwidth and matmul rate")
     ceilings = Ceilings.measure(device)
@@ -226,6 +237,7 @@ def run(args) -> int:
         device=device, ceilings=ceilings, dtype=torch.float32 if cpu else torch.bfloat16,
         budget_s=budget, with_loop=not args.no_loop, loop_max_tokens=args.loop_max_tokens,
         backend="reference" if cpu else "auto", alt_backends=alt, seed=args.seed,
+        host_calls=args.host_calls or (20 if cpu else 300),
     )  # fmt: skip
     meta = {
         "schema": SCHEMA,

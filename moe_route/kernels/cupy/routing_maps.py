@@ -18,18 +18,29 @@ def _placing_shared_bytes(num_bins: int, warps: int) -> int:
     return 4 * num_bins * (1 + warps)  # cursor[num_bins] + warp_counts[warps][num_bins]
 
 
-def _warps(num_bins: int, device: torch.device, most: int) -> int:
-    """Warps per placing block: as many as fit the default shared memory, up to ``most``; one
-    with opt-in shared memory for very large E."""
-    fit = _DEFAULT_SHARED // (4 * num_bins) - 1
-    if fit >= 1:
-        return min(most, fit)
-    if _placing_shared_bytes(num_bins, 1) > _nvrtc.max_shared_memory(device):
+def max_num_experts(top_k: int, device: torch.device) -> int:
+    """The largest ``num_experts`` these kernels route ``top_k`` slots per token to on
+    ``device``: a placing block keeps ``E + K`` bins in shared memory, twice (cursor and one
+    warp's counters, 4 bytes each), within the opt-in maximum (e.g. 227 KiB on an H100: 29056
+    bins)."""
+    return _nvrtc.max_shared_memory(device) // _placing_shared_bytes(1, 1) - top_k
+
+
+def check_num_experts_supported(num_experts: int, top_k: int, device: torch.device) -> None:
+    """Raise ``ValueError`` (before any launch) if the bins do not fit one block on ``device``."""
+    most = max_num_experts(top_k, device)
+    if num_experts > most:
         raise ValueError(
-            f"the CuPy routing-maps kernels keep E + K = {num_bins} bin counters in shared memory, "
-            f"more than {device} holds; use backend='triton' for this many experts"
+            f"num_experts={num_experts} with K={top_k}: the CuPy routing-maps kernels keep "
+            f"E + K bin counters in shared memory, which on {device} holds E <= {most}; use "
+            "backend='triton' or 'reference' for more experts"
         )
-    return 1
+
+
+def _warps(num_bins: int, most: int) -> int:
+    """Warps per placing block: as many as fit the default shared memory, up to ``most``; one
+    with opt-in shared memory for very large E (:func:`check_num_experts_supported`)."""
+    return max(1, min(most, _DEFAULT_SHARED // (4 * num_bins) - 1))
 
 
 def routing_maps_cupy(
@@ -57,7 +68,7 @@ def routing_maps_cupy(
     idt = _ID_TYPES[topk_ids.dtype]
     problem = (np.int32(T), np.int32(K), np.int32(E), *_nvrtc.ints(*topk_ids.stride()))
     ptr = _nvrtc.ptr
-    if slots <= 32 * ITEMS * _warps(num_bins, device, ONE_TILE_WARPS):
+    if slots <= 32 * ITEMS * _warps(num_bins, ONE_TILE_WARPS):
         threads = 32 * -(-slots // (32 * ITEMS))
         k = _nvrtc.kernel("routing_maps.cu", f"maps_one_tile<{idt}>", device.index)
         args = (ptr(topk_ids), ptr(src_to_dest), ptr(dest_to_src), ptr(expert_for_src),
@@ -65,7 +76,7 @@ def routing_maps_cupy(
         shared = _placing_shared_bytes(num_bins, threads // 32)
         _nvrtc.launch(k, device, (1,), (threads,), args, shared)
         return
-    warps = _warps(num_bins, device, TILE_WARPS)
+    warps = _warps(num_bins, TILE_WARPS)
     tile = 32 * warps * ITEMS
     num_tiles = -(-slots // tile)
     scratch = torch.empty((2 * num_tiles + 1) * num_bins, dtype=torch.int32, device=device)

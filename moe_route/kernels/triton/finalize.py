@@ -122,6 +122,8 @@ def _finalize_backward_kernel(
     stride_yh,
     stride_wt,
     stride_wk,
+    stride_dyd,
+    stride_dyh,
     stride_gt,
     stride_gk,
     K: tl.constexpr,
@@ -147,7 +149,7 @@ def _finalize_backward_kernel(
             if NEED_DY:
                 w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0)
                 dy = tl.where(routed, w.to(ACC) * g, 0.0)
-                tl.store(dy_ptr + dest * stride_yd + cols * stride_yh,
+                tl.store(dy_ptr + dest * stride_dyd + cols * stride_dyh,
                          dy.to(dy_ptr.dtype.element_ty), mask=in_row)  # fmt: skip
             if NEED_DW:
                 row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed,
@@ -169,9 +171,10 @@ def finalize_backward_triton(
     dy: torch.Tensor | None,
     dw: torch.Tensor | None,
 ) -> None:
-    """Gradients of :func:`finalize_triton` w.r.t. ``y_perm`` (into ``dy``, same strides as
-    ``y_perm``) and ``topk_weights`` (into ``dw``), each skipped when ``None``. Rows of
-    ``dy`` that no slot owns (past ``T*K``) are not written; dropped slots' rows get zeros."""
+    """Gradients of :func:`finalize_triton` w.r.t. ``y_perm`` (into ``dy``) and
+    ``topk_weights`` (into ``dw``), each skipped when ``None``; every tensor is addressed
+    through its own strides (``dy`` need not be laid out like ``y_perm``). Rows of ``dy``
+    that no slot owns (past ``T*K``) are not written; dropped slots' rows get zeros."""
     T, K = topk_weights.shape
     H = dout.shape[1]
     if T == 0:
@@ -183,7 +186,8 @@ def finalize_backward_triton(
     _finalize_backward_kernel[(T,)](
         dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy_arg, dw_arg, T, H,
         dout.stride(0), dout.stride(1), y_perm.stride(0), y_perm.stride(1),
-        topk_weights.stride(0), topk_weights.stride(1), dw_arg.stride(0), dw_arg.stride(1),
+        topk_weights.stride(0), topk_weights.stride(1), dy_arg.stride(0), dy_arg.stride(1),
+        dw_arg.stride(0), dw_arg.stride(1),
         K=K, K_POW2=triton.next_power_of_2(K), NEED_DY=dy is not None, NEED_DW=dw is not None,
         ACC=acc, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip

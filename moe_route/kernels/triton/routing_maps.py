@@ -22,11 +22,61 @@ programs: the maps are the same bits on every run.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from . import ThinKernel, aligned
+
+#: Triton's cap on the elements of one tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``), on
+#: a GPU and under the interpreter alike. A program holds one counter per *bin* — E experts, K
+#: dropped-slot bins and the padding bin, rounded up to a power of two — so
+#: ``next_power_of_2(E + K + 1)`` may not exceed it (2**20 experts failed with Triton's own
+#: "numel exceeds triton maximum tensor numel").
+MAX_TENSOR_BINS = 2**20
+#: Shared memory per bin on a GPU: ``tl.histogram`` adds its warps' counts in a shared array of
+#: one int32 per bin (Triton's HistogramOpToLLVM), and ``tl.gather`` / layout conversions of
+#: the ``[bins]`` tensors stage them the same way (scratch buffers are reused, not summed). So a
+#: device holds at most ``shared_memory_per_block_optin / 4`` bins: 2**15 on an A100 (163 KiB),
+#: H100 or H200 (227 KiB), 2**14 on GPUs with 99 KiB. Derived from the lowering, not yet
+#: measured at the limit (tests/test_gpu.py::test_maps_gpu_at_the_expert_limit does).
+SHARED_BYTES_PER_BIN = 4
+
+
+def max_bins(device: torch.device | str = "cpu") -> int:
+    """Most bins (a power of two) one program of these kernels holds on ``device``."""
+    device = torch.device(device)
+    if device.type != "cuda":  # the interpreter: only Triton's tensor cap
+        return MAX_TENSOR_BINS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fit = _shared_memory_optin(index) // SHARED_BYTES_PER_BIN
+    return min(MAX_TENSOR_BINS, 1 << (fit.bit_length() - 1))
+
+
+@functools.cache
+def _shared_memory_optin(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def max_num_experts(top_k: int, device: torch.device | str = "cpu") -> int:
+    """The largest ``num_experts`` these kernels route ``top_k`` slots per token to."""
+    return max_bins(device) - top_k - 1
+
+
+def check_num_experts_supported(
+    num_experts: int, top_k: int, device: torch.device | str = "cpu"
+) -> None:
+    """Raise ``ValueError`` (before any launch) if ``E + K + 1`` bins do not fit one program."""
+    most = max_num_experts(top_k, device)
+    if num_experts > most:
+        raise ValueError(
+            f"num_experts={num_experts} with K={top_k}: the Triton routing-maps kernels hold "
+            f"E + K + 1 bin counters in one program, at most {max_bins(device)} on {device} "
+            f"(so E <= {most}); use backend='reference' for more experts"
+        )
+
 
 # NOTE: an in-program sort of n keys costs ~n log² n: on an H200 one 512-key tile took 5 µs,
 # 2048 keys 21 µs, 4096 keys 71 µs (bench/bench_routing.py --sweep). So one launch covers the

@@ -1,0 +1,200 @@
+"""Expert parallelism on one GPU: MoELayer(ep_group=...) over NCCL with W = 1.
+
+The whole expert-parallel path runs (statistics all-gathers, count exchange, the row
+all-to-alls forward and backward, fused_moe at K = 1 with the Triton kernels, the finalize at
+the origin), with this process as the only rank, and is compared with the plain layer built
+from the same state dict: routing equal, outputs and every gradient within the dtype's
+tolerance (bf16: the experts' outputs are rounded to bf16 before they travel, where the plain
+layer may reduce them unrounded). Then: the same bits on a second run, no host
+synchronisation in the fixed-capacity mode (and the one documented sync in the exact mode),
+and the fixed-capacity layer captured in a CUDA graph, forward and forward + backward,
+replayed equal to eager. The multi-GPU run is a separate job (torchrun, bench/bench_ep.py).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from moe_cases import assert_matches
+
+import moe_route
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not (dist.is_available() and dist.is_nccl_available()), reason="needs NCCL"),
+]
+
+CUDA = "cuda"
+H, INTER, E, K = 256, 128, 16, 4
+T = 333
+CONFIGS = {
+    "deepseek": dict(router="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     num_shared_experts=1, capacity_factor=1.25, aux_loss_coef=0.01,
+                     z_loss_coef=1e-3),
+    "qwen2": dict(num_shared_experts=1, shared_expert_gate=True, renormalize=False, bias=True,
+                  gate_up_layout="interleaved", aux_loss_coef=0.01),
+}  # fmt: skip
+MODES = {
+    "exact": dict(),
+    "fixed": dict(ep_capacity=T * K),  # every row fits: nothing dropped
+    "chunks": dict(ep_chunks=3),
+    "fixed-chunks": dict(ep_capacity=T * K, ep_chunks=2),
+}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2.5e-2}  # bf16: as tests/test_gpu_layer.py
+
+
+@pytest.fixture(scope="module")
+def group():
+    torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def make_pair(config, mode, group, dtype=torch.bfloat16):
+    """``(plain layer, expert-parallel layer)`` with the same parameters."""
+    torch.manual_seed(0)
+    kw = dict(CONFIGS[config], device=CUDA, dtype=dtype)
+    plain = moe_route.MoELayer(H, INTER, E, K, **kw)
+    with torch.no_grad():
+        if plain.expert_bias is not None:
+            plain.expert_bias.copy_(torch.linspace(-0.05, 0.05, E, device=CUDA))
+        for b in (plain.b1, plain.b2):
+            if b is not None:
+                b.normal_(0, 0.1)
+    ep = moe_route.MoELayer(H, INTER, E, K, **kw, **MODES[mode], ep_group=group)
+    ep.load_state_dict(plain.state_dict())
+    return plain, ep
+
+
+def make_x(dtype, seed=1):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(T, H, generator=g, device=CUDA).to(dtype)
+    return x, torch.randn(T, H, generator=g, device=CUDA).to(dtype)
+
+
+def step(layer, x, dout):
+    out = layer(x)
+    ((out.output.float() * dout.float()).sum() + out.aux_loss).backward()
+    return out
+
+
+def grads_of(layer, x, dout):
+    layer.zero_grad(set_to_none=True)
+    xl = x.detach().clone().requires_grad_(True)
+    out = step(layer, xl, dout)
+    return out, {"x": xl.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_w1_over_nccl_matches_the_plain_layer(group, config, mode, dtype):
+    plain, ep = make_pair(config, mode, group, dtype)
+    x, dout = make_x(dtype)
+    want, want_grads = grads_of(plain, x, dout)
+    got, got_grads = grads_of(ep, x, dout)
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert torch.equal(got.tokens_per_expert, want.tokens_per_expert)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=1e-7)
+    tol = TOL[dtype]
+    assert_matches(got.output, want.output, tol, what="output")
+    for name, g in want_grads.items():
+        assert_matches(got_grads[name], g, tol, what=f"grad of {name}", floor=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fixed-chunks"])
+def test_two_runs_give_the_same_bits(group, mode):
+    _, ep = make_pair("deepseek", mode, group)
+    x, dout = make_x(torch.bfloat16)
+    first, first_grads = grads_of(ep, x, dout)
+    second, second_grads = grads_of(ep, x, dout)
+    assert torch.equal(first.output, second.output)
+    assert torch.equal(first.aux_loss, second.aux_loss)
+    for name, g in first_grads.items():
+        assert torch.equal(g, second_grads[name]), name
+
+
+def test_fixed_capacity_never_waits_on_the_host_and_exact_mode_once(group):
+    _, fixed = make_pair("deepseek", "fixed-chunks", group)
+    _, exact = make_pair("deepseek", "exact", group)
+    x, dout = make_x(torch.bfloat16)
+    x.requires_grad_(True)
+    step(fixed, x, dout)  # warm-up: compile the kernels
+    step(exact, x, dout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(fixed, x, dout)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            exact(x)  # the split sizes' .tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _capture(fn):
+    """``fn`` warmed up on a side stream, captured in a CUDA graph; returns (graph, output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_fixed_capacity_forward_in_a_cuda_graph(group):
+    _, ep = make_pair("deepseek", "fixed-chunks", group)
+    x, _ = make_x(torch.bfloat16)
+    static_x = x.clone()
+
+    def forward():
+        with torch.no_grad():
+            return ep(static_x)
+
+    graph, static = _capture(forward)
+    for seed in (1, 2):  # new inputs copied in, replayed twice
+        x, _ = make_x(torch.bfloat16, seed)
+        static_x.copy_(x)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = forward()
+        assert torch.equal(static.output, eager.output)
+        assert torch.equal(static.aux_loss, eager.aux_loss)
+        assert torch.equal(static.topk_ids, eager.topk_ids)
+
+
+def test_fixed_capacity_forward_backward_in_a_cuda_graph(group):
+    _, ep = make_pair("qwen2", "fixed", group)
+    x, dout = make_x(torch.bfloat16)
+    x.requires_grad_(True)
+    params = [x, *ep.parameters()]
+    step(ep, x, dout)  # warm-up
+    for p in params:
+        p.grad = None
+    eager_out = step(ep, x, dout).output.clone()
+    eager = [p.grad.clone() for p in params]
+
+    def train():
+        for p in params:
+            p.grad = None
+        return step(ep, x, dout)
+
+    graph, static = _capture(train)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.output, eager_out)
+    for p, want in zip(params, eager, strict=True):
+        assert torch.equal(p.grad, want)
