@@ -39,16 +39,34 @@ class Op:
             self.function = _autograd_function(name, impl, setup_context, backward)
 
     def __call__(self, *args):
-        # A torch dispatch mode (fake tensors, functionalization, make_fx: what opcheck and
-        # AOTAutograd outside Dynamo trace a backward with) must see the custom op, not the
-        # kernels, which cannot run on its tensors.
-        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        if torch.compiler.is_compiling() or needs_dispatcher(args):
             return self.op(*args)
         if self.function is not None and torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, torch.Tensor) and a.requires_grad:
                     return self.function.apply(*args)
         return self.impl(*args)
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def needs_dispatcher(args) -> bool:
+    """Whether the kernels cannot run on ``args`` as they are, so the custom op's dispatch must
+    see them first: under a torch dispatch mode (fake tensors, functionalization, make_fx:
+    what opcheck and AOTAutograd outside Dynamo trace a backward with), or given a tensor
+    subclass that dispatches in Python (e.g. a functional collective's result, waited for
+    lazily, which has no storage of its own; a DTensor)."""
+    if torch._C._len_torch_dispatch_stack():
+        return True
+    for a in args:
+        if (
+            isinstance(a, torch.Tensor)
+            and type(a) is not torch.Tensor  # plain tensors pay one check; Parameters two
+            and torch._C._dispatch_keys(a).has(_PYTHON_KEY)
+        ):
+            return True
+    return False
 
 
 def _autograd_function(name, impl, setup_context, backward):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _checks, _interop, arch
-from ._dispatch import Op
+from ._dispatch import Op, needs_dispatcher
 from .kernels import torch_impl
 
 
@@ -188,7 +188,7 @@ _ROUTING_MAPS = Op("routing_maps", _routing_maps_impl, _routing_maps_fake)
 def maps_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> RoutingMaps:
     """Maps on a resolved backend, no checks (internal composition: ``fused_moe``, the layer)."""
     T, K = topk_ids.shape
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or needs_dispatcher((topk_ids,)):
         tables = _ROUTING_MAPS.op(topk_ids, num_experts, backend)
     else:
         tables = routing_maps_tables(topk_ids, num_experts, backend)

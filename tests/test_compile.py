@@ -1,4 +1,5 @@
-"""torch.compile and torch.library registration of the three routing ops.
+"""torch.compile and torch.library registration of the routing ops, and which eager calls take
+the custom op's dispatch instead of the kernels directly.
 
 The ops are ``torch.library.custom_op``s with fake implementations, so Dynamo traces the public
 functions into one graph (``fullgraph=True``) and Inductor calls the ops as opaque kernels.
@@ -154,3 +155,41 @@ def test_expand_finalize_gradients(backend, bias_kind):
     want = torch.autograd.grad(ref_loss, ref_leaves)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- eager dispatch
+# In eager mode the public functions call the kernels directly (moe_route._dispatch), except
+# where those cannot run on the tensors as they are: there the custom op's dispatch goes first.
+@requires_triton
+def test_tensor_subclass_inputs_go_through_the_dispatcher():
+    """A functional collective's lazily waited result (a wrapper subclass without storage, what
+    the expert-parallel layer hands to fused_moe) gives the plain tensors' bits."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    T, K, H, inter = 7, 2, 8, 6
+    x, ids, tw, _ = (t.to(DEVICE) for t in _inputs(T, K, H))
+    w1 = randn(E, 2 * inter, H, seed=5, device=DEVICE)
+    w2 = randn(E, H, inter, seed=6, device=DEVICE)
+    want = moe_route.fused_moe(x, w1, w2, tw, ids, backend="triton")
+    got = moe_route.fused_moe(AsyncCollectiveTensor(x), w1, w2, tw, ids, backend="triton")
+    assert torch.equal(got, want)
+    maps = moe_route.build_routing_maps(ids, E, backend="triton")
+    sub_maps = moe_route.build_routing_maps(AsyncCollectiveTensor(ids), E, backend="triton")
+    for a, b in zip(sub_maps.tensors(), maps.tensors(), strict=True):
+        assert torch.equal(a, b)
+    got = moe_route.expand_rows(AsyncCollectiveTensor(x), maps, backend="triton")
+    assert torch.equal(got, moe_route.expand_rows(x, maps, backend="triton"))
+
+
+@requires_triton
+def test_fake_tensor_mode_gets_the_fake_implementations():
+    """Under a dispatch mode (here fake tensors) no kernel sees the tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    T, K, H = 7, 2, 13
+    x, ids, tw, bias = (t.to(DEVICE) for t in _inputs(T, K, H))
+    with FakeTensorMode() as mode:
+        fx, fids, ftw, fbias = map(mode.from_tensor, (x, ids, tw, bias))
+        out, x_perm, offsets = _chain(fx, fids, ftw, fbias, backend="triton")
+    assert all(isinstance(t, FakeTensor) for t in (out, x_perm, offsets))
+    assert (out.shape, x_perm.shape, offsets.shape) == ((T, H), (T * K, H), (E + 1,))
