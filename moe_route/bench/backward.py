@@ -47,8 +47,8 @@ TOTAL = "total"
 # serves, in launch order: a kernel launched for several steps in one backward has its
 # launches split evenly among them, in this order. Update when kernels are renamed or split.
 MOE_ROUTE_KERNELS: dict[str, tuple[str, ...]] = {
-    r"_expert_tile_start": (DGEMM2, DX1),  # tile table of each grouped GEMM launch
-    r"_grouped_gemm": (DGEMM2, DX1),  # dz = act'(z)·w·(dout @ W2), then dx_perm = dz @ W1
+    r"_gemm_act_bwd": (DGEMM2,),  # dz = act'(z)·w·(dout @ W2), w·act(z), partial <g, h>
+    r"_gemm_kernel": (DX1,),  # dx_perm = dz @ W1
     r"_router_weight_grad": (ROUTER,),
     r"_expert_weight_grad": (DW2, DW1),
     r"_finalize": (EXPAND,),  # dx[t] = sum over k of dx_perm
