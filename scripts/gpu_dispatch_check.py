@@ -18,21 +18,16 @@ import triton
 
 import moe_route
 from moe_route import reference as R
+from moe_route.bench.harness import time_host
 
 DEV = torch.device("cuda")
 N = 300
 
 
 def host_us(fn, n=N):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    """Host µs per call: the suite's :func:`moe_route.bench.harness.time_host` (median of 3
+    loops of ``n`` unsynchronised calls)."""
+    return time_host(fn, "cuda", calls=n, warmup=10).median_s * 1e6
 
 
 def graph_us(fn, reps=10):

@@ -7,27 +7,20 @@ one table; the numbers decide how thin the eager path has to be (issue: dispatch
 
 from __future__ import annotations
 
-import time
-
 import torch
 import triton
 import triton.language as tl
 
 import moe_route
+from moe_route.bench.harness import time_host
 
 N = 300
 
 
 def host_us(fn, n: int = N) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    """Host µs per call: the suite's :func:`moe_route.bench.harness.time_host` (median of 3
+    loops of ``n`` unsynchronised calls)."""
+    return time_host(fn, "cuda", calls=n, warmup=20).median_s * 1e6
 
 
 @triton.jit
