@@ -105,7 +105,7 @@ def expand_rows_reference(
     N = dest_to_src.numel()
     x_perm = x[dest_to_src % T] if T > 0 else x.new_zeros(N, x.shape[1])
     routed = torch.arange(N, device=x.device) < expert_first_token_offset[-1]
-    return torch.where(routed.unsqueeze(1), x_perm, torch.zeros((), dtype=x.dtype))
+    return x_perm.masked_fill(~routed.unsqueeze(1), 0)
 
 
 # --------------------------------------------------------------------------- activations
