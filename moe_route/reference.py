@@ -19,11 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .activations import GATED_KINDS, NAMES, Activation, as_activation
+from .activations import Activation, as_activation
 
-#: Activation names (each also takes parameters: see :mod:`moe_route.activations`).
-ACTIVATIONS = NAMES
-GATED_ACTIVATIONS = tuple(GATED_KINDS)
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 
 
