@@ -18,6 +18,7 @@ import torch
 
 from . import _checks, arch
 from ._dispatch import Op
+from .activations import Activation, as_activation
 from .grouped_gemm import (
     bias_dtypes,
     check_gemm_args,
@@ -235,7 +236,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "swiglu",
+    activation: str | Activation = "swiglu",
     gate_up_layout: str = "concat",
     b1: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
@@ -253,7 +254,8 @@ def fused_moe(
         w1: ``[E, 2I, H]`` (gated) or ``[E, I, H]``, any strided view; w2: ``[E, H, I]``.
         topk_weights: ``[T, K]`` router weights; topk_ids: ``[T, K]`` expert ids (``-1``
             drops a slot).
-        activation, gate_up_layout: as :func:`moe_route.grouped_gemm`.
+        activation, gate_up_layout: as :func:`moe_route.grouped_gemm` (a name, a name with
+            parameters, or a :class:`moe_route.Activation`).
         b1: ``[E, 2I or I]``; b2: ``[E, H]`` (scaled by the router weight, as part of the expert).
         bias: ``[H]`` or ``[T, H]`` added once per token (e.g. the residual).
         finalize: ``"auto"``, ``"fused"`` (GEMM2's epilogue reduces into the output, no
@@ -275,7 +277,11 @@ def fused_moe(
     forward saves GEMM1's pre-activation ``[T*K, 2I or I]`` and the routing, nothing else; the
     backward is deterministic and skips the gradients nobody asked for.
     """
-    E, n_inter = check_gemm_args("x", x, "w1", w1, "b1", b1, activation, gate_up_layout)
+    spec = as_activation(activation)
+    E, n_inter = check_gemm_args("x", x, "w1", w1, "b1", b1, spec, gate_up_layout)
+    # The op and the plan carry the spec as its canonical string: a constant for
+    # torch.library / torch.compile, and a key of the plan cache with its parameters.
+    activation = str(spec)
     T, H = x.shape
     _checks.check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,))
     if tuple(w2.shape) != (E, H, n_inter):

@@ -25,12 +25,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_route.activations import KIND_CODES
 from moe_route.kernels.triton import grouped_gemm as gg
-from moe_route.kernels.triton.activation import ACT_CODES
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)]
-SWIGLU = dict(ACT=ACT_CODES["silu"], GATED=True)
+SWIGLU = dict(ACT=KIND_CODES["silu"], GATED=True)
 # name -> (kernel, the constexprs that select its epilogue)
 VARIANTS = {
     "gemm2": (gg._gemm_kernel, dict()),
@@ -60,7 +60,7 @@ def _params(kernel):
 def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     bm, bn, bk, group_m, warps, stages = cfg
     const = dict(
-        ACT=0, GATED=False, ALPHA=1.0, LIMIT=None, UP_OFFSET=0.0, INTERLEAVED=False,
+        ACT=0, GATED=False, ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, INTERLEAVED=False,
         HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -13,7 +13,8 @@ time so that consecutive programs reuse the same weight columns in L2.
 The main loop (:func:`_mainloop`) is shared; each kernel owns one epilogue:
 
 * :func:`_gemm_kernel` — GEMM1 and GEMM2: bias, then the activation (plain, or gated with gate
-  and up accumulators over the same ``A`` tile, ``W1`` rows gate-then-up or interleaved), and
+  and up accumulators over the same ``A`` tile, ``W1`` rows gate-then-up or interleaved; its
+  math and parameters in :mod:`.activation`, from a :class:`GemmEpilogue`), and
   with ``STORE_PRE`` (training) also the pre-activation ``z``, rounded to the input dtype, from
   which the activation is then computed (the backward recomputes ``act(z)`` from the saved
   ``z`` and must see the forward's bits). ``GATHER`` reads ``A`` row ``d`` as
@@ -75,14 +76,21 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class GemmEpilogue:
-    """What GEMM1's epilogue computes: the activation and its parameters, the layout."""
+    """What GEMM1's epilogue computes: the activation and its parameters, the layout.
 
-    #: element-wise activation code (:data:`.activation.ACT_CODES`).
+    Built from a :class:`moe_route.activations.Activation` by
+    :func:`moe_route.grouped_gemm.epilogue_for`; every field is a constexpr of the kernels
+    (and part of their launch key)."""
+
+    #: element-wise kind's code (:data:`moe_route.activations.KIND_CODES`).
     act: int = 0
     gated: bool = False
     interleaved: bool = False
+    #: silu's slope: ``x · sigmoid(alpha · x)``.
     alpha: float = 1.0
-    limit: float | None = None
+    #: clamp of gate (from above) and up (both sides) of a gated activation; ``0.0``: none.
+    limit: float = 0.0
+    #: added to the clamped up.
     up_offset: float = 0.0
 
 
