@@ -27,11 +27,11 @@ them with ``monkeypatch``):
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ._env import flag, getenv
 from .kernels.cupy import cupy_install_hint, import_cupy  # noqa: F401  (re-exported)
 
 BACKENDS = ("triton", "cupy", "torch")
@@ -50,7 +50,7 @@ FUSED_FINALIZE_WINS = False
 
 def triton_interpreter_enabled() -> bool:
     """True when Triton kernels are interpreted on the CPU (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return flag("TRITON_INTERPRET")
 
 
 @functools.cache
@@ -75,7 +75,7 @@ def compute_capability(device: torch.device) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    forced = os.environ.get("MOE_ROUTE_ARCH", "")
+    forced = getenv("MOE_ROUTE_ARCH")
     if forced:
         return int(forced)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -84,7 +84,7 @@ def compute_capability(device: torch.device) -> int | None:
 
 
 def _env_choice(name: str, allowed: tuple[str, ...]) -> str:
-    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    value = getenv(name, "auto").strip().lower() or "auto"
     value = BACKEND_ALIASES.get(value, value) if name == "MOE_ROUTE_BACKEND" else value
     if value != "auto" and value not in allowed:
         raise ValueError(
@@ -289,14 +289,25 @@ def cached_backend(device: torch.device, requested: str = "auto") -> str:
     return chosen
 
 
+_FINALIZE_CACHE: dict = {}
+
+
+def cached_finalize_path(device: torch.device, requested: str, deterministic: bool) -> str:
+    """:func:`finalize_path_for`'s answer (the value), cached like :func:`cached_backend`."""
+    key = (device, requested, deterministic, env_key())
+    chosen = _FINALIZE_CACHE.get(key)
+    if chosen is None:
+        chosen = _FINALIZE_CACHE[key] = finalize_path_for(device, requested, deterministic).value
+    return chosen
+
+
 def env_key() -> tuple[str, str, str, str]:
     """The environment overrides a plan depends on (part of every plan cache key)."""
-    env = os.environ
     return (
-        env.get("MOE_ROUTE_BACKEND", ""),
-        env.get("MOE_ROUTE_FINALIZE", ""),
-        env.get("MOE_ROUTE_ARCH", ""),
-        env.get("TRITON_INTERPRET", ""),
+        getenv("MOE_ROUTE_BACKEND"),
+        getenv("MOE_ROUTE_FINALIZE"),
+        getenv("MOE_ROUTE_ARCH"),
+        getenv("TRITON_INTERPRET"),
     )
 
 

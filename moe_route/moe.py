@@ -309,7 +309,7 @@ def fused_moe(
     _checks.check_same_device(
         x=x, w1=w1, w2=w2, b2=b2, bias=bias, topk_weights=topk_weights, topk_ids=ids
     )
-    path = arch.finalize_path_for(x.device, finalize, deterministic).value
+    path = arch.cached_finalize_path(x.device, finalize, deterministic)
     if gather is None:
         # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6% at
         # mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and deepseek-v3

@@ -28,9 +28,9 @@ recorded = []
 orig = kt.ThinKernel.launch
 
 
-def spy(self, key, grid, *args, **constexprs):
-    recorded.append((self, key, grid, args, constexprs))
-    return orig(self, key, grid, *args, **constexprs)
+def spy(self, key, grid, args, constexprs):
+    recorded.append((self, key, grid, args, constexprs()))
+    return orig(self, key, grid, args, constexprs)
 
 
 kt.ThinKernel.launch = spy
@@ -55,7 +55,7 @@ print(f"index_select host us: {per_call(lambda: x.index_select(0, idx)):.1f}")
 with open(os.path.join(out_dir, "launcher_structure.txt"), "w") as f:
     for self, key, *_ in recorded:
         device = torch.cuda.current_device()
-        compiled = self._compiled[(device, key)]
+        compiled, _ = self._compiled[(device, key)]
         run = compiled.run
         f.write(f"== {self.fn.__name__}: run={type(run)} attrs={sorted(vars(run))}\n")
         launch = getattr(run, "launch", None)
@@ -79,8 +79,7 @@ with open(os.path.join(out_dir, "launcher_structure.txt"), "w") as f:
 
 def probe_one(self, key, grid, args, cx):
     device = torch.cuda.current_device()
-    compiled = self._compiled[(device, key)]
-    values = tuple(cx[name] for name in self._constexpr_names)
+    compiled, values = self._compiled[(device, key)]
     stream = torch._C._cuda_getCurrentRawStream(device)
     g = (*grid, 1, 1)
 

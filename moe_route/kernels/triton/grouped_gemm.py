@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned
+from . import ThinKernel, aligned, cdiv, next_pow2
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 
 #: Rows per step of the ordered fused finalize's reduction.
@@ -526,7 +526,7 @@ def _acc(dtype: torch.dtype):
 
 def _m_tiles(M: int, E: int, bm: int) -> int:
     # Σ_e cdiv(rows_e, bm) + cdiv(dropped, bm) <= cdiv(M, bm) + E + 1, whatever the routing.
-    return triton.cdiv(M, bm) + E + 1
+    return cdiv(M, bm) + E + 1
 
 
 def grouped_gemm_triton(
@@ -577,19 +577,23 @@ def grouped_gemm_triton(
         aligned(a, w, out, b, z, offsets, dest_to_src),
     )  # fmt: skip
     _GEMM.launch(
-        key, (m_tiles * triton.cdiv(n_out, bn),),
-        a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z, b,
-        offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1), z.stride(0),
-        b.stride(0) if bias is not None else 0, b.stride(1) if bias is not None else 0,
-        ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-        UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
-        HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=pre_activation is not None,
-        ACC=_acc(a.dtype), DOT_PRECISION=_precision(a.dtype, allow_tf32),
-        A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
-        EVEN_K=kd % bk == 0, E_POW2=triton.next_power_of_2(E + 1), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        key, (m_tiles * cdiv(n_out, bn),),
+        (
+            a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
+            b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+            out.stride(1), z.stride(0), b.stride(0) if bias is not None else 0,
+            b.stride(1) if bias is not None else 0,
+        ),
+        lambda: dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
+            HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=pre_activation is not None,
+            ACC=_acc(a.dtype), DOT_PRECISION=_precision(a.dtype, allow_tf32),
+            A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
+            EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),
     )  # fmt: skip
 
 
@@ -619,7 +623,7 @@ def grouped_gemm_act_backward_triton(
     T = topk_weights.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     acc_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
-    partial = torch.empty(M, triton.cdiv(n_out, bn), dtype=acc_dtype, device=dout.device)
+    partial = torch.empty(M, cdiv(n_out, bn), dtype=acc_dtype, device=dout.device)
     if M == 0 or n_out == 0:
         return partial
     w_desc, w_kmajor = _w_descriptor(w2t, bn, bk, cfg.use_tma)
@@ -631,17 +635,21 @@ def grouped_gemm_act_backward_triton(
         aligned(dout, w2t, wh, z, dz, topk_weights, offsets, dest_to_src),
     )  # fmt: skip
     _ACT_BWD.launch(
-        key, (m_tiles * triton.cdiv(n_out, bn),),
-        dout, w2t, w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
-        offsets, dest_to_src, E, M, m_tiles, n_out, kd, T,
-        dout.stride(0), dout.stride(1), w2t.stride(0), w2t.stride(1), w2t.stride(2),
-        wh.stride(0), wh.stride(1), z.stride(0), topk_weights.stride(0), topk_weights.stride(1),
-        ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-        UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
-        DOT_PRECISION=_precision(dout.dtype, allow_tf32), W_DESC=w_desc is not None,
-        W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0, E_POW2=triton.next_power_of_2(E + 1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        key, (m_tiles * cdiv(n_out, bn),),
+        (
+            dout, w2t, w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
+            offsets, dest_to_src, E, M, m_tiles, n_out, kd, T, dout.stride(0), dout.stride(1),
+            w2t.stride(0), w2t.stride(1), w2t.stride(2), wh.stride(0), wh.stride(1), z.stride(0),
+            topk_weights.stride(0), topk_weights.stride(1),
+        ),
+        lambda: dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
+            DOT_PRECISION=_precision(dout.dtype, allow_tf32), W_DESC=w_desc is not None,
+            W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
     )  # fmt: skip
     return partial
 
@@ -684,7 +692,7 @@ def grouped_gemm_finalize_triton(
     y = h.new_empty(M, n_out) if ordered else out  # the ordered epilogue's scratch rows
     counter = out
     if ordered:
-        counter = torch.zeros(T, triton.cdiv(n_out, bn), dtype=torch.int32, device=h.device)
+        counter = torch.zeros(T, cdiv(n_out, bn), dtype=torch.int32, device=h.device)
     fb = bias if bias is not None else out
     sfbt, sfbh = (
         (0, 0) if bias is None else (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
@@ -698,20 +706,22 @@ def grouped_gemm_finalize_triton(
         aligned(h, w2, out, b, fb, topk_weights, offsets, dest_to_src, src_to_dest, expert_for_src),
     )  # fmt: skip
     _FINALIZE.launch(
-        key, (m_tiles * triton.cdiv(n_out, bn),),
-        h, a_desc if a_desc is not None else h, w2, w_desc if w_desc is not None else w2, y, b,
-        offsets, dest_to_src, topk_weights, out, counter, src_to_dest, expert_for_src, fb,
-        E, M, m_tiles, n_out, kd, T,
-        h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        y.stride(0), y.stride(1),
-        b.stride(0) if b2 is not None else 0, b.stride(1) if b2 is not None else 0,
-        topk_weights.stride(0), topk_weights.stride(1), out.stride(0), out.stride(1),
-        sfbt, sfbh,
-        ORDERED=ordered, HAS_BIAS=b2 is not None, FINAL_BIAS=ordered and bias is not None,
-        TOP_K=K if ordered else 1, ACC=_acc(h.dtype),
-        DOT_PRECISION=_precision(h.dtype, allow_tf32), A_DESC=a_desc is not None,
-        W_DESC=w_desc is not None, W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0,
-        E_POW2=triton.next_power_of_2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, RED_M=min(bm, RED_ROWS), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        key, (m_tiles * cdiv(n_out, bn),),
+        (
+            h, a_desc if a_desc is not None else h, w2, w_desc if w_desc is not None else w2, y, b,
+            offsets, dest_to_src, topk_weights, out, counter, src_to_dest, expert_for_src, fb, E,
+            M, m_tiles, n_out, kd, T, h.stride(0), h.stride(1), w2.stride(0), w2.stride(1),
+            w2.stride(2), y.stride(0), y.stride(1), b.stride(0) if b2 is not None else 0,
+            b.stride(1) if b2 is not None else 0, topk_weights.stride(0), topk_weights.stride(1),
+            out.stride(0), out.stride(1), sfbt, sfbh,
+        ),
+        lambda: dict(
+            ORDERED=ordered, HAS_BIAS=b2 is not None, FINAL_BIAS=ordered and bias is not None,
+            TOP_K=K if ordered else 1, ACC=_acc(h.dtype),
+            DOT_PRECISION=_precision(h.dtype, allow_tf32), A_DESC=a_desc is not None,
+            W_DESC=w_desc is not None, W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0,
+            E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=cfg.group_m, RED_M=min(bm, RED_ROWS), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
     )  # fmt: skip
