@@ -17,7 +17,7 @@ from .finalize import finalize_moe_routing
 from .grouped_gemm import grouped_gemm
 from .layer import MoELayer, MoEOutput
 from .maps import RoutingMaps, build_routing_maps
-from .moe import fused_moe
+from .moe import fused_moe, warmup
 from .permute import expand_rows
 from .routing import (
     apply_capacity,
@@ -50,4 +50,5 @@ __all__ = [
     "sigmoid_grouped_topk",
     "softmax_topk",
     "tokens_per_expert",
+    "warmup",
 ]

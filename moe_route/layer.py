@@ -20,8 +20,9 @@ from torch import nn
 from . import _checks
 from .activations import Activation, as_activation
 from .arch import check_backend_name
-from .grouped_gemm import GEMM_DTYPES
-from .moe import fused_moe
+from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
+from .maps import maps_op
+from .moe import moe_plan, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
 from .reference import GATE_UP_LAYOUTS, activation_reference
@@ -34,8 +35,8 @@ from .routing import (
     router_z_loss,
     sigmoid_grouped_topk,
     softmax_topk,
-    tokens_per_expert,
 )
+from .tuning import token_buckets
 
 FINALIZE_CHOICES = ("auto", "fused", "standalone")
 # What every rank of an expert-parallel group must agree on (checked at construction).
@@ -448,33 +449,69 @@ class MoELayer(nn.Module):
 
         # float32 losses, float64 for a float64 router (gradcheck)
         sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lb = z = torch.zeros((), dtype=sdt, device=x.device)
+        lb = z = aux = torch.zeros((), dtype=sdt, device=x.device)
         if self.aux_loss_coef:
             lb = load_balancing_loss(self.router_probs(logits), ids, E)
         if self.z_loss_coef:
             z = router_z_loss(logits)
-        aux = self.aux_loss_coef * lb + self.z_loss_coef * z
+        if self.aux_loss_coef or self.z_loss_coef:
+            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
 
         if self.capacity_factor is not None:
             cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
             ids = apply_capacity(ids, E, cap, backend=self.backend)
 
-        out = fused_moe(
-            x2, self.w1, self.w2, weights, ids, activation=self._activation,
-            gate_up_layout=self.gate_up_layout, b1=self.b1, b2=self.b2,
-            bias=self.shared_expert(x2), finalize=self.finalize,
-            deterministic=self.deterministic, backend=self.backend,
+        # The router made the ids and the parameters are the layer's own (shapes fixed at
+        # construction, load_state_dict checks them): none of fused_moe's argument checks,
+        # one plan, and the maps' offsets give the counts (one op instead of eight).
+        act = self.activation
+        plan = moe_plan(x2, self.w1, self.w2, self.top_k, act, self.gate_up_layout,
+                        self.finalize, self.deterministic, None, False, self.backend)  # fmt: skip
+        check_interpreter_dtype("x", x2, plan.backend)
+        maps = maps_op(ids, E, plan.maps_backend)
+        out = run_experts(
+            plan, x2, self.w1, self.w2, weights, maps, act, self.gate_up_layout, self.b1,
+            self.b2, self.shared_expert(x2),
         )  # fmt: skip
         return MoEOutput(
             output=out.view(x.shape),
             aux_loss=aux,
             router_logits=logits,
-            tokens_per_expert=tokens_per_expert(ids, E),
+            tokens_per_expert=maps.tokens_per_expert(),
             topk_ids=ids,
             topk_weights=weights,
             load_balancing_loss=lb,
             z_loss=z,
         )
+
+    def warmup(self, max_tokens: int, *, backward: bool = False) -> list[int]:
+        """Compile every kernel this layer launches for up to ``max_tokens`` tokens per call
+        (one forward per token bucket on random tokens, and a backward when ``backward``:
+        gradients computed and dropped, nothing accumulates into ``.grad``, the global RNG
+        untouched); see :func:`moe_route.warmup`. An expert-parallel layer runs collectives:
+        call it on every rank. Returns the buckets warmed."""
+        buckets = token_buckets(max_tokens)
+        p = self.w1
+        gen = torch.Generator(device=p.device).manual_seed(0)
+        for T in buckets:
+            x = torch.randn(T, self.hidden_size, device=p.device, dtype=p.dtype, generator=gen)
+            if not backward:
+                with torch.no_grad():
+                    self(x)
+                continue
+            with torch.enable_grad():
+                x.requires_grad_()
+                out = self(x)
+                inputs = [x, *(q for q in self.parameters() if q.requires_grad)]
+                dout = torch.randn(x.shape, device=p.device, dtype=p.dtype, generator=gen)
+                outs, grads = [out.output], [dout]
+                if out.aux_loss.requires_grad:
+                    outs.append(out.aux_loss)
+                    grads.append(torch.ones_like(out.aux_loss))
+                torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        if p.device.type == "cuda":
+            torch.cuda.synchronize(p.device)
+        return buckets
 
     # ------------------------------------------------------------------ expert bias
     @torch.no_grad()

@@ -28,7 +28,7 @@ from .grouped_gemm import (
 )
 from .kernels import torch_impl
 from .maps import check_kernel_limits, maps_backend, maps_op
-from .tuning import token_bucket
+from .tuning import token_bucket, token_buckets
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ class MoEPlan:
     maps_backend: str
     #: launch configurations (Triton), or None.
     configs: object
+    #: the finalize path: ``"standalone"``, ``"fused"`` or ``"fused_atomic"``.
+    path: str
+    #: GEMM1 reads its rows from ``x`` through the maps (no expand).
+    gather: bool
 
 
 @functools.cache
@@ -52,7 +56,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
     maps_chosen = maps_backend(device, backend, bucket, K)
     check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
-        return MoEPlan("torch", maps_chosen, None)
+        return MoEPlan("torch", maps_chosen, None, path, gather)
     epi = epilogue_for(activation, layout)
     M = bucket * K
     gemm1, act_bwd, _, wgrad1 = gemm_configs(device, dtype, E, M, epi.gated, w2_shape[2],
@@ -62,7 +66,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
         epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
     )  # fmt: skip
-    return MoEPlan("triton", maps_chosen, cfg)
+    return MoEPlan("triton", maps_chosen, cfg, path, gather)
 
 
 def _plan_for(x, w1, w2, K, activation, layout, path, gather, allow_tf32, backend):
@@ -309,25 +313,90 @@ def fused_moe(
     _checks.check_same_device(
         x=x, w1=w1, w2=w2, b2=b2, bias=bias, topk_weights=topk_weights, topk_ids=ids
     )
+    plan = moe_plan(x, w1, w2, ids.shape[1], activation, gate_up_layout, finalize,
+                    deterministic, gather, allow_tf32, backend)  # fmt: skip
+    check_interpreter_dtype("x", x, plan.backend)
+    if _checks.ids_value_check_wanted(ids, None):
+        _checks.check_topk_id_values(ids, E)
+    maps = maps_op(ids, E, plan.maps_backend)
+    return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,
+                       bias, allow_tf32)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- internal entry
+def moe_plan(x, w1, w2, K, activation: str, gate_up_layout: str, finalize: str,
+             deterministic: bool, gather: bool | None, allow_tf32: bool,
+             backend: str) -> MoEPlan:  # fmt: skip
+    """The plan of a call (arguments already checked; ``activation`` canonical)."""
     path = arch.cached_finalize_path(x.device, finalize, deterministic)
     if gather is None:
         # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6% at
         # mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and deepseek-v3
         # (I=2048) the expand cost more than it saved (bench/bench_moe.py --sweep).
-        gather = n_inter < 4096
-    K = ids.shape[1]
-    plan = _plan_for(x, w1, w2, K, activation, gate_up_layout, path, gather, allow_tf32, backend)
-    check_interpreter_dtype("x", x, plan.backend)
-    if _checks.ids_value_check_wanted(ids, None):
-        _checks.check_topk_id_values(ids, E)
-    maps = maps_op(ids, E, plan.maps_backend)
+        gather = w2.shape[2] < 4096
+    return _plan_for(x, w1, w2, K, activation, gate_up_layout, path, gather, allow_tf32, backend)
+
+
+def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
+                gate_up_layout: str, b1=None, b2=None, bias=None,
+                allow_tf32: bool = False) -> torch.Tensor:  # fmt: skip
+    """The experts on checked inputs and built maps (``fused_moe`` after its checks, and
+    :class:`moe_route.MoELayer`, whose own router made the ids)."""
     store_z = _wants_grad(x, w1, w2, topk_weights, b1, b2, bias)
     out, _ = MOE(
         x, w1, w2, topk_weights, b1, b2, bias, *maps.tensors(), activation, gate_up_layout,
-        path, gather, allow_tf32, plan.backend, store_z,
+        plan.path, plan.gather, allow_tf32, plan.backend, store_z,
     )  # fmt: skip
     return out
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------- warm-up
+def warmup(
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    max_tokens: int,
+    *,
+    backward: bool = False,
+    **kwargs,
+) -> list[int]:
+    """Compile every kernel ``fused_moe`` will launch for up to ``max_tokens`` tokens.
+
+    Kernels are compiled per token *bucket* (``T`` rounded up to a power of two), so this
+    runs one call per bucket ``1, 2, 4, ..., >= max_tokens`` on random tokens and routing with
+    these weights (and ``kwargs``, as :func:`fused_moe` takes them: ``activation``, ``b1``,
+    ``finalize``, ``backend``, ...) and float32 router weights, plus its backward (gradients
+    of ``x``, the router weights and every weight that requires grad, none accumulated into
+    ``.grad``) when ``backward``. Afterwards no call with these shapes, dtypes and flags
+    compiles anything, whatever its ``T <= max_tokens`` (serving without compile pauses).
+    Returns the buckets warmed. Synchronises the device (once, at the end).
+    """
+    buckets = token_buckets(max_tokens)
+    E, H = w1.shape[0], w2.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k!r}: expected an int in [1, num_experts = {E}]")
+    gen = torch.Generator(device=w1.device).manual_seed(0)
+    for T in buckets:
+        x = torch.randn(T, H, device=w1.device, dtype=w1.dtype, generator=gen)
+        logits = torch.randn(T, E, device=w1.device, generator=gen)
+        weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        ids = ids.to(torch.int32)
+        if not backward:
+            with torch.no_grad():
+                fused_moe(x, w1, w2, weights, ids, **kwargs)
+            continue
+        with torch.enable_grad():
+            inputs = [t.requires_grad_() for t in (x, weights)]
+            inputs += [w for w in (w1, w2, kwargs.get("b1"), kwargs.get("b2"))
+                       if w is not None and w.requires_grad]  # fmt: skip
+            out = fused_moe(x, w1, w2, weights, ids, **kwargs)
+            # autograd.grad, not backward(): nothing accumulates into the caller's .grad
+            dout = torch.randn(out.shape, device=w1.device, dtype=out.dtype, generator=gen)
+            torch.autograd.grad(out, inputs, dout)
+    if w1.device.type == "cuda":
+        torch.cuda.synchronize(w1.device)
+    return buckets

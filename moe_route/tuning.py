@@ -17,6 +17,13 @@ def token_bucket(T: int) -> int:
     return 1 << (T - 1).bit_length() if T > 0 else 0
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every bucket a call with ``1 <= T <= max_tokens`` tokens falls in (what a warm-up runs)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
+    return [1 << i for i in range((max_tokens - 1).bit_length() + 1)]
+
+
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
     """GEMM1 / GEMM2 / fused-finalize tiles.
 

@@ -39,6 +39,10 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+#: every :class:`ThinKernel` made (for :func:`launch_keys`)
+KERNELS: list[ThinKernel] = []
+
+
 class ThinKernel:
     """A ``@triton.jit`` function launched through a cache of its compiled variants.
 
@@ -54,6 +58,7 @@ class ThinKernel:
     def __init__(self, fn):
         self.fn = fn
         self._compiled: dict = {}
+        KERNELS.append(self)
         params = getattr(fn, "params", None)
         if params is None:  # the interpreter wraps the function differently
             params = fn.fn.params if hasattr(fn, "fn") and hasattr(fn.fn, "params") else []
@@ -77,6 +82,12 @@ class ThinKernel:
             g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
             compiled.packed_metadata, None, None, None, *args, *values,
         )  # fmt: skip
+
+
+def launch_keys() -> int:
+    """How many (device, launch key) variants all thin kernels have launched: a new one means a
+    compile or, at best, Triton's own cache lookup (the tests count them across token counts)."""
+    return sum(len(k._compiled) for k in KERNELS)
 
 
 def _hooks_set() -> bool:
