@@ -104,14 +104,17 @@ class Choice:
 # NOTE: measured on an H200 by bench/bench_cupy.py (E=256, K=8; two runs of 3 alternating
 # repeats, run-to-run spread <= 3.5 %): the CuPy routing-maps kernels ran 1.15x the Triton ones
 # at 512 slots (T=64), 1.02x at 2048 (T=256), 1.25x at 131072 (T=16384) and 1.44x at 262144
-# (T=32768), and tied at 32768 slots (T=4096). "auto" picks them where they won, when CuPy is
-# installed. Expand (0.985-0.997x) and finalize (0.70-0.78x) stayed Triton's.
-CUPY_MAPS_MAX_SMALL_SLOTS = 2048
+# (T=32768), and tied at 32768 slots (T=4096). Expand (0.985-0.997x) and finalize
+# (0.70-0.78x) stayed Triton's. At the small sizes the device time saved is under 1 µs, while
+# CuPy's launch path costs the host several times Triton's thin launch (H100 host stage, qwen3:
+# 50-66 µs per build_routing_maps call at T=1..64), and small calls are the host-bound ones; so
+# "auto" picks CuPy (when installed) only from CUPY_MAPS_MIN_LARGE_SLOTS up, where the device
+# time dominates.
 CUPY_MAPS_MIN_LARGE_SLOTS = 131072
 
 
 def _cupy_maps_faster(slots: int) -> bool:
-    return slots <= CUPY_MAPS_MAX_SMALL_SLOTS or slots >= CUPY_MAPS_MIN_LARGE_SLOTS
+    return slots >= CUPY_MAPS_MIN_LARGE_SLOTS
 
 
 @functools.cache
@@ -328,9 +331,9 @@ def describe(device: torch.device | str) -> dict[str, str]:
         "backend": chosen,
     }
     if chosen.startswith("triton") and device.type == "cuda":
-        small, large = CUPY_MAPS_MAX_SMALL_SLOTS, CUPY_MAPS_MIN_LARGE_SLOTS
+        large = CUPY_MAPS_MIN_LARGE_SLOTS
         which = "cupy" if _cupy_usable() else "triton (cupy if CuPy were installed)"
-        info["  routing maps"] = f"{which} at T*K <= {small} or >= {large} slots [measured faster]"
+        info["  routing maps"] = f"{which} at T*K >= {large} slots [measured faster]"
     for backend_name, available in backend_availability(device).items():
         info[f"  {backend_name}"] = f"{available.value:<4} [{available.why}]"
     info["finalize path"] = f"{path.value}  [{path.why}]"
