@@ -32,9 +32,9 @@ from .routing import (
     check_groups,
     expert_capacity,
     load_balancing_loss,
+    route_softmax,
     router_z_loss,
     sigmoid_grouped_topk,
-    softmax_topk,
 )
 from .tuning import token_buckets
 
@@ -387,7 +387,7 @@ class MoELayer(nn.Module):
         """``(topk_weights [T, K], topk_ids [T, K])`` of this layer's router for ``[T, E]``
         logits (before any capacity drop)."""
         if self.router == "softmax":
-            weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
+            weights, ids = route_softmax(logits, self.top_k, self.renormalize, self.backend)
             if self.routed_scaling_factor != 1.0:
                 weights = weights * self.routed_scaling_factor
             return weights, ids

@@ -476,6 +476,9 @@ def softmax_topk_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loop: softmax, the ``k`` most probable experts, optionally renormalised.
 
+    The experts rank by logit (the probabilities' order, without ties that only the rounding of
+    ``exp`` makes), ties to the lower id. Finite logits only.
+
     Returns ``(topk_weights [T, K] float32, topk_ids [T, K] int32)``.
     """
     weights, ids = [], []
@@ -484,7 +487,7 @@ def softmax_topk_reference(
         exps = [_math.exp(v - top) for v in row]
         total = sum(exps)
         probs = [v / total for v in exps]
-        chosen = _ranked(probs, range(len(row)))[:k]
+        chosen = _ranked(row, range(len(row)))[:k]
         w = [probs[e] for e in chosen]
         if renormalize:
             s = sum(w)
