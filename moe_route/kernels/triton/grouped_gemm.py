@@ -99,15 +99,20 @@ IDENTITY = GemmEpilogue()
 
 # --------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _program_tile(M_TILES, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+def _swizzle(tile, M_TILES, n_tiles, GROUP_M: tl.constexpr):
+    """``(m_tile, n_tile)`` of flat tile index ``tile``: ``GROUP_M`` m-tiles at a time sweep
+    every n-tile, so that consecutive tiles reuse the same weight columns in L2."""
     in_group = GROUP_M * n_tiles
-    first_m = (pid // in_group) * GROUP_M
+    first_m = (tile // in_group) * GROUP_M
     group_size = tl.minimum(M_TILES - first_m, GROUP_M)
-    m_tile = first_m + (pid % in_group) % group_size
-    n_tile = (pid % in_group) // group_size
+    m_tile = first_m + (tile % in_group) % group_size
+    n_tile = (tile % in_group) // group_size
     return m_tile, n_tile
+
+
+@triton.jit
+def _program_tile(M_TILES, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    return _swizzle(tl.program_id(0), M_TILES, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
 
 
 @triton.jit
@@ -120,23 +125,36 @@ def _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_expert(offsets_ptr, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """``(e, first_row, row_end)`` of m-tile ``m_tile``; ``e == E`` past the routed tiles
-    (``first_row`` is then the first row of this dropped-row tile)."""
+def _expert_ends(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """The first m-tile after each expert (``E_POW2`` lanes; the lanes past ``E`` hold the
+    number of routed m-tiles): a prefix sum of the experts' tile counts, in registers."""
     ex = tl.arange(0, E_POW2)
     lo = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     hi = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
-    tiles = ((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
-    ends = tl.cumsum(tiles, 0)  # first m-tile after expert e
-    # Experts whose tiles all come before m_tile: exactly the experts before m_tile's expert.
-    e = tl.sum(((ends <= m_tile) & (ex < E)).to(tl.int32), axis=0)
-    start = tl.sum(tl.where(ex == e, ends - tiles, 0), axis=0)
-    routed_tiles = tl.sum(tiles, axis=0)
-    past = e >= E
-    start = tl.where(past, routed_tiles, start)
+    return tl.cumsum(((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32), 0)
+
+
+@triton.jit
+def _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """``(e, first_row, row_end)`` of m-tile ``m_tile`` from :func:`_expert_ends`; ``e == E``
+    past the routed tiles (``first_row`` is then the first row of this dropped-row tile)."""
+    ex = tl.arange(0, E_POW2)
+    # The experts whose tiles all come before m_tile are a prefix (ends never decreases), of
+    # length e; the last of them ends where m_tile's expert starts. One reduction finds both:
+    # the largest (end, index + 1) pair of that prefix, packed (index + 1 < E_POW2).
+    before = (ends <= m_tile) & (ex < E)
+    key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
+    e = (key % E_POW2).to(tl.int32)
+    start = key // E_POW2
     first_row = tl.load(offsets_ptr + e) + (m_tile - start) * BLOCK_M
     row_end = tl.load(offsets_ptr + tl.minimum(e + 1, E))
     return e, first_row, row_end
+
+
+@triton.jit
+def _tile_expert(offsets_ptr, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    return _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
 
 
 @triton.jit
@@ -231,37 +249,42 @@ def _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER: tl.constexpr):
 
 
 # --------------------------------------------------------------------------- GEMM1 / GEMM2
-@triton.jit(do_not_specialize=_VARYING)
-def _gemm_kernel(
-    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
-    E, M_ROWS, M_TILES, N_OUT, KD, T,
+@triton.jit
+def _zero_rows(out_ptr, z_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_on, stride_zm,
+               GATED: tl.constexpr, STORE_PRE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """A tile of the dropped rows ``[offset[E], M)``: zeros in ``out`` (and ``z``)."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M_ROWS) & (cols < N_OUT)[None, :]
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on, zeros,
+             mask=mask)  # fmt: skip
+    if STORE_PRE:  # all columns of z, gate and up, whatever the layout
+        z_zero = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
+        tl.store(z_zero, zeros, mask=mask)
+        if GATED:
+            tl.store(z_zero + N_OUT, zeros, mask=mask)
+
+
+@triton.jit
+def _gemm_tile(
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e, first_row,
+    row_end, n_tile, N_OUT, KD, T,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
-    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
-    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
-        return
-    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
+    main loop, bias, pre-activation, activation, store."""
     rows = first_row + tl.arange(0, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
-    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros, then done
-        mask = (rows[:, None] < M_ROWS) & col_ok[None, :]
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-                 zeros, mask=mask)  # fmt: skip
-        if STORE_PRE:  # all columns of z, gate and up, whatever the layout
-            z_zero = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
-            tl.store(z_zero, zeros, mask=mask)
-            if GATED:
-                tl.store(z_zero + N_OUT, zeros, mask=mask)
-        return
     row_ok = rows < row_end
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
     a_rows = _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER)
@@ -293,6 +316,36 @@ def _gemm_kernel(
         h = plain_forward(acc, ACT)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _gemm_kernel(
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
+    E, M_ROWS, M_TILES, N_OUT, KD, T,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
+    stride_be, stride_bn,
+    ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
+    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros, then done
+        _zero_rows(out_ptr, z_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_on,
+                   stride_zm, GATED, STORE_PRE, BLOCK_M, BLOCK_N)  # fmt: skip
+        return
+    _gemm_tile(
+        a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e, first_row,
+        row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+        stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
+        UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC,
+        W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- activation bwd
