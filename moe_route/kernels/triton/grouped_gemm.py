@@ -20,6 +20,12 @@ The main loop (:func:`_mainloop`) is shared; each kernel owns one epilogue:
   ``z`` and must see the forward's bits). ``GATHER`` reads ``A`` row ``d`` as
   ``x[dest_to_src[d] mod T]``: ``x_perm`` is never written. Programs past the experts write
   zeros to the dropped rows ``[offset[E], M)``, so every output row is defined.
+  :func:`_gemm_persistent_kernel` (``GemmConfig.persistent``) does the same work with a few
+  programs per SM, each looping over the routed tiles with a stride of the grid (the grouped
+  order above; the tiles' experts from one prefix sum per program; an exact loop bound read
+  from ``offsets`` on the device, so no host sync and a routing-independent grid), the
+  loop flattened so that the next tile's loads overlap this tile's epilogue. Each tile is
+  computed by the same :func:`_gemm_tile`: the same arithmetic in both kernels.
 * :func:`_gemm_act_bwd_kernel` — GEMM2's backward with the activation's backward:
   ``g[d] = dout[t] @ W2[e]`` (``A`` gathered from ``dout``, ``W = W2`` seen as ``[E, I, H]``);
   the epilogue recomputes ``h[d] = act(z[d])``, writes ``w[t,k]·h[d]`` (for ``dW2``), the
@@ -42,6 +48,7 @@ specialised: a new ``T`` reuses the compiled kernel of its tile configuration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +79,12 @@ class GemmConfig:
     num_stages: int
     #: Load the non-gathered operands through TMA descriptors (SM90+, 16-bit, aligned).
     use_tma: bool = False
+    #: GEMM1 / GEMM2 (:func:`grouped_gemm_triton`) only: programs per SM of the persistent
+    #: kernel (0: one program per tile). The other kernels take the per-tile grid whatever
+    #: this says.
+    persistent: int = 0
+    #: With ``persistent`` and every operand read through TMA: a warp-specialised loop.
+    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
@@ -348,6 +361,54 @@ def _gemm_kernel(
     )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=_VARYING)
+def _gemm_persistent_kernel(
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
+    E, M_ROWS, M_TILES, N_OUT, KD, T,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
+    stride_be, stride_bn,
+    ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
+    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
+
+    Program ``p`` of ``P`` takes tiles ``p, p + P, ...`` of the routed tiles, numbered
+    ``GROUP_M``-swizzled over ``(m_tile, n_tile)``; the experts' tile ends are summed once per
+    program, so the loop bound is exact (``routed m-tiles x n-tiles``, read from ``offsets``
+    on the device: no host sync, the grid does not depend on the routing) and the loop body has
+    no branch, for the compiler to flatten and software-pipeline across tiles. The dropped rows'
+    zero tiles follow in a second loop, in reverse program order (the programs that got one
+    tile fewer above take them first). ``M_TILES`` (the per-tile kernel's bound) is unused.
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    routed_tiles = tl.max(ends, axis=0)
+    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    for tile in tl.range(pid, routed_tiles * n_tiles, programs, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        m_tile, n_tile = _swizzle(tile, routed_tiles, n_tiles, GROUP_M)
+        e, first_row, row_end = _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
+        _gemm_tile(
+            a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e,
+            first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn,
+            stride_wk, stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA,
+            LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION,
+            A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    routed = tl.load(offsets_ptr + E)
+    zero_tiles = tl.cdiv(M_ROWS - routed, BLOCK_M) * n_tiles
+    for tile in range(programs - 1 - pid, zero_tiles, programs):
+        _zero_rows(out_ptr, z_ptr, routed + (tile // n_tiles) * BLOCK_M, tile % n_tiles, M_ROWS,
+                   N_OUT, stride_om, stride_on, stride_zm, GATED, STORE_PRE, BLOCK_M,
+                   BLOCK_N)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- activation bwd
 @triton.jit(do_not_specialize=_VARYING)
 def _gemm_act_bwd_kernel(
@@ -532,6 +593,7 @@ def _gemm_finalize_kernel(
 
 # --------------------------------------------------------------------------- launchers
 _GEMM = ThinKernel(_gemm_kernel)
+_GEMM_PERSISTENT = ThinKernel(_gemm_persistent_kernel)
 _ACT_BWD = ThinKernel(_gemm_act_bwd_kernel)
 _FINALIZE = ThinKernel(_gemm_finalize_kernel)
 
@@ -582,6 +644,23 @@ def _m_tiles(M: int, E: int, bm: int) -> int:
     return cdiv(M, bm) + E + 1
 
 
+#: The persistent kernel's stand-in SM count off CUDA (the interpreter): small, so that the
+#: programs' tile loops wrap several times in the CPU tests.
+CPU_SMS = 3
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device); :data:`CPU_SMS` off CUDA."""
+    if device.type != "cuda":
+        return CPU_SMS
+    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def grouped_gemm_triton(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -621,6 +700,7 @@ def grouped_gemm_triton(
     if not (epilogue.gated and epilogue.interleaved):
         w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)
     m_tiles = _m_tiles(M, E, bm)
+    tiles = m_tiles * cdiv(n_out, bn)
     z = pre_activation if pre_activation is not None else out
     b = bias if bias is not None else out
     key = (
@@ -629,16 +709,9 @@ def grouped_gemm_triton(
         a_desc is not None, w_desc is not None, w_kmajor, allow_tf32, E, n_out, kd,
         aligned(a, w, out, b, z, offsets, dest_to_src),
     )  # fmt: skip
-    _GEMM.launch(
-        key, (m_tiles * cdiv(n_out, bn),),
-        (
-            a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
-            b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
-            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-            out.stride(1), z.stride(0), b.stride(0) if bias is not None else 0,
-            b.stride(1) if bias is not None else 0,
-        ),
-        lambda: dict(
+
+    def constexprs():
+        cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
             UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
             HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=pre_activation is not None,
@@ -646,7 +719,25 @@ def grouped_gemm_triton(
             A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
             EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if cfg.persistent:
+            # the automatic warp specialisation wants every load of the loop through TMA
+            cx["WARP_SPECIALIZE"] = cfg.warp_specialize and cx["A_DESC"] and cx["W_DESC"]
+        return cx
+
+    kernel, grid = _GEMM, tiles
+    if cfg.persistent:
+        kernel, grid = _GEMM_PERSISTENT, min(tiles, cfg.persistent * num_sms(a.device))
+    kernel.launch(
+        key, (grid,),
+        (
+            a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
+            b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+            out.stride(1), z.stride(0), b.stride(0) if bias is not None else 0,
+            b.stride(1) if bias is not None else 0,
         ),
+        constexprs,
     )  # fmt: skip
 
 
