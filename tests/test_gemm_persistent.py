@@ -270,3 +270,24 @@ def test_tuning_defaults_and_override(monkeypatch):
     assert tuning.act_backward_config(32, 768, torch.bfloat16, 90).persistent == 0
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "0")
     assert tuning.gemm_config(512, False, torch.bfloat16, 90).persistent == 0
+
+
+# ----------------------------------------------------------------------------- the GPU sweep
+def test_gemm_sweep_smoke(tmp_path, capsys):
+    """scripts/gemm_sweep.py at its --smoke size (the interpreter): every persistent config
+    runs and matches the per-tile kernel, the CSV and the tuning suggestion come out."""
+    import csv
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "gemm_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemm_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    assert sweep.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "gemm_sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    persistent = [r for r in rows if r["kernel"] == "persistent"]
+    assert {r["gemm"] for r in rows} == {"gemm1", "gemm1_xperm", "gemm2"}
+    assert persistent and all(r["status"] == "ok" for r in persistent), persistent
+    assert "return GemmConfig(" in capsys.readouterr().out
