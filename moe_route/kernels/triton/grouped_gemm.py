@@ -686,6 +686,9 @@ def grouped_gemm_triton(
             row ``d`` reads ``x[dest_to_src[d] mod T]`` (``x_perm`` never exists).
         num_rows: ``M = T*K`` (default ``a.shape[0]``).
         pre_activation: ``[M, N]`` contiguous rows; also write GEMM1's pre-activation there.
+
+    ``cfg.persistent``: the persistent kernel on ``cfg.persistent * num_sms`` programs (at most
+    the per-tile grid), the same output.
     """
     E, n_w, kd = w.shape
     n_out = n_w // 2 if epilogue.gated else n_w
