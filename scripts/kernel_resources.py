@@ -37,6 +37,8 @@ VARIANTS = {
     "gemm1 swiglu gather": (gg._gemm_kernel, dict(SWIGLU, GATHER=True)),
     "gemm1 swiglu gather + z": (gg._gemm_kernel, dict(SWIGLU, GATHER=True, STORE_PRE=True)),
     "gemm2 bwd + swiglu bwd": (gg._gemm_act_bwd_kernel, dict(SWIGLU, W_KMAJOR=True)),
+    "gemm2 persistent": (gg._gemm_persistent_kernel, dict()),
+    "gemm1 swiglu gather pers.": (gg._gemm_persistent_kernel, dict(SWIGLU, GATHER=True, ONE_DOT=1)),
     "gemm2 + ordered finalize": (gg._gemm_finalize_kernel, dict(ORDERED=True)),
     "gemm2 + atomic finalize": (gg._gemm_finalize_kernel, dict(ORDERED=False)),
 }
@@ -64,7 +66,7 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS),
+        GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
     )  # fmt: skip
     const.update(epilogue)
     # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).
@@ -78,6 +80,8 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     if missing:
         raise KeyError(f"no value for the constexprs {missing}")
     w_block = f"[1, {bk}, {bn}]" if const["W_KMAJOR"] else f"[1, {bn}, {bk}]"
+    if const["ONE_DOT"]:  # gate and up rows in one box (the persistent kernel's gated GEMM1)
+        w_block = f"[1, 2, {bn}, {bk}]" if const["ONE_DOT"] == 1 else f"[1, {2 * bn}, {bk}]"
     sig = {}
     for name, is_const in params:
         if is_const:
@@ -107,7 +111,10 @@ def ptxas_report(kernel, arch) -> str:
                          capture_output=True, text=True, check=True)  # fmt: skip
     os.unlink(f.name)
     lines = [ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines()]
-    return "; ".join(ln for ln in lines if "registers" in ln or "spill" in ln)
+    report = "; ".join(ln for ln in lines if "registers" in ln or "spill" in ln)
+    if "wgmma.mma_async instructions are serialized" in run.stderr:  # ptxas warning C7515
+        report = "WGMMA SERIALIZED; " + report
+    return report
 
 
 def main(argv=None) -> int:

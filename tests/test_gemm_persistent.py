@@ -95,22 +95,36 @@ def test_persistent_epilogues(monkeypatch, spy, activation, layout, bias, gather
     assert torch.equal(out, per_tile)
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
 @pytest.mark.parametrize("gather", [False, True], ids=["perm", "gather"])
-def test_persistent_fp16_tma(monkeypatch, gather):
+def test_persistent_fp16_tma(monkeypatch, gather, layout):
     """fp16 with the TMA descriptors forced on (the interpreter emulates them; it wants row
-    strides in multiples of 16 elements, hence H = I = 32): ``A`` tiles
-    that run past their expert's rows (and past ``M``) are read and never stored; GEMM2 reads
-    ``W2`` stored k-major (``w2_t.transpose(1, 2)``)."""
-    a, w, b, maps = gemm_case(37, 2, 5, 32, 32, "swiglu", dtype=torch.float16, bias=True,
+    strides in multiples of 16 elements): ``A`` tiles that run past their expert's rows (and
+    past ``M``) are read and never stored; a gated ``W1``'s gate and up rows come in one box
+    (``ONE_DOT``; concat through the ``[E, 2, I, H]`` view; I = 48 with 32-wide n-tiles, so
+    that the last n-tile's gate rows run past I into zero fill, not into the up rows); GEMM2
+    reads ``W2`` stored k-major (``w2_t.transpose(1, 2)``)."""
+    inter, cfg = 48, dataclasses.replace(PER_TILE, block_n=32)
+    a, w, b, maps = gemm_case(37, 2, 5, 32, inter, "swiglu", dtype=torch.float16, bias=True,
                               gather=gather, seed=4)  # fmt: skip
-    kw = dict(activation="swiglu", gather=gather, use_tma=True)
+    kw = dict(activation="swiglu", layout=layout, gather=gather, use_tma=True, config=cfg)
+    seen = []
+    launch_persistent = gk._GEMM_PERSISTENT.launch
+
+    def spy(key, grid, args, constexprs):
+        seen.append(constexprs())
+        return launch_persistent(key, grid, args, constexprs)
+
+    monkeypatch.setattr(gk._GEMM_PERSISTENT, "launch", spy)
     per_tile, h = both(monkeypatch, 2, a, w, maps, b, **kw)
-    ref = gemm_reference(a, w, maps, b, activation="swiglu", gather=gather)
+    assert seen[-1]["ONE_DOT"] == (2 if layout == "interleaved" else 1)
+    assert seen[-1]["W_DESC"] and seen[-1]["A_DESC"] == (not gather)
+    ref = gemm_reference(a, w, maps, b, activation="swiglu", layout=layout, gather=gather)
     assert_matches(h, ref, TOL[torch.float16])
     assert_dropped_rows_zero(h, maps)
     assert torch.equal(h, per_tile)
-    w2 = rand(5, 32, 32, dtype=torch.float16, scale=32**-0.5, seed=5).transpose(1, 2)
-    y_tile, y = both(monkeypatch, 2, h, w2, maps, use_tma=True)
+    w2 = rand(5, inter, 32, dtype=torch.float16, scale=inter**-0.5, seed=5).transpose(1, 2)
+    y_tile, y = both(monkeypatch, 2, h, w2, maps, use_tma=True, config=cfg)
     assert_matches(y, gemm_reference(h, w2, maps), TOL[torch.float16], what="GEMM2")
     assert_dropped_rows_zero(y, maps)
     assert torch.equal(y, y_tile)

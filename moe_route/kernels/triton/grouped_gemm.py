@@ -186,7 +186,7 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
               TWO: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
               W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
               ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr = 0):  # fmt: skip
     """``A[rows] @ W[e][w_rows].T`` (and, with ``TWO``, ``@ W[e][up_rows].T``) over ``Kd``.
 
     ``w_rows`` / ``up_rows`` must be in bounds (callers clamp the columns past ``N``: their
@@ -195,13 +195,20 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
     With ``A_DESC`` / ``W_DESC`` the tiles come through TMA descriptors (Hopper): rows past the
     expert or the matrix are read (or zero-filled) but never stored. ``N_UP`` is the first up
     row for the descriptor path (concat layout).
+
+    ``ONE_DOT`` (gated, ``W_DESC``, instead of ``TWO``): the gate and up rows of the tile come
+    in one ``[2*BLOCK_N, BLOCK_K]`` TMA box and go through one MMA into one ``[BLOCK_M,
+    2*BLOCK_N]`` accumulator, split after the loop: ``1``, concat rows through ``w_desc`` over
+    ``W`` viewed ``[E, 2, N_UP, Kd]`` (box ``[1, 2, BLOCK_N, BLOCK_K]``); ``2``, interleaved rows
+    ``2*n0 ...`` (box ``[1, 2*BLOCK_N, BLOCK_K]``).
     """
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
     u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    ACC_N: tl.constexpr = 2 * BLOCK_N if ONE_DOT else BLOCK_N
+    acc = tl.zeros([BLOCK_M, ACC_N], dtype=ACC)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
@@ -211,7 +218,11 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC and W_KMAJOR:
+        if ONE_DOT == 1:
+            wg = tl.reshape(w_desc.load([e, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K]).T
+        elif ONE_DOT == 2:
+            wg = tl.reshape(w_desc.load([e, 2 * n0, k0]), [2 * BLOCK_N, BLOCK_K]).T
+        elif W_DESC and W_KMAJOR:
             wg = tl.reshape(w_desc.load([e, k0, n0]), [BLOCK_K, BLOCK_N])
         elif W_DESC:
             wg = tl.reshape(w_desc.load([e, n0, k0]), [BLOCK_N, BLOCK_K]).T
@@ -233,6 +244,10 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
             u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
+    if ONE_DOT == 1:  # columns: BLOCK_N gate, then BLOCK_N up
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    elif ONE_DOT == 2:  # columns: gate, up, gate, up, ...
+        acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     return acc, acc_up
 
 
@@ -291,7 +306,7 @@ def _gemm_tile(
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
     main loop, bias, pre-activation, activation, store."""
@@ -306,7 +321,8 @@ def _gemm_tile(
     acc, acc_up = _mainloop(
         a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_gate, w_up,
         n_tile * BLOCK_N, N_OUT, KD, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-        GATED, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC, BLOCK_M, BLOCK_N, BLOCK_K,
+        GATED and not ONE_DOT, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC, BLOCK_M,
+        BLOCK_N, BLOCK_K, ONE_DOT,
     )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
@@ -357,7 +373,7 @@ def _gemm_kernel(
         row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
         stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
         UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC,
-        W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 0,
     )  # fmt: skip
 
 
@@ -373,7 +389,7 @@ def _gemm_persistent_kernel(
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr,
 ):  # fmt: skip
     """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
 
@@ -384,6 +400,8 @@ def _gemm_persistent_kernel(
     no branch, for the compiler to flatten and software-pipeline across tiles. The dropped rows'
     zero tiles follow in a second loop, in reverse program order (the programs that got one
     tile fewer above take them first). ``M_TILES`` (the per-tile kernel's bound) is unused.
+    ``ONE_DOT``: a gated ``W1``'s gate and up rows through one TMA box and one accumulator
+    (see :func:`_mainloop` and the launcher's note).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -399,7 +417,7 @@ def _gemm_persistent_kernel(
             first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn,
             stride_wk, stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA,
             LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION,
-            A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, ONE_DOT,
         )  # fmt: skip
     routed = tl.load(offsets_ptr + E)
     zero_tiles = tl.cdiv(M_ROWS - routed, BLOCK_M) * n_tiles
@@ -621,6 +639,21 @@ def _w_descriptor(w, bn, bk, use_tma):
     return None, False
 
 
+def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
+    """``(w_desc, one_dot)`` reading a gated ``W1``'s gate and up rows of an n-tile in one TMA
+    box (``_mainloop``'s ``ONE_DOT``), or ``(None, 0)``."""
+    if w.dtype not in (torch.float16, torch.bfloat16) or 2 * bn > 256:  # a TMA box side <= 256
+        return None, 0
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if interleaved:
+        return (TensorDescriptor.from_tensor(w, [1, 2 * bn, bk]), 2) if _tma_ok(w) else (None, 0)
+    halves = w.unflatten(1, (2, n_out))  # [E, 2, N_out, Kd]: gate rows, then up rows
+    if not _tma_ok(halves):
+        return None, 0
+    return TensorDescriptor.from_tensor(halves, [1, 2, bn, bk]), 1
+
+
 def _a_descriptor(a, bm, bk, use_tma):
     if not use_tma or a.dtype not in (torch.float16, torch.bfloat16) or not _tma_ok(a):
         return None
@@ -699,8 +732,14 @@ def grouped_gemm_triton(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     gather = dest_to_src is not None
     a_desc = None if gather else _a_descriptor(a, bm, bk, cfg.use_tma)
-    w_desc, w_kmajor = (None, False)
-    if not (epilogue.gated and epilogue.interleaved):
+    w_desc, w_kmajor, one_dot = None, False, 0
+    if cfg.persistent and cfg.use_tma and epilogue.gated:
+        # NOTE: with gate and up in two accumulators, the persistent kernel's flattened loop
+        # made ptxas serialise the wgmma instructions (warning C7515, sm_90a, Triton 3.5.1:
+        # a select resets an accumulator between wgmma and its wait; scripts/kernel_resources.py);
+        # one accumulator of twice the width, as GEMM2 has, compiles without it.
+        w_desc, one_dot = _gate_up_descriptor(w, n_out, bn, bk, epilogue.interleaved)
+    if w_desc is None and not (epilogue.gated and epilogue.interleaved):
         w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)
     m_tiles = _m_tiles(M, E, bm)
     tiles = m_tiles * cdiv(n_out, bn)
@@ -709,7 +748,7 @@ def grouped_gemm_triton(
     key = (
         cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, a.stride(), w.stride(), out.stride(),
         z.stride(0), b.stride() if bias is not None else None, gather, pre_activation is not None,
-        a_desc is not None, w_desc is not None, w_kmajor, allow_tf32, E, n_out, kd,
+        a_desc is not None, w_desc is not None, w_kmajor, one_dot, allow_tf32, E, n_out, kd,
         aligned(a, w, out, b, z, offsets, dest_to_src),
     )  # fmt: skip
 
@@ -726,6 +765,7 @@ def grouped_gemm_triton(
         if cfg.persistent:
             # the automatic warp specialisation wants every load of the loop through TMA
             cx["WARP_SPECIALIZE"] = cfg.warp_specialize and cx["A_DESC"] and cx["W_DESC"]
+            cx["ONE_DOT"] = one_dot
         return cx
 
     kernel, grid = _GEMM, tiles
