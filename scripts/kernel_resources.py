@@ -4,7 +4,9 @@ Compiles the three grouped GEMM kernels (forward, activation backward, fused fin
 time for a CUDA target (no GPU or driver needed: the Triton wheel carries ptxas) and prints
 ptxas's resource report for each epilogue and tile configuration. A spill or a register count
 at the 255 ceiling shows before any device time is spent (the reason the ordered fused
-finalize reduces in compacted row groups).
+finalize reduces in compacted row groups), and so does ptxas's warning that the wgmma
+instructions are serialised ("WGMMA SERIALIZED"). Arguments are specialised as a launch at the
+standard shapes specialises them (unit strides constant, the rest multiples of 16).
 
 Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--experts 256]
 [--dtype bf16]``.
@@ -79,12 +81,19 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     missing = [n for n, is_const in params if is_const and n not in const]
     if missing:
         raise KeyError(f"no value for the constexprs {missing}")
+    # As a launch at the standard shapes specialises them: unit strides become constants,
+    # pointers and the other integers are known multiples of 16 (except the token-dependent
+    # ones, never specialised).
+    unit = {"stride_ak", "stride_on", "stride_bn", "stride_yn", "stride_fh",
+            "stride_wn" if const["W_KMAJOR"] else "stride_wk"}  # fmt: skip
     w_block = f"[1, {bk}, {bn}]" if const["W_KMAJOR"] else f"[1, {bn}, {bk}]"
     if const["ONE_DOT"]:  # gate and up rows in one box (the persistent kernel's gated GEMM1)
         w_block = f"[1, 2, {bn}, {bk}]" if const["ONE_DOT"] == 1 else f"[1, {2 * bn}, {bk}]"
-    sig = {}
-    for name, is_const in params:
-        if is_const:
+    sig, attrs = {}, {}
+    for i, (name, is_const) in enumerate(params):
+        if not is_const and name not in unit and name not in gg._VARYING:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        if is_const or name in unit:
             sig[name] = "constexpr"
         elif name == "a_desc":
             sig[name] = f"tensordesc<{dtype}[{bm}, {bk}]>" if const["A_DESC"] else f"*{dtype}"
@@ -97,7 +106,11 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         else:
             sig[name] = "i32"
     const = {name: const[name] for name, is_const in params if is_const}
-    src = ASTSource(kernel, sig, constexprs=const)
+    const.update((name, 1) for name, _ in params if name in unit)
+    for i, (name, _) in enumerate(params):
+        if sig[name].startswith("tensordesc"):
+            attrs.pop((i,), None)
+    src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     return triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
 
