@@ -1,12 +1,13 @@
-"""Sweep of the grouped GEMM kernels on a GPU: the per-tile kernel at the tuning tables' config
-against the persistent kernel (``GemmConfig.persistent``) over a small grid of tiles, at the
-standard MoE shapes in bf16, with routing from random logits (top-k).
+"""Sweep of the grouped GEMM kernels on a GPU: the kernel and config the tuning tables choose
+today (the per-tile kernel until they say otherwise) against the persistent kernel
+(``GemmConfig.persistent``) over a small grid of tiles, at the standard MoE shapes in bf16,
+with routing from random logits (top-k).
 
 For each shape it times GEMM1 (gated swiglu, rows gathered from ``x`` as ``fused_moe`` runs
 it, and on pre-permuted rows ``x_perm``, TMA-fed) and GEMM2 (``h @ W2``), each with
-``triton.testing.do_bench`` (median), checks every persistent result against the per-tile
-kernel's output (relative Frobenius error; "MISMATCH" over 1e-2), and prints a table of
-TFLOP/s (``2 * routed rows * N * K``; GEMM1's N is 2I), the best config per (shape, GEMM) and a
+``triton.testing.do_bench`` (median), checks every persistent result against the tables'
+output (relative Frobenius error; "MISMATCH" over 1e-2), and prints a table of TFLOP/s
+(``2 * routed rows * N * K``; GEMM1's N is 2I), the best config per (shape, GEMM) and a
 suggestion for ``moe_route/tuning.py`` (per rows-per-expert bucket, the config with the best
 geometric-mean speedup over the shapes of that bucket). Writes ``gemm_sweep.csv`` under
 ``--out`` (default ``$OUT`` if set).
@@ -179,7 +180,8 @@ class Sweep:
             launcher(base_cfg, ref)()
             base_ms = self.time(launcher(base_cfg, ref))
             row = dict(model=model, T=T, H=H, I=inter, E=E, K=K, rows_per_expert=rpe, gemm=gemm)
-            self.rows.append({**row, "kernel": "per-tile", "config": name_of(base_cfg),
+            kind = "tuning" + ("/p" if base_cfg.persistent else "")
+            self.rows.append({**row, "kernel": kind, "config": name_of(base_cfg),
                               "code": code_of(base_cfg), "ms": base_ms,
                               "tflops": flops / base_ms / 1e9, "speedup": 1.0, "rel_err": 0.0,
                               "status": "baseline"})  # fmt: skip
@@ -249,7 +251,7 @@ class Sweep:
                   f"{top['tflops']:7.1f} TFLOP/s  {top['speedup']:.2f}x")  # fmt: skip
 
     def suggest(self):
-        """Per GEMM kind and rows-per-expert bucket: the config (the per-tile baseline included)
+        """Per GEMM kind and rows-per-expert bucket: the config (the tables' own included)
         with the best geometric-mean speedup over the bucket's shapes, as code for the
         ``rows_per_expert > 64`` tail of ``tuning._gemm_table``."""
         dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -257,7 +259,7 @@ class Sweep:
         print("\nSuggested tail of moe_route/tuning.py _gemm_table (rows_per_expert > 64; gemm1 is")
         print("the gathered GEMM1 that fused_moe runs; gemm1_xperm is in the table and the CSV):\n")
         print(f"    # NOTE: {dev}, {dtype} (scripts/gemm_sweep.py, {time.strftime('%Y-%m-%d')}):")
-        print("    # geometric-mean speedup over the per-tile kernel at tuning's old config")
+        print("    # geometric-mean speedup over the previous tables' config")
         for gemm, indent in (("gemm1", "        "), ("gemm2", "    ")):
             if gemm == "gemm1":
                 print("    if gated:")
