@@ -22,6 +22,8 @@ them with ``monkeypatch``):
 ``MOE_ROUTE_BACKEND``   ``auto`` (default) | ``triton`` | ``cupy`` | ``torch``
 ``MOE_ROUTE_FINALIZE``  ``auto`` (default) | ``fused`` | ``standalone``
 ``MOE_ROUTE_ARCH``      pretend compute capability, e.g. ``80`` or ``90`` (testing only)
+``MOE_ROUTE_PERSISTENT``  GEMM1 / GEMM2 kernel: ``0`` per-tile, ``N`` persistent with ``N``
+                        programs per SM (benchmarking; unset: :mod:`moe_route.tuning` decides)
 """
 
 from __future__ import annotations
@@ -304,13 +306,14 @@ def cached_finalize_path(device: torch.device, requested: str, deterministic: bo
     return chosen
 
 
-def env_key() -> tuple[str, str, str, str]:
+def env_key() -> tuple[str, str, str, str, str]:
     """The environment overrides a plan depends on (part of every plan cache key)."""
     return (
         getenv("MOE_ROUTE_BACKEND"),
         getenv("MOE_ROUTE_FINALIZE"),
         getenv("MOE_ROUTE_ARCH"),
         getenv("TRITON_INTERPRET"),
+        getenv("MOE_ROUTE_PERSISTENT"),
     )
 
 
