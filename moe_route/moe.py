@@ -98,8 +98,9 @@ def moe_tables(
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
     if backend == "torch":
         out, z = torch_impl.moe_forward_torch(
-            x, w1, w2, topk_weights, b1, b2, bias, *maps, activation, gate_up_layout
-        )
+            x, w1, w2, topk_weights, b1, b2, bias, *maps, activation, gate_up_layout,
+            keep_z=store_z,
+        )  # fmt: skip
         return out, z if store_z else x.new_empty(0)
     from .kernels.triton.moe import moe_forward_triton
 
@@ -143,8 +144,9 @@ def _moe_backward_impl(
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
     if backend == "torch":
         grads = torch_impl.moe_backward_torch(
-            dout, x, w1, w2, topk_weights, b2, z, *maps, activation, gate_up_layout
-        )
+            dout, x, w1, w2, topk_weights, b2, z, *maps, activation, gate_up_layout,
+            need_dx=need_dx, need_dw1=need_dw1, need_dw2=need_dw2, need_dtopk=need_dtopk,
+        )  # fmt: skip
     else:
         from .kernels.triton.moe import moe_backward_triton
 
