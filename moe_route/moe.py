@@ -48,7 +48,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
     from .kernels.triton.moe import MoEConfigs
 
     chosen = arch.backend_for(device, backend).value
-    maps_chosen = maps_backend(device, backend, bucket, K)
+    maps_chosen = maps_backend(device, backend, bucket, K, E)
     check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
         return MoEPlan("torch", maps_chosen, None)
