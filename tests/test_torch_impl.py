@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_cases import ACT_IDS, ACT_LAYOUTS, NAN, TOL, assert_matches, make_ids, rand, strided_weight
 
+import moe_route
 from moe_route import reference as R
 from moe_route.kernels import torch_impl as TI
 
@@ -99,10 +100,13 @@ def test_routing_maps_large(T, K, E):
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "cols"])
 def test_expand_rows_exact(dtype, layout):
     T, K, E, H = 13, 3, 5, 9
-    ids = make_ids(T, K, E, seed=1)
+    ids = make_ids(T, K, E, drop=0.3, seed=1)
     _s2d, d2s, _efs, off = tables(ids, E)
+    assert off[-1] < T * K
     x = strided_copy(rand(T, H, dtype=dtype, seed=2), layout)
-    assert torch.equal(TI.expand_rows_torch(x, d2s, off), R.expand_rows_reference(x, d2s, off))
+    want = R.expand_rows_reference(x, d2s, off)
+    assert torch.equal(TI.expand_rows_torch(x, d2s, off), want)
+    assert torch.equal(TI._expand_rows_masked(x, d2s, off), want)  # the GPU path
 
 
 @pytest.mark.parametrize("bias", [None, "H", "TH"])
@@ -145,10 +149,13 @@ def test_finalize_empty_and_all_dropped():
     w = torch.full((4, 2), NAN)
     bias = rand(H, seed=1)
     assert torch.equal(TI.finalize_torch(y, w, s2d, efs, bias), bias.expand(4, H))
-    assert torch.equal(TI.expand_rows_torch(rand(4, H), d2s, off), torch.zeros(8, H))
-    s2d0, _, efs0, _ = tables(torch.zeros(0, 2, dtype=torch.int64), E)
+    for expand in (TI.expand_rows_torch, TI._expand_rows_masked):
+        assert torch.equal(expand(rand(4, H), d2s, off), torch.zeros(8, H))
+    s2d0, d2s0, efs0, off0 = tables(torch.zeros(0, 2, dtype=torch.int64), E)
     out = TI.finalize_torch(torch.zeros(0, H), torch.zeros(0, 2), s2d0, efs0)
     assert out.shape == (0, H)
+    for expand in (TI.expand_rows_torch, TI._expand_rows_masked):
+        assert expand(torch.zeros(0, H), d2s0, off0).shape == (0, H)
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -361,3 +368,14 @@ def test_on_cuda(dtype):
     for a, b in zip(maps, tables(c["ids"].cpu(), E), strict=True):
         assert a.is_cuda and a.dtype == b.dtype and torch.equal(a.cpu(), b)
     run_and_check(c, E, "swiglu", "concat", dtype)
+    # The public path on CUDA tensors (the "runs anywhere" backend): the bits of the same
+    # computation on the CPU copies, forward and backward.
+    outs = []
+    for device in ("cuda", "cpu"):
+        leaves = [c[k].detach().to(device).requires_grad_(True) for k in ("x", "w1", "w2")]
+        tw = c["tw"].to(device).nan_to_num(0.0).requires_grad_(True)
+        out = moe_route.fused_moe(*leaves, tw, c["ids"].to(device), backend="torch")
+        out.float().square().sum().backward()
+        outs.append([t.detach().cpu() for t in (out, *[v.grad for v in leaves], tw.grad)])
+    for name, got, want in zip(("out", "dx", "dw1", "dw2", "dtw"), *outs, strict=True):
+        check(got, want, dtype if name != "dtw" else torch.float32, f"cuda vs cpu {name}")

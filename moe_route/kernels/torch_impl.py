@@ -9,18 +9,19 @@ Where the reference is written to be read, this is written to be fast at the siz
 
 * the expert GEMMs run over the routed rows only, as one ``torch._grouped_mm`` where torch
   supports it (CPU, float32, 16-byte aligned pitches), else one matmul per expert with rows;
-* each function reads ``expert_first_token_offset`` to the host once (a memory read on the CPU)
-  and every segment bound follows from it; the other stages are a few whole-tensor ops;
+* each GEMM-bearing function reads ``expert_first_token_offset`` to the host once (a memory
+  read on the CPU) and every segment bound follows from it; the other stages are a few
+  whole-tensor ops;
 * float32 operands are used as they are (no copies); 16-bit operands are upcast per touched
   expert, so that GEMM1's activation sees the float32 result (one rounding, as the contract);
 * the routing maps of CPU tensors are built in Python lists (a few slots) or NumPy, whose
   calls cost less than torch ops at these sizes; torch ops elsewhere.
 
-On CUDA tensors it runs too (the "runs anywhere" path: torch ops, one matmul per expert), but
-the host read of the offsets synchronises there (``_Segments``, :func:`expand_rows_torch`): this
-backend is not capture-safe and must not run under CUDA-graph capture (the ops' fake
-implementations keep ``torch.compile`` tracing it; the Triton path is the one for graphs). No
-other host read depends on tensor values of a GPU tensor.
+On CUDA tensors it runs too (the "runs anywhere" path: torch ops, one matmul per expert). The
+routing maps, expand, finalize and its backward read nothing there; the GEMMs and the MoE
+forward / backward read the offsets (``_Segments``), which synchronises: this backend is not
+capture-safe and must not run under CUDA-graph capture (the ops' fake implementations keep
+``torch.compile`` tracing it; the Triton path is the one for graphs).
 
 Activations are the oracles' own (:func:`moe_route.reference.activation_reference` and its
 backward), reached through :func:`_activation` only, the one place this backend interprets
@@ -296,13 +297,26 @@ def expand_rows_torch(
     x: torch.Tensor, dest_to_src: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """``x_perm[d] = x[dest_to_src[d] mod T]`` for routed rows, zero for dropped ones."""
+    if x.device.type != "cpu":
+        return _expand_rows_masked(x, dest_to_src, offsets)
     T = x.shape[0]
-    n = offsets[-1].item()  # one host read
+    n = offsets[-1].item()  # one host read (a memory read on the CPU)
     out = x.new_empty(dest_to_src.numel(), x.shape[1])
     if n:
         torch.index_select(x, 0, dest_to_src[:n] % T, out=out[:n])
     out[n:] = 0
     return out
+
+
+def _expand_rows_masked(x, dest_to_src, offsets):
+    """:func:`expand_rows_torch` without reading ``offsets`` (for GPU tensors): every row
+    gathered, the dropped ones zeroed."""
+    N, T = dest_to_src.numel(), x.shape[0]
+    if T == 0:
+        return x.new_zeros(N, x.shape[1])
+    rows = x.index_select(0, dest_to_src % T)
+    dropped = torch.arange(N, device=x.device) >= offsets[-1]
+    return rows.masked_fill_(dropped.unsqueeze(1), 0)
 
 
 # --------------------------------------------------------------------------- finalize
