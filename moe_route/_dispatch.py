@@ -9,13 +9,21 @@ registers the custom op (schema, fake implementation, autograd: what ``torch.com
 implementation itself — through an ``autograd.Function`` built from the same ``setup_context``
 and ``backward`` when a gradient is wanted. Both routes run the same code, so they give the
 same bits.
+
+An op's ``backend`` argument is resolved by :func:`moe_route.arch.resolve_backend` before its
+implementation runs, on both routes, so ``"auto"`` and the aliases (``"reference"``) mean
+what they mean to the public functions whichever entry point a caller takes.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
+
+from . import arch
 
 
 class Op:
@@ -30,6 +38,7 @@ class Op:
         setup_context: Callable | None = None,
         backward: Callable | None = None,
     ):
+        impl = _resolving_backend(impl)
         self.impl = impl
         self.op = torch.library.custom_op(f"moe_route::{name}", impl, mutates_args=())
         self.op.register_fake(fake)
@@ -67,6 +76,30 @@ def needs_dispatcher(args) -> bool:
         ):
             return True
     return False
+
+
+def _resolving_backend(impl: Callable) -> Callable:
+    """``impl`` with its ``backend`` argument (if it has one) passed through
+    :func:`moe_route.arch.resolve_backend` on the device of its first tensor argument; the
+    same signature, so the custom op infers the same schema."""
+    # NOTE: the check costs 0.3 us per eager call (0.65 against 0.34 us around a no-op
+    # implementation, 2-core CPU host): a resolved name is passed on as it is.
+    sig = inspect.signature(impl, eval_str=True)
+    names = list(sig.parameters)
+    if "backend" not in names:
+        return impl
+    at = names.index("backend")
+    resolved = frozenset(arch.BACKENDS)
+
+    def run(*args):  # positional: the schemas have no keyword-only arguments
+        if args[at] in resolved:
+            return impl(*args)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return impl(*args[:at], arch.resolve_backend(device, args[at]), *args[at + 1 :])
+
+    functools.update_wrapper(run, impl)
+    run.__signature__ = sig
+    return run
 
 
 def _autograd_function(name, impl, setup_context, backward):

@@ -193,6 +193,17 @@ def check_backend_name(requested: object) -> str:
     return requested
 
 
+def resolve_backend(device: torch.device | str, requested: str) -> str:
+    """The backend an op runs on, for the ``backend`` string it was given: the names of
+    :data:`BACKENDS` as they are (what the public functions pass), ``"auto"`` and the aliases
+    as the public functions resolve them on ``device`` (:func:`cached_backend`); anything else
+    raises ``ValueError``. Every op entry point (an ``Op`` object, ``torch.ops.moe_route.*``)
+    reads its ``backend`` through this, so no name falls through to another backend."""
+    if requested in BACKENDS:
+        return requested
+    return cached_backend(torch.device(device), requested)
+
+
 def finalize_path_for(
     device: torch.device | str, requested: str = "auto", deterministic: bool = True
 ) -> Choice:

@@ -52,8 +52,9 @@ def _finalize_backward_impl(
     """``(d y_perm, d topk_weights)``; one not asked for is an empty tensor."""
     if backend == "torch":
         dy, dw = torch_impl.finalize_backward_torch(
-            dout, y_perm, topk_weights, src_to_dest, expert_for_src
-        )
+            dout, y_perm, topk_weights, src_to_dest, expert_for_src, need_dy=need_dy,
+            need_dw=need_dw,
+        )  # fmt: skip
     else:  # the Triton kernel (also for backend="cupy": the CuPy backend is forward-only)
         from .kernels.triton.finalize import finalize_backward_triton
 

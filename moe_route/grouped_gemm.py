@@ -109,7 +109,8 @@ def _gemm_backward_impl(
     if backend == "torch":
         da, dw, db = torch_impl.grouped_gemm_backward_torch(
             dout, a, w, offsets, bias, activation, gate_up_layout, src_to_dest, dest_to_src,
-            expert_for_src, gather,
+            expert_for_src, gather, need_da=need_da, need_dw=need_dw,
+            need_db=need_db and bias is not None,
         )  # fmt: skip
     else:
         from .kernels.triton.moe import grouped_gemm_backward_triton

@@ -555,7 +555,7 @@ class MoELayer(nn.Module):
                 f"{_checks.describe(counts)}"
             )
         floating = counts.is_floating_point()
-        unread = floating and counts.device.type != "cpu"
+        unread = floating and not _counts_read_on_host(counts)
         if floating and not unread:
             bad = ~torch.isfinite(counts)
             if bool(bad.any()):
@@ -705,6 +705,13 @@ class MoELayer(nn.Module):
             src = src.weight
         _expect_shape(src, tuple(dst.shape), f"{what} weight")
         dst.copy_(src)
+
+
+def _counts_read_on_host(counts: torch.Tensor) -> bool:
+    """Whether ``update_expert_bias`` checks floating counts by reading them (CPU tensors);
+    elsewhere a read would synchronise, and a non-finite count cancels the update on the
+    device instead."""
+    return counts.device.type == "cpu"
 
 
 def _linear_of(module: nn.Module, names: tuple[str, ...], where: str) -> nn.Module:

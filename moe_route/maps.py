@@ -195,11 +195,22 @@ def maps_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> RoutingMa
     return RoutingMaps.built(tables, T, K, num_experts)
 
 
-def maps_backend(device: torch.device, backend: str, T: int, K: int) -> str:
-    """The backend that builds maps for ``T`` tokens (the token bucket's slots decide)."""
+def maps_backend(device: torch.device, backend: str, T: int, K: int, num_experts: int) -> str:
+    """The backend that builds maps for ``T`` tokens into ``num_experts`` (the token bucket's
+    slots decide). Where ``"auto"`` picked the CuPy kernels for speed but ``E`` is past what
+    they hold, the GEMMs' backend (Triton) builds them; an explicit ``"cupy"`` (argument or
+    ``MOE_ROUTE_BACKEND``) stays, and :func:`check_kernel_limits` raises."""
     from .tuning import token_bucket
 
-    return arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
+    chosen = arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
+    if chosen == "cupy":
+        general = arch.backend_for(device, backend).value
+        if general != "cupy":
+            from .kernels.cupy.routing_maps import max_num_experts
+
+            if num_experts > max_num_experts(K, device):
+                return general
+    return chosen
 
 
 def check_kernel_limits(chosen: str, E: int, K: int, device: torch.device) -> None:
@@ -259,7 +270,7 @@ def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: 
     chosen = _BACKEND_CACHE.get(key)
     if chosen is None:
         arch.check_backend_name(backend)
-        chosen = maps_backend(device, backend, T, K)
+        chosen = maps_backend(device, backend, T, K, E)
         check_kernel_limits(chosen, E, K, device)  # before any launch
         _BACKEND_CACHE[key] = chosen
     return chosen

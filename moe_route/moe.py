@@ -53,7 +53,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
     from .kernels.triton.moe import MoEConfigs
 
     chosen = arch.backend_for(device, backend).value
-    maps_chosen = maps_backend(device, backend, bucket, K)
+    maps_chosen = maps_backend(device, backend, bucket, K, E)
     check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
         return MoEPlan("torch", maps_chosen, None, path, gather)
@@ -103,8 +103,9 @@ def moe_tables(
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
     if backend == "torch":
         out, z = torch_impl.moe_forward_torch(
-            x, w1, w2, topk_weights, b1, b2, bias, *maps, activation, gate_up_layout
-        )
+            x, w1, w2, topk_weights, b1, b2, bias, *maps, activation, gate_up_layout,
+            keep_z=store_z,
+        )  # fmt: skip
         return out, z if store_z else x.new_empty(0)
     from .kernels.triton.moe import moe_forward_triton
 
@@ -148,8 +149,9 @@ def _moe_backward_impl(
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
     if backend == "torch":
         grads = torch_impl.moe_backward_torch(
-            dout, x, w1, w2, topk_weights, b2, z, *maps, activation, gate_up_layout
-        )
+            dout, x, w1, w2, topk_weights, b2, z, *maps, activation, gate_up_layout,
+            need_dx=need_dx, need_dw1=need_dw1, need_dw2=need_dw2, need_dtopk=need_dtopk,
+        )  # fmt: skip
     else:
         from .kernels.triton.moe import moe_backward_triton
 

@@ -193,3 +193,81 @@ def test_fake_tensor_mode_gets_the_fake_implementations():
         out, x_perm, offsets = _chain(fx, fids, ftw, fbias, backend="triton")
     assert all(isinstance(t, FakeTensor) for t in (out, x_perm, offsets))
     assert (out.shape, x_perm.shape, offsets.shape) == ((T, H), (T * K, H), (E + 1,))
+
+
+# ----------------------------------------------------------------------------- backend names
+OP_OBJECTS = {  # module, attribute of the Op behind each torch.ops.moe_route op
+    "routing_maps": ("maps", "_ROUTING_MAPS"),
+    "expand_rows": ("permute", "EXPAND"),
+    "finalize_moe_routing": ("finalize", "FINALIZE"),
+    "finalize_moe_routing_backward": ("finalize", "_FINALIZE_BACKWARD"),
+    "grouped_gemm": ("grouped_gemm", "GEMM"),
+    "grouped_gemm_backward": ("grouped_gemm", "_GEMM_BACKWARD"),
+    "moe_experts": ("moe", "MOE"),
+    "moe_experts_backward": ("moe", "_MOE_BACKWARD"),
+}
+
+
+def _every_op_pool():
+    """Arguments of every op for one small float32 CPU case, by schema name."""
+    T, K, E_, H, inter = 5, 2, 3, 8, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[0, 2], [1, -1], [2, 1], [0, 1], [-1, -1]])
+    s2d, d2s, efs, off = moe_route.build_routing_maps(ids, E_, backend="torch").tensors()
+    x, w1, w2 = (torch.randn(*s, generator=g) for s in ((T, H), (E_, 2 * inter, H), (E_, H, inter)))
+    tw = torch.rand(T, K, generator=g)
+    pool = dict(
+        topk_ids=ids, num_experts=E_, x=x, a=x, w=w1, w1=w1, w2=w2, topk_weights=tw,
+        y_perm=torch.randn(T * K, H, generator=g), src_to_dest=s2d, dest_to_src=d2s,
+        expert_for_src=efs, offsets=off, bias=None, b1=None, b2=None, activation="swiglu",
+        gate_up_layout="concat", path="standalone", gather=True, allow_tf32=False, store_z=True,
+        need_dy=True, need_dw=True, need_da=True, need_db=False, need_dx=True, need_dw1=True,
+        need_dw2=True, need_dtopk=True,
+    )  # fmt: skip
+    maps = (s2d, d2s, efs, off)
+    pool["z"] = torch.ops.moe_route.moe_experts(x, w1, w2, tw, None, None, None, *maps, "swiglu",
+                                                "concat", "standalone", True, False, "torch",
+                                                True)[1]  # fmt: skip
+    douts = {"grouped_gemm_backward": torch.randn(T * K, inter, generator=g)}
+    return pool, douts, torch.randn(T, H, generator=g)
+
+
+@pytest.mark.parametrize("entry", ["custom_op", "Op"])
+@pytest.mark.parametrize("name", list(OP_OBJECTS))
+def test_every_op_entry_resolves_backend_names(monkeypatch, name, entry):
+    """``"reference"`` (the torch backend's alias) and ``"auto"`` mean to an op what they mean
+    to the public functions, on both entry points: the torch backend runs (not Triton, which
+    the interpreter would also run here) and gives the bits of ``backend="torch"``; an unknown
+    name raises instead of falling through to a backend."""
+    import importlib
+
+    module, attr = OP_OBJECTS[name]
+    op_object = getattr(importlib.import_module(f"moe_route.{module}"), attr)
+    op = getattr(torch.ops.moe_route, name).default
+    pool, douts, dout = _every_op_pool()
+    pool["dout"] = douts.get(name, dout)
+    names = [a.name for a in op._schema.arguments]
+    call = op if entry == "custom_op" else op_object
+
+    def run(backend):
+        out = call(*(backend if n == "backend" else pool[n] for n in names))
+        return out if isinstance(out, tuple) else (out,)
+
+    torch_impl = importlib.import_module("moe_route.kernels.torch_impl")
+    ran = []
+    for fn_name in [n for n in dir(torch_impl) if n.endswith("_torch")]:
+        fn = getattr(torch_impl, fn_name)
+        monkeypatch.setattr(
+            torch_impl, fn_name, lambda *a, _f=fn, **k: ran.append(1) or _f(*a, **k)
+        )
+    want = run("torch")
+    assert ran, "the torch backend did not run for backend='torch'"
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "torch")  # what "auto" resolves to on this device
+    for alias in ("reference", "auto"):
+        ran.clear()
+        got = run(alias)
+        assert ran, f"backend={alias!r} did not run the torch backend"
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"backend={alias!r} gave other bits than 'torch'"
+    with pytest.raises(ValueError, match=r"backend='cuda': expected 'auto' or one of"):
+        run("cuda")

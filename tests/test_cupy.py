@@ -5,6 +5,7 @@ plumbing (through a stand-in ``cupy`` module) and the launchers' layout decision
 The kernels themselves run in ``tests/test_gpu_cupy.py``.
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -171,6 +172,48 @@ def test_auto_routing_maps_without_cupy_or_when_forced(monkeypatch, no_cupy):
     monkeypatch.setenv("MOE_ROUTE_BACKEND", "triton")
     assert arch.backend_for("cuda:0", op="routing_maps", slots=1 << 20).value == "triton"
     assert arch.backend_for("cuda:0", "triton", op="routing_maps", slots=8).value == "triton"
+
+
+@pytest.fixture
+def h100_limits(monkeypatch, fake_cupy):
+    """A CUDA device as the expert limits see it on an H100 (227 KiB of opt-in shared memory):
+    CuPy maps hold E <= 29048 at K = 8, Triton E <= 32759. Fresh caches of maps backends."""
+    import importlib
+
+    from moe_route.kernels.triton import routing_maps as triton_maps
+
+    maps_module = importlib.import_module("moe_route.maps")
+    monkeypatch.setattr(cupy_maps._nvrtc, "max_shared_memory", lambda device: 227 * 1024)
+    monkeypatch.setattr(triton_maps, "_shared_memory_optin", lambda index: 227 * 1024)
+    monkeypatch.setattr(maps_module, "_BACKEND_CACHE", {})
+    monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
+    return maps_module
+
+
+@pytest.mark.parametrize(("E", "chosen"), [(256, "cupy"), (29048, "cupy"), (29049, "triton"),
+                                           (32759, "triton")])  # fmt: skip
+def test_auto_maps_fall_back_to_triton_past_the_cupy_expert_limit(h100_limits, E, chosen):
+    """ "auto" picks the CuPy maps at 512 slots (measured faster), but only for as many experts
+    as their kernels hold; past that Triton's, for build_routing_maps and fused_moe's plan."""
+    device = torch.device("cuda", 0)
+    assert h100_limits._cached_maps_backend(device, "auto", 64, 8, E) == chosen
+    plan = importlib.import_module("moe_route.moe")._plan.__wrapped__(
+        device, torch.bfloat16, (E, 64, 32), (E, 32, 32), E, 8, 64, "swiglu", "concat",
+        "standalone", True, False, "auto", arch.env_key(),
+    )  # fmt: skip
+    assert plan.maps_backend == chosen
+
+
+def test_maps_past_every_kernel_limit_or_explicit_cupy_raise(h100_limits, monkeypatch):
+    device = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"num_experts=32760 with K=8: the Triton .* E <= 32759"):
+        h100_limits._cached_maps_backend(device, "auto", 64, 8, 32760)
+    for how in ("argument", "env"):
+        if how == "env":
+            monkeypatch.setenv("MOE_ROUTE_BACKEND", "cupy")
+        with pytest.raises(ValueError, match=r"num_experts=29049 with K=8: the CuPy .* E <= 29048"):
+            h100_limits._cached_maps_backend(device, "cupy" if how == "argument" else "auto",
+                                             64, 8, 29049)  # fmt: skip
 
 
 def test_env_backend_cupy(monkeypatch, fake_cupy):

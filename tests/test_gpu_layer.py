@@ -197,21 +197,32 @@ def test_training_example_bf16_triton():
 
 def test_update_expert_bias_non_finite_gpu_counts_leave_the_bias():
     """GPU counts are not read (no sync): a NaN or infinite one cancels the update on the
-    device instead of writing NaN into the bias; finite float counts update it."""
+    device instead of writing NaN into the bias; finite float and integer counts update it.
+
+    The poisoned counts are made before the sync check: ``t[3] = nan`` on a CUDA tensor copies
+    a CPU scalar into it (a synchronising copy), which the check would report as the layer's.
+    tests/test_layer.py::test_update_expert_bias_device_branch_on_cpu runs the same logic on
+    the CPU."""
     layer = make_layer("deepseek")
     before = layer.expert_bias.clone()
     counts = torch.arange(E, device=CUDA, dtype=torch.float32)
+    poisoned = []
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned.append(counts.clone())
+        poisoned[-1][3] = bad
+    as_int = counts.to(torch.int64)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for bad in (float("nan"), float("inf")):
-            poisoned = counts.clone()
-            poisoned[3] = bad
-            layer.update_expert_bias(poisoned, 1e-3)
+        for p in poisoned:
+            layer.update_expert_bias(p, 1e-3)
         unchanged = layer.expert_bias.clone()
         layer.update_expert_bias(counts, 1e-3)
+        once = layer.expert_bias.clone()
+        layer.update_expert_bias(as_int, 1e-3)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(unchanged, before)
     step = torch.sign(counts.double().mean() - counts.double()).float() * 1e-3
-    assert torch.equal(layer.expert_bias, before + step)
+    assert torch.equal(once, before + step)
+    assert torch.equal(layer.expert_bias, before + step + step)

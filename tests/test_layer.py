@@ -459,6 +459,36 @@ def test_bad_arguments_name_the_argument(kw, match):
         moe_route.MoELayer(**args)
 
 
+@pytest.mark.parametrize("branch", ["read", "device"])
+def test_update_expert_bias_float_counts_exact_and_non_finite_leave_the_bias(monkeypatch, branch):
+    """The logic of tests/test_gpu_layer.py::test_update_expert_bias_non_finite_gpu_counts_...
+    on the CPU. ``read``: CPU counts are checked, a non-finite one raises. ``device``: the
+    branch GPU counts take (no host read), forced here: a non-finite count cancels the update.
+    Either way the bias stays bit for bit, and finite float or integer counts move it by
+    exactly ``rate · sign(mean - count)`` in float32."""
+    layer_module = importlib.import_module("moe_route.layer")
+    if branch == "device":
+        monkeypatch.setattr(layer_module, "_counts_read_on_host", lambda counts: False)
+    layer = make_layer(router="sigmoid_grouped")
+    before = layer.expert_bias.clone()
+    counts = torch.tensor([0.0, 1.5, 2, 3, 4.25, 5])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = counts.clone()
+        poisoned[3] = bad
+        if branch == "read":
+            with pytest.raises(ValueError, match=r"tokens_per_expert\[3\] = .* is not finite"):
+                layer.update_expert_bias(poisoned, 1e-3)
+        else:
+            layer.update_expert_bias(poisoned, 1e-3)
+        assert torch.equal(layer.expert_bias, before), f"a count of {bad} changed the bias"
+    layer.update_expert_bias(counts, 1e-3)
+    step = torch.sign(counts.double().mean() - counts.double()).float() * 1e-3
+    assert torch.equal(layer.expert_bias, before + step)
+    layer.update_expert_bias(torch.tensor([5, 4, 3, 2, 1, 0]), 1e-3)  # integer counts
+    second = torch.tensor([-1.0, -1, -1, 1, 1, 1]) * 1e-3
+    assert torch.equal(layer.expert_bias, before + step + second)
+
+
 def test_bad_inputs_name_the_argument():
     layer = moe_route.MoELayer(H, INTER, E, K, backend="reference")
     with pytest.raises(ValueError, match=r"x must be \[..., hidden_size\] = \[..., 16\]"):
