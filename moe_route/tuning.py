@@ -73,9 +73,15 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
         return GemmConfig(16, 64, 128 if dtype != torch.float32 else 64, 1, 4, 4, False)
     if rows_per_expert <= 64:
         return GemmConfig(64, 64 if gated else 128, big_k, 4, 4, 4, tma)
+    # NOTE: H100, bf16 (scripts/gemm_sweep.py --quick, 2026-11-24, errors 0 against the per-tile
+    # kernel): the persistent kernel with one program per SM and the same tiles ran GEMM1 at
+    # 674 / 671 TFLOP/s (mixtral T=4096 / qwen3 T=32768; 1.03x / 1.19x the per-tile kernel),
+    # GEMM1 on x_perm at 692 / 697 (1.04x / 1.15x) and GEMM2 at 670 / 618 (1.06x / 1.12x).
+    persistent = 1 if tma else 0
     if gated:
-        return GemmConfig(128, 128, big_k, 8, 8, 3, tma)
-    return GemmConfig(128, 256 if dtype != torch.float32 else 128, big_k, 8, 8, 3, tma)
+        return GemmConfig(128, 128, big_k, 8, 8, 3, tma, persistent=persistent)
+    n = 256 if dtype != torch.float32 else 128
+    return GemmConfig(128, n, big_k, 8, 8, 3, tma, persistent=persistent)
 
 
 def act_backward_config(rows_per_expert: float, n_out: int, dtype: torch.dtype, cc: int | None):

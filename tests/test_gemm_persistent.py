@@ -265,18 +265,20 @@ def test_env_bad_value(monkeypatch, spy, value):
 
 
 def test_tuning_defaults_and_override(monkeypatch):
-    """The tables choose the per-tile kernel everywhere until a GPU sweep says otherwise; the
-    override changes GEMM1 / GEMM2 configs only (the activation backward has no persistent
+    """The tables choose the persistent kernel (one program per SM) for TMA-fed tiles past 64
+    rows per expert on SM90 (the H100 sweep, tuning.py), the per-tile kernel everywhere else;
+    the override changes GEMM1 / GEMM2 configs only (the activation backward has no persistent
     kernel)."""
     rows = [1, 16, 64, 512, 8192]
     dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
     for rpe in rows:
         for dtype in dtypes:
             for cc in (None, 80, 90):
-                assert tuning.gemm_config(rpe, True, dtype, cc).persistent == 0
-                assert tuning.gemm_config(rpe, False, dtype, cc).persistent == 0
+                want = int(rpe > 64 and cc == 90 and dtype in (torch.bfloat16, torch.float16))
+                assert tuning.gemm_config(rpe, True, dtype, cc).persistent == want
+                assert tuning.gemm_config(rpe, False, dtype, cc).persistent == want
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "3")
-    base = dataclasses.replace(tuning.gemm_config(512, True, torch.bfloat16, 90), persistent=0)
+    base = dataclasses.replace(tuning.gemm_config(512, True, torch.bfloat16, 90), persistent=1)
     monkeypatch.delenv("MOE_ROUTE_PERSISTENT")
     assert base == tuning.gemm_config(512, True, torch.bfloat16, 90)
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "3")
