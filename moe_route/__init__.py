@@ -4,6 +4,7 @@ The token path: router top-k → :func:`build_routing_maps` → :func:`expand_ro
 :func:`grouped_gemm` (GEMM1 + activation, GEMM2) → :func:`finalize_moe_routing`;
 :func:`fused_moe` runs all of it in one call, and :class:`MoELayer` wraps the routers,
 auxiliary losses and capacity of :mod:`moe_route.routing` around it as a trainable module.
+:func:`activation` builds the activation between the GEMMs (:mod:`moe_route.activations`).
 Every op has a pure-PyTorch oracle in :mod:`moe_route.reference`; :mod:`moe_route.arch`
 says which implementation runs where.
 """
@@ -11,11 +12,12 @@ says which implementation runs where.
 __version__ = "0.1.0"
 
 from . import arch, reference
+from .activations import Activation, activation
 from .finalize import finalize_moe_routing
 from .grouped_gemm import grouped_gemm
 from .layer import MoELayer, MoEOutput
 from .maps import RoutingMaps, build_routing_maps
-from .moe import fused_moe
+from .moe import fused_moe, warmup
 from .permute import expand_rows
 from .routing import (
     apply_capacity,
@@ -28,10 +30,12 @@ from .routing import (
 )
 
 __all__ = [
+    "Activation",
     "MoELayer",
     "MoEOutput",
     "RoutingMaps",
     "__version__",
+    "activation",
     "apply_capacity",
     "arch",
     "build_routing_maps",
@@ -46,4 +50,5 @@ __all__ = [
     "sigmoid_grouped_topk",
     "softmax_topk",
     "tokens_per_expert",
+    "warmup",
 ]

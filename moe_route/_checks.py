@@ -10,9 +10,9 @@ them too (a data-dependent branch cannot be traced); ``check_ids=True`` still as
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ._env import flag
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,7 +80,7 @@ def ids_value_check_wanted(t: torch.Tensor, check_ids: bool | None) -> bool:
         return False  # a data-dependent branch cannot be traced; check eagerly instead
     if t.device.type == "cpu":
         return True
-    return os.environ.get("MOE_ROUTE_CHECK_IDS", "0") not in ("", "0")
+    return flag("MOE_ROUTE_CHECK_IDS")
 
 
 def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:

@@ -22,16 +22,18 @@ them with ``monkeypatch``):
 ``MOE_ROUTE_BACKEND``   ``auto`` (default) | ``triton`` | ``cupy`` | ``torch``
 ``MOE_ROUTE_FINALIZE``  ``auto`` (default) | ``fused`` | ``standalone``
 ``MOE_ROUTE_ARCH``      pretend compute capability, e.g. ``80`` or ``90`` (testing only)
+``MOE_ROUTE_PERSISTENT``  GEMM1 / GEMM2 kernel: ``0`` per-tile, ``N`` persistent with ``N``
+                        programs per SM (benchmarking; unset: :mod:`moe_route.tuning` decides)
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ._env import flag, getenv
 from .kernels.cupy import cupy_install_hint, import_cupy  # noqa: F401  (re-exported)
 
 BACKENDS = ("triton", "cupy", "torch")
@@ -50,7 +52,7 @@ FUSED_FINALIZE_WINS = False
 
 def triton_interpreter_enabled() -> bool:
     """True when Triton kernels are interpreted on the CPU (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return flag("TRITON_INTERPRET")
 
 
 @functools.cache
@@ -75,7 +77,7 @@ def compute_capability(device: torch.device) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    forced = os.environ.get("MOE_ROUTE_ARCH", "")
+    forced = getenv("MOE_ROUTE_ARCH")
     if forced:
         return int(forced)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -84,7 +86,7 @@ def compute_capability(device: torch.device) -> int | None:
 
 
 def _env_choice(name: str, allowed: tuple[str, ...]) -> str:
-    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    value = getenv(name, "auto").strip().lower() or "auto"
     value = BACKEND_ALIASES.get(value, value) if name == "MOE_ROUTE_BACKEND" else value
     if value != "auto" and value not in allowed:
         raise ValueError(
@@ -104,14 +106,17 @@ class Choice:
 # NOTE: measured on an H200 by bench/bench_cupy.py (E=256, K=8; two runs of 3 alternating
 # repeats, run-to-run spread <= 3.5 %): the CuPy routing-maps kernels ran 1.15x the Triton ones
 # at 512 slots (T=64), 1.02x at 2048 (T=256), 1.25x at 131072 (T=16384) and 1.44x at 262144
-# (T=32768), and tied at 32768 slots (T=4096). "auto" picks them where they won, when CuPy is
-# installed. Expand (0.985-0.997x) and finalize (0.70-0.78x) stayed Triton's.
-CUPY_MAPS_MAX_SMALL_SLOTS = 2048
+# (T=32768), and tied at 32768 slots (T=4096). Expand (0.985-0.997x) and finalize
+# (0.70-0.78x) stayed Triton's. At the small sizes the device time saved is under 1 µs, while
+# CuPy's launch path costs the host several times Triton's thin launch (H100 host stage, qwen3:
+# 50-66 µs per build_routing_maps call at T=1..64), and small calls are the host-bound ones; so
+# "auto" picks CuPy (when installed) only from CUPY_MAPS_MIN_LARGE_SLOTS up, where the device
+# time dominates.
 CUPY_MAPS_MIN_LARGE_SLOTS = 131072
 
 
 def _cupy_maps_faster(slots: int) -> bool:
-    return slots <= CUPY_MAPS_MAX_SMALL_SLOTS or slots >= CUPY_MAPS_MIN_LARGE_SLOTS
+    return slots >= CUPY_MAPS_MIN_LARGE_SLOTS
 
 
 @functools.cache
@@ -300,14 +305,26 @@ def cached_backend(device: torch.device, requested: str = "auto") -> str:
     return chosen
 
 
-def env_key() -> tuple[str, str, str, str]:
+_FINALIZE_CACHE: dict = {}
+
+
+def cached_finalize_path(device: torch.device, requested: str, deterministic: bool) -> str:
+    """:func:`finalize_path_for`'s answer (the value), cached like :func:`cached_backend`."""
+    key = (device, requested, deterministic, env_key())
+    chosen = _FINALIZE_CACHE.get(key)
+    if chosen is None:
+        chosen = _FINALIZE_CACHE[key] = finalize_path_for(device, requested, deterministic).value
+    return chosen
+
+
+def env_key() -> tuple[str, str, str, str, str]:
     """The environment overrides a plan depends on (part of every plan cache key)."""
-    env = os.environ
     return (
-        env.get("MOE_ROUTE_BACKEND", ""),
-        env.get("MOE_ROUTE_FINALIZE", ""),
-        env.get("MOE_ROUTE_ARCH", ""),
-        env.get("TRITON_INTERPRET", ""),
+        getenv("MOE_ROUTE_BACKEND"),
+        getenv("MOE_ROUTE_FINALIZE"),
+        getenv("MOE_ROUTE_ARCH"),
+        getenv("TRITON_INTERPRET"),
+        getenv("MOE_ROUTE_PERSISTENT"),
     )
 
 
@@ -328,9 +345,9 @@ def describe(device: torch.device | str) -> dict[str, str]:
         "backend": chosen,
     }
     if chosen.startswith("triton") and device.type == "cuda":
-        small, large = CUPY_MAPS_MAX_SMALL_SLOTS, CUPY_MAPS_MIN_LARGE_SLOTS
+        large = CUPY_MAPS_MIN_LARGE_SLOTS
         which = "cupy" if _cupy_usable() else "triton (cupy if CuPy were installed)"
-        info["  routing maps"] = f"{which} at T*K <= {small} or >= {large} slots [measured faster]"
+        info["  routing maps"] = f"{which} at T*K >= {large} slots [measured faster]"
     for backend_name, available in backend_availability(device).items():
         info[f"  {backend_name}"] = f"{available.value:<4} [{available.why}]"
     info["finalize path"] = f"{path.value}  [{path.why}]"

@@ -8,24 +8,25 @@ import torch
 
 from . import _checks, arch, tuning
 from ._dispatch import Op
+from .activations import Activation, as_activation
 from .kernels import torch_impl
-from .kernels.triton.activation import ACT_CODES
 from .kernels.triton.grouped_gemm import MAX_EXPERTS, GemmEpilogue
 from .maps import RoutingMaps, check_maps
-from .reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
+from .reference import GATE_UP_LAYOUTS
 
 # float64 runs on the FMA units (small tiles): it is there for gradcheck, not for speed.
 GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_GATE_OF = {"swiglu": "silu", "geglu": "gelu"}
 
 
 @functools.cache
-def epilogue_for(activation: str, gate_up_layout: str) -> GemmEpilogue:
-    """GEMM1's epilogue for an activation name and gate/up layout."""
-    gated = activation in GATED_ACTIVATIONS
+def epilogue_for(activation: str | Activation, gate_up_layout: str) -> GemmEpilogue:
+    """GEMM1's epilogue for an activation (its canonical string, as the ops carry it, or a
+    spec) and gate/up layout; cached, so the launch keys and plans hold one object per spec."""
+    spec = as_activation(activation)
+    act, alpha, limit, up_offset = spec.triton_constexprs()
     return GemmEpilogue(
-        act=ACT_CODES[_GATE_OF.get(activation, activation)], gated=gated,
-        interleaved=gated and gate_up_layout == "interleaved",
+        act=act, gated=spec.gated, interleaved=spec.gated and gate_up_layout == "interleaved",
+        alpha=alpha, limit=limit, up_offset=up_offset,
     )  # fmt: skip
 
 
@@ -73,7 +74,7 @@ def gemm_tables(
 
     M = dest_to_src.numel()
     epi = epilogue_for(activation, gate_up_layout)
-    out = a.new_empty(M, n_out(w, activation))
+    out = a.new_empty(M, w.shape[1] // 2 if epi.gated else w.shape[1])
     cfg = _configs(a, w, M, epi.gated)[0]
     grouped_gemm_triton(
         a, w, offsets, out, cfg, epilogue=epi, bias=bias,
@@ -161,8 +162,8 @@ def _backward(ctx, dout):
 GEMM = Op("grouped_gemm", gemm_tables, _gemm_fake, setup_context=_setup_context, backward=_backward)
 
 
-def n_out(w: torch.Tensor, activation: str) -> int:
-    return w.shape[1] // 2 if activation in GATED_ACTIVATIONS else w.shape[1]
+def n_out(w: torch.Tensor, activation: str | Activation) -> int:
+    return w.shape[1] // 2 if as_activation(activation).gated else w.shape[1]
 
 
 def bias_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -174,8 +175,7 @@ def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_l
     """Validate one grouped GEMM's operands; returns ``(E, N_out)``."""
     _checks.check_tensor(a_name, a, ndim=2, dtypes=GEMM_DTYPES)
     _checks.check_tensor(w_name, w, ndim=3, dtypes=GEMM_DTYPES)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    spec = as_activation(activation)  # raises, naming the argument
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}")
     if w.dtype != a.dtype:
@@ -193,9 +193,9 @@ def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_l
             f"{w_name} [E, N, K] must have K = {a_name}.shape[1] = {a.shape[1]}, "
             f"got {_checks.describe(w)}"
         )
-    if activation in GATED_ACTIVATIONS and w.shape[1] % 2:
+    if spec.gated and w.shape[1] % 2:
         raise ValueError(
-            f"{w_name} for gated activation {activation!r} must have an even N = 2*I (gate and "
+            f"{w_name} for gated activation {str(spec)!r} must have an even N = 2*I (gate and "
             f"up rows), got {_checks.describe(w)}"
         )
     if bias is not None:
@@ -206,7 +206,7 @@ def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_l
                 f"{w_name}), got {_checks.describe(bias)}"
             )
     _checks.check_same_device(**{a_name: a, w_name: w, bias_name: bias})
-    return w.shape[0], n_out(w, activation)
+    return w.shape[0], w.shape[1] // 2 if spec.gated else w.shape[1]
 
 
 def check_interpreter_dtype(name: str, t: torch.Tensor, backend: str) -> None:
@@ -224,7 +224,7 @@ def grouped_gemm(
     maps: RoutingMaps,
     *,
     bias: torch.Tensor | None = None,
-    activation: str = "identity",
+    activation: str | Activation = "identity",
     gate_up_layout: str = "concat",
     gather: bool = False,
     allow_tf32: bool = False,
@@ -243,14 +243,18 @@ def grouped_gemm(
             alternating (``"interleaved"``).
         maps: :class:`RoutingMaps` for ``E = w.shape[0]`` experts.
         bias: optional ``[E, N]``.
-        activation: ``swiglu`` / ``geglu`` (gated) or ``silu`` / ``gelu`` / ``relu`` / ``identity``.
+        activation: ``swiglu`` / ``geglu`` / ``geglu_tanh`` (gated) or ``silu`` / ``gelu`` /
+            ``gelu_tanh`` / ``relu`` / ``relu2`` / ``identity``, by name or as a
+            :class:`moe_route.Activation` with parameters (e.g. the clamped SwiGLU of gpt-oss,
+            ``moe_route.activation("swiglu", alpha=1.702, limit=7.0, up_offset=1.0)``).
         allow_tf32: float32 inputs use TF32 tensor cores (else exact float32 products).
 
     Returns:
         ``[T*K, N_out]`` in ``a.dtype`` (``N_out = I`` for gated activations, else ``N``),
         float32 accumulation, rounded once. Rows of dropped slots are zero.
     """
-    E, _ = check_gemm_args("a", a, "w", w, "bias", bias, activation, gate_up_layout)
+    spec = as_activation(activation)
+    E, _ = check_gemm_args("a", a, "w", w, "bias", bias, spec, gate_up_layout)
     if not isinstance(maps, RoutingMaps):
         raise TypeError(f"maps must be a RoutingMaps, got {type(maps).__name__}")
     if maps.num_experts != E:
@@ -264,4 +268,5 @@ def grouped_gemm(
         )
     chosen = arch.cached_backend(a.device, backend)
     check_interpreter_dtype("a", a, chosen)
-    return GEMM(a, w, *maps.tensors(), bias, activation, gate_up_layout, gather, allow_tf32, chosen)
+    # The op carries the spec as its canonical string (a constant for torch.library/compile).
+    return GEMM(a, w, *maps.tensors(), bias, str(spec), gate_up_layout, gather, allow_tf32, chosen)

@@ -18,23 +18,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
+from .activations import Activation, as_activation
 from .arch import check_backend_name
-from .grouped_gemm import GEMM_DTYPES
-from .moe import fused_moe
+from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
+from .maps import maps_op
+from .moe import moe_plan, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
-from .reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, activation_reference
+from .reference import GATE_UP_LAYOUTS, activation_reference
 from .routing import (
     ROUTERS,
     apply_capacity,
     check_groups,
     expert_capacity,
     load_balancing_loss,
+    route_softmax,
     router_z_loss,
     sigmoid_grouped_topk,
-    softmax_topk,
-    tokens_per_expert,
 )
+from .tuning import token_buckets
 
 FINALIZE_CHOICES = ("auto", "fused", "standalone")
 # What every rank of an expert-parallel group must agree on (checked at construction).
@@ -112,7 +114,10 @@ class MoELayer(nn.Module):
         shared_expert_gate: scale the shared expert by ``sigmoid(x @ shared_gate.weight.T)``
             (Qwen2-MoE).
         activation, gate_up_layout: as :func:`moe_route.fused_moe` (``swiglu``, ``geglu``,
-            ``silu``, ``gelu``, ``relu``, ``identity``; ``concat`` or ``interleaved``).
+            ``geglu_tanh``, ``silu``, ``gelu``, ``gelu_tanh``, ``relu``, ``relu2``,
+            ``identity``, or an :class:`moe_route.Activation` with parameters, e.g. gpt-oss's
+            clamped SwiGLU; ``concat`` or ``interleaved``). The shared expert uses the same
+            activation. ``layer.activation`` holds its canonical string.
         bias: per-expert biases ``b1``, ``b2``.
         finalize, deterministic, backend: passed to :func:`moe_route.fused_moe` (``backend``
             also builds the capacity's routing maps).
@@ -178,7 +183,7 @@ class MoELayer(nn.Module):
         num_shared_experts: int = 0,
         shared_intermediate_size: int | None = None,
         shared_expert_gate: bool = False,
-        activation: str = "swiglu",
+        activation: str | Activation = "swiglu",
         gate_up_layout: str = "concat",
         bias: bool = False,
         finalize: str = "auto",
@@ -227,8 +232,8 @@ class MoELayer(nn.Module):
             _positive_int("shared_intermediate_size", shared_intermediate_size)
         if shared_expert_gate and not n_shared:
             raise ValueError("shared_expert_gate=True needs num_shared_experts >= 1")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+        spec = as_activation(activation)  # raises, naming the argument
+        gated = spec.gated
         if gate_up_layout not in GATE_UP_LAYOUTS:
             raise ValueError(
                 f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}"
@@ -254,7 +259,7 @@ class MoELayer(nn.Module):
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.num_shared_experts = n_shared
         self.shared_intermediate_size = (shared_intermediate_size or inter) if n_shared else None
-        self.activation, self.gate_up_layout = activation, gate_up_layout
+        self._activation, self.gate_up_layout = spec, gate_up_layout
         self.finalize, self.deterministic, self.backend = finalize, bool(deterministic), backend
 
         #: :class:`moe_route.parallel.ExpertParallel` (group, rank, local experts) or None.
@@ -268,7 +273,7 @@ class MoELayer(nn.Module):
         E_here = E if self.ep is None else self.ep.num_local_experts
 
         fk = dict(device=device, dtype=dtype)
-        n1 = 2 * inter if activation in GATED_ACTIVATIONS else inter
+        n1 = 2 * inter if gated else inter
         self.gate = nn.Linear(H, E, bias=False, **fk)
         self.w1 = nn.Parameter(torch.empty(E_here, n1, H, **fk))
         self.w2 = nn.Parameter(torch.empty(E_here, H, inter, **fk))
@@ -276,7 +281,7 @@ class MoELayer(nn.Module):
         self.b2 = nn.Parameter(torch.empty(E_here, H, **fk)) if bias else None
         if n_shared:
             S = n_shared * self.shared_intermediate_size
-            s1 = 2 * S if activation in GATED_ACTIVATIONS else S
+            s1 = 2 * S if gated else S
             self.shared_w1 = nn.Parameter(torch.empty(s1, H, **fk))
             self.shared_w2 = nn.Parameter(torch.empty(H, S, **fk))
         else:
@@ -324,6 +329,11 @@ class MoELayer(nn.Module):
         if before is not None and after is not None and after.dtype != torch.float32:
             self._buffers["expert_bias"] = before.to(device=after.device, dtype=torch.float32)
         return self
+
+    @property
+    def activation(self) -> str:
+        """The activation's canonical string (``str`` of its :class:`moe_route.Activation`)."""
+        return str(self._activation)
 
     def extra_repr(self) -> str:
         parts = [
@@ -377,7 +387,7 @@ class MoELayer(nn.Module):
         """``(topk_weights [T, K], topk_ids [T, K])`` of this layer's router for ``[T, E]``
         logits (before any capacity drop)."""
         if self.router == "softmax":
-            weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
+            weights, ids = route_softmax(logits, self.top_k, self.renormalize, self.backend)
             if self.routed_scaling_factor != 1.0:
                 weights = weights * self.routed_scaling_factor
             return weights, ids
@@ -401,7 +411,7 @@ class MoELayer(nn.Module):
         """``[T, H]`` output of the shared expert (gated if asked), or None without one."""
         if self.shared_w1 is None:
             return None
-        h = activation_reference(F.linear(x, self.shared_w1), self.activation, self.gate_up_layout)
+        h = activation_reference(F.linear(x, self.shared_w1), self._activation, self.gate_up_layout)
         out = F.linear(h, self.shared_w2)
         if self.shared_gate is not None:
             out = torch.sigmoid(self.shared_gate(x)) * out
@@ -439,33 +449,69 @@ class MoELayer(nn.Module):
 
         # float32 losses, float64 for a float64 router (gradcheck)
         sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lb = z = torch.zeros((), dtype=sdt, device=x.device)
+        lb = z = aux = torch.zeros((), dtype=sdt, device=x.device)
         if self.aux_loss_coef:
             lb = load_balancing_loss(self.router_probs(logits), ids, E)
         if self.z_loss_coef:
             z = router_z_loss(logits)
-        aux = self.aux_loss_coef * lb + self.z_loss_coef * z
+        if self.aux_loss_coef or self.z_loss_coef:
+            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
 
         if self.capacity_factor is not None:
             cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
             ids = apply_capacity(ids, E, cap, backend=self.backend)
 
-        out = fused_moe(
-            x2, self.w1, self.w2, weights, ids, activation=self.activation,
-            gate_up_layout=self.gate_up_layout, b1=self.b1, b2=self.b2,
-            bias=self.shared_expert(x2), finalize=self.finalize,
-            deterministic=self.deterministic, backend=self.backend,
+        # The router made the ids and the parameters are the layer's own (shapes fixed at
+        # construction, load_state_dict checks them): none of fused_moe's argument checks,
+        # one plan, and the maps' offsets give the counts (one op instead of eight).
+        act = self.activation
+        plan = moe_plan(x2, self.w1, self.w2, self.top_k, act, self.gate_up_layout,
+                        self.finalize, self.deterministic, None, False, self.backend)  # fmt: skip
+        check_interpreter_dtype("x", x2, plan.backend)
+        maps = maps_op(ids, E, plan.maps_backend)
+        out = run_experts(
+            plan, x2, self.w1, self.w2, weights, maps, act, self.gate_up_layout, self.b1,
+            self.b2, self.shared_expert(x2),
         )  # fmt: skip
         return MoEOutput(
             output=out.view(x.shape),
             aux_loss=aux,
             router_logits=logits,
-            tokens_per_expert=tokens_per_expert(ids, E),
+            tokens_per_expert=maps.tokens_per_expert(),
             topk_ids=ids,
             topk_weights=weights,
             load_balancing_loss=lb,
             z_loss=z,
         )
+
+    def warmup(self, max_tokens: int, *, backward: bool = False) -> list[int]:
+        """Compile every kernel this layer launches for up to ``max_tokens`` tokens per call
+        (one forward per token bucket on random tokens, and a backward when ``backward``:
+        gradients computed and dropped, nothing accumulates into ``.grad``, the global RNG
+        untouched); see :func:`moe_route.warmup`. An expert-parallel layer runs collectives:
+        call it on every rank. Returns the buckets warmed."""
+        buckets = token_buckets(max_tokens)
+        p = self.w1
+        gen = torch.Generator(device=p.device).manual_seed(0)
+        for T in buckets:
+            x = torch.randn(T, self.hidden_size, device=p.device, dtype=p.dtype, generator=gen)
+            if not backward:
+                with torch.no_grad():
+                    self(x)
+                continue
+            with torch.enable_grad():
+                x.requires_grad_()
+                out = self(x)
+                inputs = [x, *(q for q in self.parameters() if q.requires_grad)]
+                dout = torch.randn(x.shape, device=p.device, dtype=p.dtype, generator=gen)
+                outs, grads = [out.output], [dout]
+                if out.aux_loss.requires_grad:
+                    outs.append(out.aux_loss)
+                    grads.append(torch.ones_like(out.aux_loss))
+                torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        if p.device.type == "cuda":
+            torch.cuda.synchronize(p.device)
+        return buckets
 
     # ------------------------------------------------------------------ expert bias
     @torch.no_grad()
@@ -619,7 +665,7 @@ class MoELayer(nn.Module):
     def _expert_tensors(self, module: nn.Module, where: str, width: int, *, bias: bool = True):
         """``(w1 [N1, H], b1 [N1], w2 [H, width], b2 [H])`` of one per-expert module."""
         H = self.hidden_size
-        gated = self.activation in GATED_ACTIVATIONS
+        gated = self._activation.gated
         if gated:
             if hasattr(module, "gate_proj"):
                 names = ("gate_proj", "up_proj", "down_proj")

@@ -8,13 +8,13 @@ by expert, ascending, then token, then slot, with dropped slots (``-1``) last in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from . import _checks, _interop, arch
 from ._dispatch import Op, needs_dispatcher
+from ._env import flag
 from .kernels import torch_impl
 
 
@@ -72,7 +72,7 @@ class RoutingMaps:
             raise ValueError(
                 f"RoutingMaps tensors are on several devices: {sorted(map(str, devices))}"
             )
-        if off.device.type == "cpu" or os.environ.get("MOE_ROUTE_CHECK_IDS", "0") not in ("", "0"):
+        if off.device.type == "cpu" or flag("MOE_ROUTE_CHECK_IDS"):
             self.validate()
 
     @classmethod

@@ -18,6 +18,7 @@ import torch
 
 from . import _checks, arch
 from ._dispatch import Op
+from .activations import Activation, as_activation
 from .grouped_gemm import (
     bias_dtypes,
     check_gemm_args,
@@ -27,7 +28,7 @@ from .grouped_gemm import (
 )
 from .kernels import torch_impl
 from .maps import check_kernel_limits, maps_backend, maps_op
-from .tuning import token_bucket
+from .tuning import token_bucket, token_buckets
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class MoEPlan:
     maps_backend: str
     #: launch configurations (Triton), or None.
     configs: object
+    #: the finalize path: ``"standalone"``, ``"fused"`` or ``"fused_atomic"``.
+    path: str
+    #: GEMM1 reads its rows from ``x`` through the maps (no expand).
+    gather: bool
 
 
 @functools.cache
@@ -51,7 +56,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
     maps_chosen = maps_backend(device, backend, bucket, K, E)
     check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
-        return MoEPlan("torch", maps_chosen, None)
+        return MoEPlan("torch", maps_chosen, None, path, gather)
     epi = epilogue_for(activation, layout)
     M = bucket * K
     gemm1, act_bwd, _, wgrad1 = gemm_configs(device, dtype, E, M, epi.gated, w2_shape[2],
@@ -61,7 +66,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
         epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
     )  # fmt: skip
-    return MoEPlan("triton", maps_chosen, cfg)
+    return MoEPlan("triton", maps_chosen, cfg, path, gather)
 
 
 def _plan_for(x, w1, w2, K, activation, layout, path, gather, allow_tf32, backend):
@@ -237,7 +242,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "swiglu",
+    activation: str | Activation = "swiglu",
     gate_up_layout: str = "concat",
     b1: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
@@ -255,7 +260,8 @@ def fused_moe(
         w1: ``[E, 2I, H]`` (gated) or ``[E, I, H]``, any strided view; w2: ``[E, H, I]``.
         topk_weights: ``[T, K]`` router weights; topk_ids: ``[T, K]`` expert ids (``-1``
             drops a slot).
-        activation, gate_up_layout: as :func:`moe_route.grouped_gemm`.
+        activation, gate_up_layout: as :func:`moe_route.grouped_gemm` (a name, a name with
+            parameters, or a :class:`moe_route.Activation`).
         b1: ``[E, 2I or I]``; b2: ``[E, H]`` (scaled by the router weight, as part of the expert).
         bias: ``[H]`` or ``[T, H]`` added once per token (e.g. the residual).
         finalize: ``"auto"``, ``"fused"`` (GEMM2's epilogue reduces into the output, no
@@ -277,7 +283,11 @@ def fused_moe(
     forward saves GEMM1's pre-activation ``[T*K, 2I or I]`` and the routing, nothing else; the
     backward is deterministic and skips the gradients nobody asked for.
     """
-    E, n_inter = check_gemm_args("x", x, "w1", w1, "b1", b1, activation, gate_up_layout)
+    spec = as_activation(activation)
+    E, n_inter = check_gemm_args("x", x, "w1", w1, "b1", b1, spec, gate_up_layout)
+    # The op and the plan carry the spec as its canonical string: a constant for
+    # torch.library / torch.compile, and a key of the plan cache with its parameters.
+    activation = str(spec)
     T, H = x.shape
     _checks.check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,))
     if tuple(w2.shape) != (E, H, n_inter):
@@ -305,25 +315,90 @@ def fused_moe(
     _checks.check_same_device(
         x=x, w1=w1, w2=w2, b2=b2, bias=bias, topk_weights=topk_weights, topk_ids=ids
     )
-    path = arch.finalize_path_for(x.device, finalize, deterministic).value
-    if gather is None:
-        # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6% at
-        # mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and deepseek-v3
-        # (I=2048) the expand cost more than it saved (bench/bench_moe.py --sweep).
-        gather = n_inter < 4096
-    K = ids.shape[1]
-    plan = _plan_for(x, w1, w2, K, activation, gate_up_layout, path, gather, allow_tf32, backend)
+    plan = moe_plan(x, w1, w2, ids.shape[1], activation, gate_up_layout, finalize,
+                    deterministic, gather, allow_tf32, backend)  # fmt: skip
     check_interpreter_dtype("x", x, plan.backend)
     if _checks.ids_value_check_wanted(ids, None):
         _checks.check_topk_id_values(ids, E)
     maps = maps_op(ids, E, plan.maps_backend)
+    return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,
+                       bias, allow_tf32)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- internal entry
+def moe_plan(x, w1, w2, K, activation: str, gate_up_layout: str, finalize: str,
+             deterministic: bool, gather: bool | None, allow_tf32: bool,
+             backend: str) -> MoEPlan:  # fmt: skip
+    """The plan of a call (arguments already checked; ``activation`` canonical)."""
+    path = arch.cached_finalize_path(x.device, finalize, deterministic)
+    if gather is None:
+        # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6% at
+        # mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and deepseek-v3
+        # (I=2048) the expand cost more than it saved (bench/bench_moe.py --sweep).
+        gather = w2.shape[2] < 4096
+    return _plan_for(x, w1, w2, K, activation, gate_up_layout, path, gather, allow_tf32, backend)
+
+
+def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
+                gate_up_layout: str, b1=None, b2=None, bias=None,
+                allow_tf32: bool = False) -> torch.Tensor:  # fmt: skip
+    """The experts on checked inputs and built maps (``fused_moe`` after its checks, and
+    :class:`moe_route.MoELayer`, whose own router made the ids)."""
     store_z = _wants_grad(x, w1, w2, topk_weights, b1, b2, bias)
     out, _ = MOE(
         x, w1, w2, topk_weights, b1, b2, bias, *maps.tensors(), activation, gate_up_layout,
-        path, gather, allow_tf32, plan.backend, store_z,
+        plan.path, plan.gather, allow_tf32, plan.backend, store_z,
     )  # fmt: skip
     return out
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------- warm-up
+def warmup(
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    max_tokens: int,
+    *,
+    backward: bool = False,
+    **kwargs,
+) -> list[int]:
+    """Compile every kernel ``fused_moe`` will launch for up to ``max_tokens`` tokens.
+
+    Kernels are compiled per token *bucket* (``T`` rounded up to a power of two), so this
+    runs one call per bucket ``1, 2, 4, ..., >= max_tokens`` on random tokens and routing with
+    these weights (and ``kwargs``, as :func:`fused_moe` takes them: ``activation``, ``b1``,
+    ``finalize``, ``backend``, ...) and float32 router weights, plus its backward (gradients
+    of ``x``, the router weights and every weight that requires grad, none accumulated into
+    ``.grad``) when ``backward``. Afterwards no call with these shapes, dtypes and flags
+    compiles anything, whatever its ``T <= max_tokens`` (serving without compile pauses).
+    Returns the buckets warmed. Synchronises the device (once, at the end).
+    """
+    buckets = token_buckets(max_tokens)
+    E, H = w1.shape[0], w2.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k!r}: expected an int in [1, num_experts = {E}]")
+    gen = torch.Generator(device=w1.device).manual_seed(0)
+    for T in buckets:
+        x = torch.randn(T, H, device=w1.device, dtype=w1.dtype, generator=gen)
+        logits = torch.randn(T, E, device=w1.device, generator=gen)
+        weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        ids = ids.to(torch.int32)
+        if not backward:
+            with torch.no_grad():
+                fused_moe(x, w1, w2, weights, ids, **kwargs)
+            continue
+        with torch.enable_grad():
+            inputs = [t.requires_grad_() for t in (x, weights)]
+            inputs += [w for w in (w1, w2, kwargs.get("b1"), kwargs.get("b2"))
+                       if w is not None and w.requires_grad]  # fmt: skip
+            out = fused_moe(x, w1, w2, weights, ids, **kwargs)
+            # autograd.grad, not backward(): nothing accumulates into the caller's .grad
+            dout = torch.randn(out.shape, device=w1.device, dtype=out.dtype, generator=gen)
+            torch.autograd.grad(out, inputs, dout)
+    if w1.device.type == "cuda":
+        torch.cuda.synchronize(w1.device)
+    return buckets

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu", "identity")
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+from .activations import Activation, as_activation
+
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 
 
@@ -105,7 +105,7 @@ def expand_rows_reference(
     N = dest_to_src.numel()
     x_perm = x[dest_to_src % T] if T > 0 else x.new_zeros(N, x.shape[1])
     routed = torch.arange(N, device=x.device) < expert_first_token_offset[-1]
-    return torch.where(routed.unsqueeze(1), x_perm, torch.zeros((), dtype=x.dtype))
+    return x_perm.masked_fill(~routed.unsqueeze(1), 0)
 
 
 # --------------------------------------------------------------------------- activations
@@ -122,56 +122,92 @@ def split_gate_up(
     return gate, up
 
 
-def activation_reference(z: torch.Tensor, activation: str, gate_up_layout: str = "concat"):
-    """Apply one activation of DESIGN.md to GEMM1's pre-activation ``z``.
+def _elementwise(x: torch.Tensor, spec: Activation) -> torch.Tensor:
+    if spec.kind == "silu":
+        return F.silu(x) if spec.alpha == 1.0 else x * torch.sigmoid(spec.alpha * x)
+    if spec.kind == "gelu":
+        return F.gelu(x)
+    if spec.kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if spec.kind == "relu":
+        return F.relu(x)
+    if spec.kind == "relu2":
+        return F.relu(x).square()
+    return x  # identity
 
-    Gated activations take ``[M, 2I]`` and return ``[M, I]``: ``swiglu = silu(g) * u``,
-    ``geglu = gelu(g) * u`` (exact, erf-based gelu everywhere in this library).
+
+def _clamped(gate: torch.Tensor, up: torch.Tensor, spec: Activation):
+    if spec.limit is None:
+        return gate, up
+    return gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+
+
+def activation_reference(
+    z: torch.Tensor, activation: str | Activation, gate_up_layout: str = "concat"
+) -> torch.Tensor:
+    """Apply an activation (see :mod:`moe_route.activations`) to GEMM1's pre-activation ``z``.
+
+    Gated activations take ``[M, 2I]`` and return ``[M, I]``:
+    ``f(min(gate, limit)) * (clamp(up, -limit, limit) + up_offset)`` (``swiglu = silu(g) * u``
+    without parameters); the exact, erf-based gelu unless the kind says ``gelu_tanh``. Torch ops
+    only, so autograd through it defines the gradients (``torch.clamp``'s at the bounds).
     """
-    if activation in GATED_ACTIVATIONS:
-        gate, up = split_gate_up(z, gate_up_layout)
-        act = F.silu if activation == "swiglu" else F.gelu
-        return act(gate) * up
-    if activation == "silu":
-        return F.silu(z)
-    if activation == "gelu":
-        return F.gelu(z)
-    if activation == "relu":
-        return F.relu(z)
-    if activation == "identity":
-        return z
-    raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    spec = as_activation(activation)
+    if not spec.gated:
+        return _elementwise(z, spec)
+    gate, up = _clamped(*split_gate_up(z, gate_up_layout), spec)
+    if spec.up_offset:
+        up = up + spec.up_offset
+    return _elementwise(gate, spec) * up
 
 
-def activation_grad_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """``d act / dx`` of the elementwise part of an activation (the gate's for gated ones).
+def activation_grad_reference(x: torch.Tensor, activation: str | Activation) -> torch.Tensor:
+    """``d f / dx`` of the element-wise part of an activation (the gate's for gated ones).
 
-    ``silu' = s (1 + x (1 - s))`` with ``s = sigmoid(x)``; ``gelu' = Φ(x) + x φ(x)``;
-    ``relu' = [x > 0]`` (0 at 0, as torch); ``identity' = 1``.
+    ``silu' = s (1 + a x (1 - s))`` with ``s = sigmoid(a x)``, ``a = alpha``;
+    ``gelu' = Φ(x) + x φ(x)``; ``gelu_tanh' = s + x s (1 - s) 2u'`` with ``s = sigmoid(2u)``,
+    ``u = √(2/π)(x + 0.044715 x³)``; ``relu' = [x > 0]`` and ``relu2' = 2 max(x, 0)`` (0 at 0,
+    as torch); ``identity' = 1``.
     """
-    if activation in ("swiglu", "silu"):
-        s = torch.sigmoid(x)
-        return s * (1 + x * (1 - s))
-    if activation in ("geglu", "gelu"):
+    spec = as_activation(activation)
+    if spec.kind == "silu":
+        ax = spec.alpha * x
+        s = torch.sigmoid(ax)
+        return s * (1 + ax * (1 - s))
+    if spec.kind == "gelu":
         cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
         return cdf + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
-    if activation == "relu":
+    if spec.kind == "gelu_tanh":
+        k = (2 / torch.pi) ** 0.5
+        s = torch.sigmoid(2 * k * (x + 0.044715 * x**3))
+        return s + x * s * (1 - s) * 2 * k * (1 + 3 * 0.044715 * x * x)
+    if spec.kind == "relu":
         return (x > 0).to(x.dtype)
-    if activation == "identity":
-        return torch.ones_like(x)
-    raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    if spec.kind == "relu2":
+        return 2 * F.relu(x)
+    return torch.ones_like(x)
 
 
 def activation_backward_reference(
-    z: torch.Tensor, dh: torch.Tensor, activation: str, gate_up_layout: str = "concat"
+    z: torch.Tensor, dh: torch.Tensor, activation: str | Activation, gate_up_layout: str = "concat"
 ) -> torch.Tensor:
-    """Gradient of :func:`activation_reference` w.r.t. ``z``, given ``dh`` (same layout as z)."""
-    if activation not in GATED_ACTIVATIONS:
-        return dh * activation_grad_reference(z, activation)
+    """Gradient of :func:`activation_reference` w.r.t. ``z``, given ``dh`` (same layout as z).
+
+    Written out (not autograd): ``d gate = dh · (u + up_offset) · f'(g) · [gate <= limit]``,
+    ``d up = dh · f(g) · [-limit <= up <= limit]`` with ``g``, ``u`` the clamped values; the
+    bounds pass the gradient, as ``torch.clamp``'s backward does.
+    """
+    spec = as_activation(activation)
+    if not spec.gated:
+        return dh * activation_grad_reference(z, spec)
     gate, up = split_gate_up(z, gate_up_layout)
-    act = F.silu(gate) if activation == "swiglu" else F.gelu(gate)
-    d_gate = dh * up * activation_grad_reference(gate, activation)
-    d_up = dh * act
+    g, u = _clamped(gate, up, spec)
+    d_gate = dh * (u + spec.up_offset) * activation_grad_reference(g, spec)
+    d_up = dh * _elementwise(g, spec)
+    if spec.limit is not None:
+        zero = torch.zeros((), dtype=d_gate.dtype, device=d_gate.device)
+        d_gate = torch.where(gate <= spec.limit, d_gate, zero)
+        d_up = torch.where((up >= -spec.limit) & (up <= spec.limit), d_up, zero)
     if gate_up_layout == "concat":
         return torch.cat([d_gate, d_up], dim=-1)
     return torch.stack([d_gate, d_up], dim=-1).reshape(z.shape)
@@ -197,7 +233,7 @@ def grouped_gemm_reference(
     """
     cdt = _compute_dtype(a, w)
     offsets = expert_first_token_offset.tolist()  # the oracle may sync; kernels must not
-    n_out = w.shape[1] // 2 if activation in GATED_ACTIVATIONS else w.shape[1]
+    n_out = w.shape[1] // 2 if as_activation(activation).gated else w.shape[1]
     out = torch.zeros(a.shape[0], n_out, dtype=cdt, device=a.device)
     for e in range(w.shape[0]):
         lo, hi = offsets[e], offsets[e + 1]
@@ -440,6 +476,9 @@ def softmax_topk_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loop: softmax, the ``k`` most probable experts, optionally renormalised.
 
+    The experts rank by logit (the probabilities' order, without ties that only the rounding of
+    ``exp`` makes), ties to the lower id. Finite logits only.
+
     Returns ``(topk_weights [T, K] float32, topk_ids [T, K] int32)``.
     """
     weights, ids = [], []
@@ -448,7 +487,7 @@ def softmax_topk_reference(
         exps = [_math.exp(v - top) for v in row]
         total = sum(exps)
         probs = [v / total for v in exps]
-        chosen = _ranked(probs, range(len(row)))[:k]
+        chosen = _ranked(row, range(len(row)))[:k]
         w = [probs[e] for e in chosen]
         if renormalize:
             s = sum(w)

@@ -8,7 +8,9 @@ every run); the only float reductions are torch's deterministic ``sum`` / ``mean
 Routers (``[T, E]`` logits in, ``(topk_weights [T, K], topk_ids [T, K])`` out):
 
 * :func:`softmax_topk` — ``softmax`` over experts, top-``K``, optionally renormalised over the
-  ``K`` chosen (Mixtral always, Qwen2/3-MoE by ``norm_topk_prob``).
+  ``K`` chosen (Mixtral always, Qwen2/3-MoE by ``norm_topk_prob``). On CUDA one Triton launch
+  (:mod:`moe_route.kernels.triton.router`), forward and backward; :func:`softmax_topk_torch`
+  is the same router in torch ops (the ``"torch"`` backend, and the kernel's oracle).
 * :func:`sigmoid_grouped_topk` — DeepSeek-V3: sigmoid scores, an additive (aux-loss-free)
   expert bias for the *choice* only, group-limited top-``K``, weights from the unbiased scores.
 
@@ -16,7 +18,9 @@ Both score in float32 whatever the logits' dtype (float64 stays float64, for ``g
 the caller picks the dtype of the router *matmul* (:class:`moe_route.MoELayer`'s
 ``router_dtype``). Ids come in descending order of the choice score, ties to the lower expert
 id on every device (a stable sort, not ``torch.topk``, whose tie order is unspecified); the
-weights are differentiable w.r.t. the logits, the ids are not.
+weights are differentiable w.r.t. the logits, the ids are not. The softmax router ranks the
+*logits* (the probabilities' order, softmax being monotone), so that no device's rounding of
+``exp`` can merge two experts into a tie.
 
 Plain-loop oracles of everything here live at the end of :mod:`moe_route.reference`.
 """
@@ -27,7 +31,9 @@ import math
 
 import torch
 
-from . import _checks
+from . import _checks, arch
+from ._dispatch import Op
+from ._env import getenv
 from .maps import build_routing_maps
 
 ROUTERS = ("softmax", "sigmoid_grouped")
@@ -60,26 +66,148 @@ def _check_logits(logits: object, k: object) -> tuple[int, int]:
 
 
 def softmax_topk(
-    logits: torch.Tensor, k: int, renormalize: bool = True
+    logits: torch.Tensor, k: int, renormalize: bool = True, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k router (Mixtral: ``renormalize=True``; Qwen3-MoE: ``norm_topk_prob``).
 
     Args:
-        logits: ``[T, E]`` router logits, any float dtype.
+        logits: ``[T, E]`` router logits, any float dtype, any strides.
         k: ``K``, experts per token, ``1 <= K <= E``.
         renormalize: divide the ``K`` chosen probabilities by their sum (then they sum to 1).
+        backend: ``"auto"`` (one Triton launch on CUDA up to
+            :data:`moe_route.kernels.triton.router.MAX_EXPERTS` experts, the torch ops
+            otherwise), ``"triton"`` (on the CPU: the interpreter, ``TRITON_INTERPRET=1``),
+            ``"torch"``; ``"cupy"`` runs the Triton kernel (CuPy has no router).
 
     Returns:
         ``topk_weights [T, K]`` float32 (float64 for float64 logits), differentiable w.r.t.
-        ``logits``, and ``topk_ids [T, K]`` int32, in descending probability order (ties:
-        lower expert id first).
+        ``logits``, and ``topk_ids [T, K]`` int32, in descending probability order: descending
+        logit, equal logits (``-0.0 == 0.0``) by lower expert id, so the ids are the same bits
+        on every device and backend. A NaN logit ranks first (lower id first among NaNs) as in
+        ``torch.sort``; a row holding a NaN or ``+inf`` logit, or only ``-inf``, gets NaN
+        weights (its softmax is NaN) and NaN gradients.
     """
     _check_logits(logits, k)
-    probs = torch.softmax(logits.to(_score_dtype(logits)), dim=-1)
-    weights, ids = _topk(probs, k)
+    return route_softmax(logits, k, bool(renormalize), backend)
+
+
+def route_softmax(
+    logits: torch.Tensor, k: int, renormalize: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_topk` without the argument checks (internal composition: the layer)."""
+    if router_backend(logits.device, backend, logits.shape[1]) == "torch":
+        return softmax_topk_torch(logits, k, renormalize)
+    return SOFTMAX_TOPK(logits, k, renormalize)
+
+
+def softmax_topk_torch(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_topk` in torch ops, differentiable by autograd (no checks).
+
+    NOTE: on an H100 host this path (then with slices where the gather is) cost 156 µs of host
+    time per eager call at T=1, E=128, K=8, the stable ``torch.sort`` alone 62 µs (a radix sort
+    of several kernels and copies), against 10-13 µs for one thin Triton launch: hence the
+    kernel on CUDA.
+    """
+    scores = logits.to(_score_dtype(logits))
+    ids = _topk(scores, k)[1]
+    weights = torch.softmax(scores, dim=-1).gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+_ROUTER_BACKEND_CACHE: dict = {}
+
+
+def router_backend(device: torch.device, backend: str, num_experts: int) -> str:
+    """``"triton"`` or ``"torch"``: what runs :func:`softmax_topk` for ``num_experts`` experts
+    on ``device`` (cached like :func:`moe_route.arch.cached_backend`; raises before any
+    launch when the kernel cannot hold ``num_experts``)."""
+    key = (device, backend, num_experts, arch.env_key())
+    chosen = _ROUTER_BACKEND_CACHE.get(key)
+    if chosen is None:
+        chosen = _ROUTER_BACKEND_CACHE[key] = _router_backend(device, backend, num_experts)
+    return chosen
+
+
+def _router_backend(device: torch.device, backend: str, num_experts: int) -> str:
+    chosen = arch.cached_backend(device, backend)  # names, aliases, MOE_ROUTE_BACKEND
+    if chosen == "torch":
+        return "torch"
+    # The interpreter is for tests: "auto" on a CPU tensor is the torch path unless asked for
+    # explicitly (backend="triton" or MOE_ROUTE_BACKEND=triton).
+    forced = backend != "auto" or getenv("MOE_ROUTE_BACKEND").strip().lower() == "triton"
+    if device.type != "cuda" and not forced:
+        return "torch"
+    from .kernels.triton.router import MAX_EXPERTS, check_num_experts_supported
+
+    if num_experts > MAX_EXPERTS and backend == "auto":
+        return "torch"
+    check_num_experts_supported(num_experts)
+    return "triton"
+
+
+# --------------------------------------------------------------------------- router op
+def _softmax_topk_impl(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .kernels.triton.router import softmax_topk_triton
+
+    weights, ids = _softmax_topk_fake(logits, k, renormalize)
+    softmax_topk_triton(logits, k, renormalize, weights, ids)
+    return weights, ids
+
+
+def _softmax_topk_fake(logits, k, renormalize):
+    T = logits.shape[0]
+    return (
+        logits.new_empty(T, k, dtype=_score_dtype(logits)),
+        logits.new_empty(T, k, dtype=torch.int32),
+    )
+
+
+def _softmax_topk_backward_impl(
+    grad: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    renormalize: bool,
+) -> torch.Tensor:
+    from .kernels.triton.router import softmax_topk_backward_triton
+
+    dlogits = _softmax_topk_backward_fake(grad, weights, ids, logits, renormalize)
+    softmax_topk_backward_triton(grad, weights, ids, logits, renormalize, dlogits)
+    return dlogits
+
+
+def _softmax_topk_backward_fake(grad, weights, ids, logits, renormalize):
+    return logits.new_empty(logits.shape)
+
+
+_SOFTMAX_TOPK_BACKWARD = Op(
+    "softmax_topk_backward", _softmax_topk_backward_impl, _softmax_topk_backward_fake
+)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, _, renormalize = inputs
+    ctx.save_for_backward(logits, *output)
+    ctx.renormalize = renormalize
+
+
+def _backward(ctx, grad_weights, _grad_ids):
+    logits, weights, ids = ctx.saved_tensors
+    dlogits = _SOFTMAX_TOPK_BACKWARD(grad_weights, weights, ids, logits, ctx.renormalize)
+    return dlogits, None, None
+
+
+#: ``moe_route::softmax_topk(logits, k, renormalize) -> (weights, ids)``, the Triton kernel.
+SOFTMAX_TOPK = Op(
+    "softmax_topk", _softmax_topk_impl, _softmax_topk_fake, setup_context=_setup_context,
+    backward=_backward,
+)  # fmt: skip
 
 
 def check_groups(num_experts: int, k: int, n_group: object, topk_group: object) -> tuple[int, int]:

@@ -7,9 +7,18 @@ the exact ``T``, so every ``T`` in a bucket runs the same compiled kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ._env import getenv
 from .kernels.triton.grouped_gemm import GemmConfig
+
+#: Environment override of the GEMM kernels' persistent variant (benchmarking): unset or empty,
+#: the tables below decide; ``0``, the per-tile kernel; ``N >= 1``, ``N`` persistent programs
+#: per SM. Part of :func:`moe_route.arch.env_key`, so plans built under another value are not
+#: reused.
+PERSISTENT_ENV = "MOE_ROUTE_PERSISTENT"
 
 
 def token_bucket(T: int) -> int:
@@ -17,7 +26,37 @@ def token_bucket(T: int) -> int:
     return 1 << (T - 1).bit_length() if T > 0 else 0
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every bucket a call with ``1 <= T <= max_tokens`` tokens falls in (what a warm-up runs)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
+    return [1 << i for i in range((max_tokens - 1).bit_length() + 1)]
+
+
+def persistent_override() -> int | None:
+    """``MOE_ROUTE_PERSISTENT`` as programs per SM, or None when unset (see
+    :data:`PERSISTENT_ENV`)."""
+    value = getenv(PERSISTENT_ENV).strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(
+            f"{PERSISTENT_ENV}={value!r}: expected an integer >= 0 (programs per SM of the "
+            "persistent GEMM kernel; 0 for the per-tile kernel) or nothing"
+        )
+    return int(value)
+
+
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
+    """GEMM1 / GEMM2 / fused-finalize tiles (``persistent`` as :data:`PERSISTENT_ENV` forces)."""
+    cfg = _gemm_table(rows_per_expert, gated, dtype, cc)
+    forced = persistent_override()
+    if forced is not None and forced != cfg.persistent:
+        cfg = dataclasses.replace(cfg, persistent=forced)
+    return cfg
+
+
+def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
     """GEMM1 / GEMM2 / fused-finalize tiles.
 
     NOTE: H200, bf16 (bench/data/gemm_sweep_h200.csv): TMA lifted GEMM1 from 77-80 % to
@@ -48,7 +87,7 @@ def act_backward_config(rows_per_expert: float, n_out: int, dtype: torch.dtype, 
     """
     tma = cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
     if dtype == torch.float64 or rows_per_expert <= 64:
-        return gemm_config(rows_per_expert, False, dtype, cc)
+        return _gemm_table(rows_per_expert, False, dtype, cc)
     if n_out < 2048:
         return GemmConfig(64, 64, 64, 4, 4, 4, tma)
     return GemmConfig(128, 128, 64, 8, 8, 4, tma)

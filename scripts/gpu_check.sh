@@ -23,11 +23,12 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
     python3 -m moe_route info
     python3 -m moe_route demo --device cuda | tail -n 2
     # One pytest process per job (name, file, -k selection); test_gpu_moe.py, the longest
-    # (every kernel variant compiles), is split in three.
+    # (every kernel variant compiles), is split in four.
     jobs=(
-        "gpu_moe_gemm|tests/test_gpu_moe.py|grouped_gemm or launcher or occupancy or noncontiguous or tf32 or offsets"
+        "gpu_moe_gemm|tests/test_gpu_moe.py|(grouped_gemm or launcher or occupancy or noncontiguous or tf32 or offsets) and not persistent"
         "gpu_moe_sizes|tests/test_gpu_moe.py|fused_moe_sizes or activations"
-        "gpu_moe_rest|tests/test_gpu_moe.py|not (grouped_gemm or launcher or occupancy or noncontiguous or tf32 or offsets or fused_moe_sizes or activations)"
+        "gpu_moe_persistent|tests/test_gpu_moe.py|persistent"
+        "gpu_moe_rest|tests/test_gpu_moe.py|not (grouped_gemm or launcher or occupancy or noncontiguous or tf32 or offsets or fused_moe_sizes or activations or persistent)"
     )
     for f in tests/test_gpu*.py tests/test_compile.py; do
         [ "$f" = tests/test_gpu_moe.py ] || jobs+=("$(basename "$f" .py)|$f|")

@@ -4,7 +4,9 @@ Compiles the three grouped GEMM kernels (forward, activation backward, fused fin
 time for a CUDA target (no GPU or driver needed: the Triton wheel carries ptxas) and prints
 ptxas's resource report for each epilogue and tile configuration. A spill or a register count
 at the 255 ceiling shows before any device time is spent (the reason the ordered fused
-finalize reduces in compacted row groups).
+finalize reduces in compacted row groups), and so does ptxas's warning that the wgmma
+instructions are serialised ("WGMMA SERIALIZED"). Arguments are specialised as a launch at the
+standard shapes specialises them (unit strides constant, the rest multiples of 16).
 
 Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--experts 256]
 [--dtype bf16]``.
@@ -25,18 +27,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_route.activations import KIND_CODES
 from moe_route.kernels.triton import grouped_gemm as gg
-from moe_route.kernels.triton.activation import ACT_CODES
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)]
-SWIGLU = dict(ACT=ACT_CODES["silu"], GATED=True)
+SWIGLU = dict(ACT=KIND_CODES["silu"], GATED=True)
 # name -> (kernel, the constexprs that select its epilogue)
 VARIANTS = {
     "gemm2": (gg._gemm_kernel, dict()),
     "gemm1 swiglu gather": (gg._gemm_kernel, dict(SWIGLU, GATHER=True)),
     "gemm1 swiglu gather + z": (gg._gemm_kernel, dict(SWIGLU, GATHER=True, STORE_PRE=True)),
     "gemm2 bwd + swiglu bwd": (gg._gemm_act_bwd_kernel, dict(SWIGLU, W_KMAJOR=True)),
+    "gemm2 persistent": (gg._gemm_persistent_kernel, dict()),
+    "gemm1 swiglu gather pers.": (gg._gemm_persistent_kernel, dict(SWIGLU, GATHER=True, ONE_DOT=1)),
     "gemm2 + ordered finalize": (gg._gemm_finalize_kernel, dict(ORDERED=True)),
     "gemm2 + atomic finalize": (gg._gemm_finalize_kernel, dict(ORDERED=False)),
 }
@@ -60,11 +64,11 @@ def _params(kernel):
 def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     bm, bn, bk, group_m, warps, stages = cfg
     const = dict(
-        ACT=0, GATED=False, ALPHA=1.0, LIMIT=None, UP_OFFSET=0.0, INTERLEAVED=False,
+        ACT=0, GATED=False, ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, INTERLEAVED=False,
         HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS),
+        GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
     )  # fmt: skip
     const.update(epilogue)
     # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).
@@ -77,10 +81,19 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     missing = [n for n, is_const in params if is_const and n not in const]
     if missing:
         raise KeyError(f"no value for the constexprs {missing}")
+    # As a launch at the standard shapes specialises them: unit strides become constants,
+    # pointers and the other integers are known multiples of 16 (except the token-dependent
+    # ones, never specialised).
+    unit = {"stride_ak", "stride_on", "stride_bn", "stride_yn", "stride_fh",
+            "stride_wn" if const["W_KMAJOR"] else "stride_wk"}  # fmt: skip
     w_block = f"[1, {bk}, {bn}]" if const["W_KMAJOR"] else f"[1, {bn}, {bk}]"
-    sig = {}
-    for name, is_const in params:
-        if is_const:
+    if const["ONE_DOT"]:  # gate and up rows in one box (the persistent kernel's gated GEMM1)
+        w_block = f"[1, 2, {bn}, {bk}]" if const["ONE_DOT"] == 1 else f"[1, {2 * bn}, {bk}]"
+    sig, attrs = {}, {}
+    for i, (name, is_const) in enumerate(params):
+        if not is_const and name not in unit and name not in gg._VARYING:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        if is_const or name in unit:
             sig[name] = "constexpr"
         elif name == "a_desc":
             sig[name] = f"tensordesc<{dtype}[{bm}, {bk}]>" if const["A_DESC"] else f"*{dtype}"
@@ -93,7 +106,11 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         else:
             sig[name] = "i32"
     const = {name: const[name] for name, is_const in params if is_const}
-    src = ASTSource(kernel, sig, constexprs=const)
+    const.update((name, 1) for name, _ in params if name in unit)
+    for i, (name, _) in enumerate(params):
+        if sig[name].startswith("tensordesc"):
+            attrs.pop((i,), None)
+    src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     return triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
 
@@ -107,7 +124,10 @@ def ptxas_report(kernel, arch) -> str:
                          capture_output=True, text=True, check=True)  # fmt: skip
     os.unlink(f.name)
     lines = [ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines()]
-    return "; ".join(ln for ln in lines if "registers" in ln or "spill" in ln)
+    report = "; ".join(ln for ln in lines if "registers" in ln or "spill" in ln)
+    if "wgmma.mma_async instructions are serialized" in run.stderr:  # ptxas warning C7515
+        report = "WGMMA SERIALIZED; " + report
+    return report
 
 
 def main(argv=None) -> int:

@@ -65,7 +65,8 @@ def pytest_configure(config):
     )
 
 
-_ENV_KNOBS = ("MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "MOE_ROUTE_CHECK_IDS")
+_ENV_KNOBS = ("MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "MOE_ROUTE_CHECK_IDS",
+              "MOE_ROUTE_PERSISTENT")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

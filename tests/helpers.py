@@ -49,6 +49,18 @@ def accumulation_rtol(top_k: int) -> float:
     return (top_k + 2) * torch.finfo(torch.float32).eps
 
 
+def router_weight_rtol(dtype: torch.dtype, num_experts: int, top_k: int) -> float:
+    """Bound on the relative distance of two implementations' softmax top-k weights.
+
+    Each computes ``w = exp(x - max) / D`` in ``dtype`` (float32 or float64): ``exp`` within
+    2 ulps (libdevice; numpy and torch's CPU kernels 1), ``D`` a sum of at most ``E`` positive
+    such terms in an order of its own (``(E - 1)`` roundings), the renormalisation over the
+    ``K`` chosen another ``K`` roundings and a division or a reciprocal (1 ulp): at most
+    ``(E + K + 6)`` ulps each, twice that between two of them.
+    """
+    return 2 * (num_experts + top_k + 6) * torch.finfo(dtype).eps
+
+
 def subnormal_atol(dtype: torch.dtype) -> float:
     """Spacing of the subnormals of ``dtype``: an absolute floor for results near zero."""
     fi = torch.finfo(dtype)

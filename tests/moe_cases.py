@@ -19,6 +19,7 @@ import torch
 
 import moe_route
 from moe_route import arch
+from moe_route.activations import as_activation
 from moe_route.reference import (
     expand_rows_reference,
     finalize_moe_routing_reference,
@@ -41,6 +42,19 @@ ACT_LAYOUTS = [
     ("identity", "concat"),
 ]
 ACT_IDS = [f"{a}-{lay}" if a in GATED else a for a, lay in ACT_LAYOUTS]
+# The activation variants beyond ACT_LAYOUTS: name -> (spec, gate/up layout). The limits bite at
+# O(1) values and are exact in fp16 and bf16 (a bound in the kernel's dtype is the same number as
+# in float64, so kernel and oracle agree on what lies exactly on it).
+ACT_VARIANTS = {
+    "clamped-swiglu": (moe_route.activation("swiglu", alpha=1.702, limit=0.75, up_offset=1.0),
+                       "interleaved"),
+    "swiglu-limit": (moe_route.activation("swiglu", limit=0.5), "concat"),
+    "geglu_tanh": (as_activation("geglu_tanh"), "concat"),
+    "geglu_tanh-limit-offset": (as_activation("geglu_tanh(limit=0.625, up_offset=-0.25)"),
+                                "interleaved"),
+    "relu2": (as_activation("relu2"), "concat"),
+    "gelu_tanh": (as_activation("gelu_tanh"), "concat"),
+}  # fmt: skip
 # finalize path -> the fused_moe arguments that select it
 PATHS = {
     "standalone": dict(finalize="standalone"),
@@ -91,7 +105,7 @@ def f64(t):
 
 
 def n_rows(activation, inter):
-    return 2 * inter if activation in GATED else inter
+    return 2 * inter if as_activation(activation).gated else inter
 
 
 def expand_reference(x, maps):
@@ -226,6 +240,25 @@ def finalize_scale(case, *, activation="swiglu", layout="concat"):
     y = grouped_gemm_reference(h, f64(c["w2"]), off, f64(c["b2"]))
     babs = None if c["bias"] is None else f64(c["bias"]).abs()
     return finalize_moe_routing_reference(y.abs(), f64(c["topk_weights"]).abs(), s2d, efs, babs)
+
+
+def pin_at_the_bounds(case, spec, layout):
+    """Pin some pre-activation columns of every expert exactly on a clamped activation's bounds:
+    zero rows of ``w1`` and a ``b1`` of ``limit`` (gate), ``±limit`` (up), or beyond them.
+
+    Returns ``(rows of z on the bounds, rows beyond)``: the gradient passes at the first and is
+    zero at the second (torch.clamp's convention)."""
+    inter = case["w2"].shape[2]
+    rows = {"gate": lambda j: j, "up": lambda j: inter + j}
+    if layout == "interleaved":
+        rows = {"gate": lambda j: 2 * j, "up": lambda j: 2 * j + 1}
+    lim = spec.limit
+    for part, j, value in (("gate", 0, lim), ("up", 1, lim), ("up", 2, -lim),
+                           ("gate", 3, lim + 1.0), ("up", 3, -lim - 1.0)):  # fmt: skip
+        r = rows[part](j)
+        case["w1"][:, r] = 0.0
+        case["b1"][:, r] = value
+    return [rows["gate"](0), rows["up"](1), rows["up"](2)], [rows["gate"](3), rows["up"](3)]
 
 
 # ----------------------------------------------------------------------------- checks

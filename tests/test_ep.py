@@ -57,16 +57,16 @@ def single_process(name: str, world: int, ids_override: tuple | None = None) -> 
     x = torch.cat(xs).requires_grad_(True)
     if ids_override is None:
         out = layer(x)
-    else:  # the layer with the given slots dropped: fused_moe gets the overriding ids
+    else:  # the layer with the given slots dropped: its maps come from the overriding ids
         import moe_route.layer as layer_module
 
-        real = layer_module.fused_moe
+        real = layer_module.maps_op
         ids = torch.tensor(ids_override, dtype=torch.int32).view(-1, ep_worker.K)
-        layer_module.fused_moe = lambda x2, w1, w2, w, _ids, **kw: real(x2, w1, w2, w, ids, **kw)
+        layer_module.maps_op = lambda _ids, *args: real(ids, *args)
         try:
             out = layer(x)
         finally:
-            layer_module.fused_moe = real
+            layer_module.maps_op = real
         out = out._replace(
             topk_ids=ids, tokens_per_expert=moe_route.tokens_per_expert(ids, ep_worker.E)
         )

@@ -13,6 +13,7 @@ elementwise guard eight times as wide relative to ``|ref| + rms(ref)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -446,3 +447,123 @@ def test_offsets_past_int32():
     assert_dropped_rows_zero(out, maps)
     del x_store, w_store, out_store
     torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- persistent GEMM
+PERSISTENT_CONFIGS = {  # GemmConfig fields, programs per SM, warp specialisation
+    "128x128x64": ((128, 128, 64, 8, 8, 3), 1, False),
+    "64x64x64-2perSM": ((64, 64, 64, 4, 4, 4), 2, False),
+    "128x128x64-ws": ((128, 128, 64, 8, 8, 3), 1, True),
+}
+
+
+def persistent_config(name):
+    """The persistent config ``name``, TMA-fed on SM90+ (the gathered ``A`` by pointers)."""
+    from moe_route.kernels.triton.grouped_gemm import GemmConfig
+
+    fields, programs, ws = PERSISTENT_CONFIGS[name]
+    tma = torch.cuda.get_device_capability()[0] >= 9
+    if ws and not tma:
+        pytest.skip("the warp-specialised persistent loop wants TMA loads (SM90+)")
+    return GemmConfig(*fields, use_tma=tma, persistent=programs, warp_specialize=ws)
+
+
+@pytest.mark.parametrize("config", list(PERSISTENT_CONFIGS))
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("gather", [False, True], ids=["perm", "gather"])
+@pytest.mark.parametrize(("H", "inter"), [(200, 136), (1024, 768), (72, 40)])
+@pytest.mark.parametrize("T", [1, 1000])
+def test_persistent_odd_sizes(T, H, inter, gather, layout, config):
+    """bf16: GEMM1 (swiglu, bias; gate and up rows in one TMA box on SM90) and GEMM2 through
+    the persistent kernel into NaN-poisoned outputs, against float64 and against the per-tile
+    kernel of the same tiles."""
+    cfg = persistent_config(config)
+    per_tile = dataclasses.replace(cfg, persistent=0, warp_specialize=False)
+    dtype = torch.bfloat16
+    a, w, b, maps = gemm_case(T, 4, 8, H, inter, "swiglu", dtype=dtype, bias=True,
+                              gather=gather, drop=0.2, seed=T + H)  # fmt: skip
+    kw = dict(activation="swiglu", layout=layout, gather=gather)
+    h = launch(a, w, maps, b, config=cfg, **kw)
+    assert_matches(h, gemm_reference(a, w, maps, b, **kw), TOL[dtype])
+    assert_dropped_rows_zero(h, maps)
+    assert_matches(h, launch(a, w, maps, b, config=per_tile, **kw).double(), TOL[dtype],
+                   what="persistent vs per-tile")  # fmt: skip
+    w2 = rand(8, H, inter, dtype=dtype, scale=inter**-0.5, seed=T + H + 1)
+    y = launch(h, w2, maps, config=cfg)
+    assert_matches(y, gemm_reference(h, w2, maps), TOL[dtype], what="GEMM2")
+    assert_dropped_rows_zero(y, maps)
+
+
+PERSISTENT_OCCUPANCY = {**OCCUPANCY, "E=1": lambda T: torch.zeros(T, 1, dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("pattern", list(PERSISTENT_OCCUPANCY))
+@pytest.mark.parametrize("config", ["128x128x64", "64x64x64-2perSM"])
+def test_persistent_occupancy_store_pre(config, pattern):
+    """Empty experts, all rows in one expert (of 8, and E = 1), mostly and wholly dropped
+    routings; with the pre-activation stored (training): ``z`` (zero in dropped rows) and
+    ``act(z)``."""
+    cfg = persistent_config(config)
+    T, E, dtype = 1000, 1 if pattern == "E=1" else 8, torch.bfloat16
+    ids = PERSISTENT_OCCUPANCY[pattern](T)
+    a, w, b, maps = gemm_case(T, ids.shape[1], E, 200, 136, "swiglu", dtype=dtype, bias=True,
+                              gather=True, ids=ids, seed=7)  # fmt: skip
+    z = torch.full((maps.num_expanded_rows, w.shape[1]), NAN, dtype=dtype, device=CUDA)
+    out = launch(a, w, maps, b, activation="swiglu", gather=True, config=cfg, pre_activation=z)
+    assert_dropped_rows_zero(out, maps)
+    assert_dropped_rows_zero(z, maps)
+    if pattern != "all_dropped":
+        ref = gemm_reference(a, w, maps, b, activation="swiglu", gather=True)
+        assert_matches(out, ref, TOL[dtype])
+        assert_matches(z, gemm_reference(a, w, maps, b, gather=True), TOL[dtype], what="z")
+
+
+@pytest.mark.parametrize("config", list(PERSISTENT_CONFIGS))
+def test_persistent_deterministic(config):
+    """Many tiles per program (E = 64, K = 8, T = 3001): 20 runs, the same bits, every element
+    written (a NaN block of the output's size freed before each run is what the allocator hands
+    the next output)."""
+    cfg = persistent_config(config)
+    a, w, b, maps = gemm_case(3001, 8, 64, 520, 264, "swiglu", dtype=torch.bfloat16, bias=True,
+                              drop=0.1, seed=31)  # fmt: skip
+    first = launch(a, w, maps, b, activation="swiglu", config=cfg)
+    assert_matches(first, gemm_reference(a, w, maps, b, activation="swiglu"), TOL[torch.bfloat16])
+    for i in range(20):
+        torch.full_like(first, NAN)
+        again = launch(a, w, maps, b, activation="swiglu", config=cfg)
+        assert torch.equal(again, first), f"run {i + 1} differs"
+        del again
+
+
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
+def test_persistent_cuda_graph(monkeypatch):
+    """fused_moe forward + backward with every GEMM1 / GEMM2 / dX launch persistent
+    (``MOE_ROUTE_PERSISTENT=1``): captured once, replayed on new routing, equal to eager and to
+    float64; gradients equal to the per-tile kernels' within bf16 rounding."""
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "1")
+    T, K, E, H, inter = 199, 4, 16, 200, 136
+    static = moe_case(T, K, E, H, inter, b1=True, b2=True, bias="TH", seed=32)
+
+    def step():
+        return run_moe(static)
+
+    graph, static_out = capture_cuda_graph(step, warmup=2)
+    fresh = moe_case(T, K, E, H, inter, b1=True, b2=True, bias="TH", drop=0.3, seed=33)
+    for key, value in fresh.items():
+        if value is not None:
+            static[key].copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, run_moe(fresh)), "graph replay differs from eager"
+    assert_matches(static_out, moe_expected(fresh), TOL[torch.bfloat16])
+
+    def grads():
+        case = {k: (v.detach().clone().requires_grad_(k in ("x", "w1", "w2")) if v is not None
+                    and v.is_floating_point() else v) for k, v in fresh.items()}  # fmt: skip
+        run_moe(case).float().square().sum().backward()
+        return [case[k].grad for k in ("x", "w1", "w2")]
+
+    persistent = grads()
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "0")
+    for name, got, want in zip(("dx", "dw1", "dw2"), persistent, grads(), strict=True):
+        assert_matches(got, want.double(), TOL[torch.bfloat16], what=name)

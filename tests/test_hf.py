@@ -30,7 +30,17 @@ from torch import nn
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from helpers import DEVICE  # noqa: E402
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DbrxConfig,
+    Gemma4TextConfig,
+    GptOssConfig,
+    JetMoeConfig,
+    Llama4TextConfig,
+    MixtralConfig,
+    NemotronHConfig,
+    Qwen3MoeConfig,
+)
 from transformers.activations import ACT2FN  # noqa: E402
 from transformers.integrations.moe import (  # noqa: E402
     ALL_EXPERTS_FUNCTIONS,
@@ -71,10 +81,29 @@ def tiny_config(family: str):
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
+    if family in ("gpt_oss", "gemma4"):  # one layer: the interpreter's time goes to the experts
+        common |= dict(num_hidden_layers=1, layer_types=["full_attention"])
     if family == "mixtral":
         return MixtralConfig(
             intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common
         )
+    if family == "gpt_oss":  # a limit that the tiny model's pre-activations reach
+        return GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                            swiglu_limit=1.0, **common)  # fmt: skip
+    if family == "gemma4":
+        return Gemma4TextConfig(
+            intermediate_size=48, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=24, hidden_size_per_layer_input=0, vocab_size_per_layer_input=96,
+            **common,
+        )  # fmt: skip
+    if family == "nemotron_h":  # one attention and one MoE layer (no Mamba)
+        return NemotronHConfig(
+            vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, layers_block_type=["attention", "moe"], n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+            moe_shared_expert_intermediate_size=24, intermediate_size=48,
+            tie_word_embeddings=False,
+        )  # fmt: skip
     return Qwen3MoeConfig(
         intermediate_size=64, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], **common,
@@ -88,7 +117,7 @@ def tiny_models(family: str, dtype: torch.dtype):
     # Random init is small (std 0.02); widen it so that the experts dominate the logits.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "experts" in name or "gate" in name:
+            if "experts" in name or "gate" in name or "router" in name:
                 p.normal_(0, 0.2)
     model.eval()
     exact = copy.deepcopy(model).to(DEVICE, torch.float64)
@@ -169,6 +198,51 @@ def test_bf16_experts_match_eager(family):
         ours = run(experts, BF16_NAME, *low)
     assert ours.dtype == torch.bfloat16
     assert_vs_exact(ours, eager, ref64, name=f"{family} bf16 experts")
+
+
+FAMILY_PLANS = {
+    "gpt_oss": "moe_route: swiglu(alpha=1.702, limit=1.0, up_offset=1.0) interleaved, "
+    "transposed weights, biases",
+    "nemotron_h": "moe_route: relu2",
+    "gemma4": "moe_route: geglu_tanh concat",
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_PLANS))
+def test_activation_families_match_eager(family):
+    """gpt-oss (clamped SwiGLU, interleaved, transposed, biases), NemotronH (relu2, ungated),
+    Gemma4 (tanh GELU): float32 logits and every parameter's gradient against eager."""
+    model, exact = tiny_models(family, torch.float32)
+    assert set(moe_hf.describe(model).values()) == {FAMILY_PLANS[family]}
+    ours = copy.deepcopy(model)
+    ours.set_experts_implementation("moe_route_strict")  # no silent fallback
+    ids = token_ids()
+    assert min(experts_hit(model, ids)) >= 3
+    if family == "gpt_oss":  # the clamp is reached, or it is not tested
+        z = []
+        hook = ours.model.layers[0].mlp.experts.register_forward_pre_hook(
+            lambda m, a: z.append(a[0] @ m.gate_up_proj[0] + m.gate_up_proj_bias[0])
+        )
+        with torch.no_grad():
+            ours(ids)
+        hook.remove()
+        assert (z[0].abs() > 1.0).float().mean() > 0.05
+    g = torch.Generator().manual_seed(2)
+    probe = torch.randn(*ids.shape, 96, generator=g, dtype=torch.float64).to(DEVICE)
+    logits = {}
+    for key, m in (("eager", model), ("exact", exact), ("ours", ours)):
+        logits[key] = m(ids).logits
+        (logits[key] * probe.to(m.dtype)).sum().backward()
+    assert_vs_exact(logits["ours"], logits["eager"], logits["exact"], name=f"{family} logits")
+    grads, grads64 = dict(model.named_parameters()), dict(exact.named_parameters())
+    experts = 0
+    for name, p in ours.named_parameters():
+        if grads64[name].grad is None:
+            continue
+        assert p.grad is not None, f"{name}: no gradient through moe_route"
+        assert_vs_exact(p.grad, grads[name].grad, grads64[name].grad, name=f"d {name}")
+        experts += ".experts." in name
+    assert experts >= 2 * len(moe_hf.describe(model))  # w1 and w2 of every MoE layer
 
 
 def test_from_config_by_name():
@@ -310,9 +384,13 @@ def test_layout_check_can_fail():
     "has_gate,act,expected",
     [
         (True, "gelu", "geglu"),
+        (True, "gelu_pytorch_tanh", "geglu_tanh"),  # Gemma4's GELUTanh
+        (True, "gelu_new", "geglu_tanh"),  # the same function written out
         (False, "silu", "silu"),
         (False, "gelu", "gelu"),
+        (False, "gelu_pytorch_tanh", "gelu_tanh"),
         (False, "relu", "relu"),
+        (False, "relu2", "relu2"),  # NemotronH
         (False, "linear", "identity"),
     ],
 )
@@ -367,21 +445,20 @@ def test_layouts_backward(flags):
 
 
 # ----------------------------------------------------------------------------- fallbacks
-def clamped_gate(self, gate_up):  # gpt-oss-like: not a plain SwiGLU
+def clamp_after_activation(self, gate_up):  # Step-3.7's form: not one of moe_route's
     gate, up = gate_up.chunk(2, dim=-1)
-    return self.act_fn(gate.clamp(max=0.5)) * up
+    return self.act_fn(gate).clamp(max=0.5) * up
 
 
 @pytest.mark.parametrize(
     "kwargs,reason",
     [
-        (dict(apply_gate=clamped_gate), "overrides _apply_gate"),
-        (dict(act="gelu_pytorch_tanh"), "no fused moe_route activation"),
-        (dict(has_gate=False, act="relu2"), "no moe_route activation"),
+        (dict(apply_gate=clamp_after_activation), "_apply_gate computes none"),
+        (dict(has_gate=False, act="quick_gelu"), "computes none of moe_route's activations"),
         (dict(has_gate=True, act="relu"), "no fused moe_route activation"),
         (dict(post_norm=True), "has_post_expert_norm"),
     ],
-    ids=["custom_gate", "tanh_gelu", "relu2", "gated_relu", "post_norm"],
+    ids=["custom_gate", "quick_gelu", "gated_relu", "post_norm"],
 )
 def test_unsupported_falls_back_with_a_warning(kwargs, reason):
     module = make_experts(**kwargs)
@@ -402,7 +479,7 @@ def test_unsupported_falls_back_with_a_warning(kwargs, reason):
 
 def test_eager_fallback_runs_the_modules_own_forward():
     moe_hf.register("moe_route_eager_fallback", fallback="eager")
-    module = make_experts(apply_gate=clamped_gate)
+    module = make_experts(apply_gate=clamp_after_activation)
     x, ids, weights = routing(seed=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", moe_hf.MoeRouteFallbackWarning)
@@ -421,8 +498,7 @@ def test_register_validates_its_arguments():
 
 
 # ----------------------------------------------------------------------------- the example
-def test_hf_swap_example_runs(capsys):
-    """examples/hf_swap.py: tiny Mixtral, logits of the three implementations agree (fp32)."""
+def _load_example():
     import importlib.util
     import pathlib
 
@@ -430,6 +506,25 @@ def test_hf_swap_example_runs(capsys):
     spec = importlib.util.spec_from_file_location("hf_swap_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_hf_swap_example_fails_on_a_mismatch(monkeypatch, capsys):
+    """The example's per-module check is sharp: a 1 % error in fp16 makes it exit 1."""
+    example = _load_example()
+    right = moe_hf.moe_route_experts_forward
+    monkeypatch.setattr(moe_hf, "moe_route_experts_forward", lambda *a, **k: right(*a, **k) * 1.01)
+    args = ["--device", str(DEVICE), "--seq", "4", "--warmup", "0", "--iters", "1"]
+    try:
+        assert example.main([*args, "--dtype", "float16", "--backend", "reference"]) == 1
+    finally:
+        moe_hf.register()
+    assert "MISMATCH in float16" in capsys.readouterr().out
+
+
+def test_hf_swap_example_runs(capsys):
+    """examples/hf_swap.py: tiny Mixtral in fp32, bf16 and fp16, every check passes."""
+    example = _load_example()
     args = ["--device", str(DEVICE), "--seq", "4", "--warmup", "0", "--iters", "1"]
     if DEVICE.type == "cpu":
         args += ["--backend", "reference"]  # a smoke test: the interpreter runs above
@@ -438,4 +533,224 @@ def test_hf_swap_example_runs(capsys):
     finally:
         moe_hf.register()  # the example re-registered "moe_route" with its own options
     out = capsys.readouterr().out
-    assert "OK: logits agree" in out and "moe_route: swiglu concat" in out
+    assert "OK: checked float32, bfloat16, float16" in out and "logits agree within" in out
+    assert "moe_route: swiglu concat" in out and "MISMATCH" not in out
+
+
+# ----------------------------------------------------------------------------- _apply_gate
+def _experts_of(cls_path: str, dtype=torch.float32, limit=1.5, seed=0):
+    """A transformers experts class built from a namespace config, random weights."""
+    import importlib
+
+    module_name, cls_name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), cls_name)
+    config = types.SimpleNamespace(
+        num_experts=E, num_local_experts=E, n_routed_experts=E, hidden_size=H,
+        intermediate_size=INTER, moe_intermediate_size=INTER, hidden_act="silu",
+        swiglu_alpha=1.702, swiglu_limit=limit, _experts_implementation="eager",
+    )  # fmt: skip
+    module = cls(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            fan_in = H if "gate_up" in name else INTER
+            p.copy_(torch.randn(p.shape, generator=g) * (0.25 if "bias" in name else fan_in**-0.5))
+    return module.to(DEVICE, dtype)
+
+
+# transformers' experts classes that override _apply_gate -> the plan moe_route recognises.
+CLAMPED_CLASSES = {
+    "gpt_oss.modeling_gpt_oss.GptOssExperts":
+        "swiglu(alpha=1.702, limit=1.5, up_offset=1.0) interleaved, transposed weights, biases",
+    "openai_privacy_filter.modeling_openai_privacy_filter.OpenAIPrivacyFilterExperts":
+        "swiglu(alpha=1.702, limit=1.5, up_offset=1.0) concat, transposed weights, biases",
+    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLExperts":
+        "swiglu(alpha=1.702, limit=1.5, up_offset=1.0) concat",
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts": "swiglu(limit=1.5) concat",
+    "hy_v4.modeling_hy_v4.HYV4Experts": "swiglu(limit=1.5) concat",
+    "glm5_next.modeling_glm5_next.Glm5NextTextExperts": "swiglu(limit=1.5) concat",
+    "beam.modeling_beam.BeamExperts": "swiglu concat",  # the default gate, in float32
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls_path", list(CLAMPED_CLASSES), ids=lambda p: p.rsplit(".", 1)[1])
+def test_overridden_apply_gate_is_recognised(cls_path):
+    """The computation of each class's own _apply_gate is recognised (parameters read from the
+    module, layout from what _apply_gate reads); forward against transformers' batched_mm in
+    float64 (it runs that _apply_gate) and the class's own eager forward in float32."""
+    module = _experts_of(cls_path)
+    assert moe_hf.describe(module)[""] == f"moe_route: {CLAMPED_CLASSES[cls_path]}"
+    x, ids, weights = routing(seed=9)
+    with torch.no_grad():
+        m64 = copy.deepcopy(module).to(torch.float64)
+        exact = run(m64, "batched_mm", x.double(), ids, weights.double())
+        eager = run(module, "eager", x, ids, weights)
+        ours = run(module, "moe_route_strict", x, ids, weights)
+    assert_vs_exact(ours, eager, exact, name=cls_path)
+
+
+def test_gpt_oss_experts_backward():
+    """Gradients through the fused clamped-SwiGLU backward (interleaved, transposed, biases)."""
+    module = _experts_of("gpt_oss.modeling_gpt_oss.GptOssExperts", limit=1.0)
+    x, ids, weights = routing(seed=10)
+    probe = torch.randn(T, H, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+
+    def grads(impl, dtype):
+        mod = copy.deepcopy(module).to(dtype)
+        xx = x.to(dtype).requires_grad_()
+        ww = weights.to(dtype).requires_grad_()
+        (run(mod, impl, xx, ids, ww) * probe.to(DEVICE, dtype)).sum().backward()
+        return {"x": xx.grad, "topk_weights": ww.grad} | {
+            n: p.grad for n, p in mod.named_parameters()
+        }
+
+    exact, eager = grads("batched_mm", torch.float64), grads("eager", torch.float32)
+    ours = grads("moe_route_strict", torch.float32)
+    for name in exact:
+        assert_vs_exact(ours[name], eager[name], exact[name], name=f"d {name}")
+
+
+def test_recognition_is_cached_and_follows_the_parameters():
+    module = _experts_of("gpt_oss.modeling_gpt_oss.GptOssExperts")
+    first = moe_hf.plan_for(module)
+    assert moe_hf.plan_for(module) is first  # probed once
+    module.limit = 3.0
+    assert moe_hf.plan_for(module).activation == "swiglu(alpha=1.702, limit=3.0, up_offset=1.0)"
+    module.limit = 0.0  # gate.clamp(max=0) is no activation moe_route has
+    assert "computes none" in moe_hf.describe(module)[""]
+
+
+def test_switching_plans_the_experts_before_any_forward(monkeypatch):
+    """The probes run when moe_route is asked for, once per module, never inside a forward."""
+    calls = []
+    probe = moe_hf._recognise_apply_gate
+    monkeypatch.setattr(moe_hf, "_recognise_apply_gate", lambda m: calls.append(m) or probe(m))
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), experts_implementation="eager")
+    model = model.to(DEVICE)
+    assert calls == []
+    model.set_experts_implementation("moe_route_reference")
+    assert len(calls) == 1  # one MoE layer
+    with torch.no_grad():
+        model(token_ids())
+    assert len(calls) == 1
+
+
+# ----------------------------------------------------------------------------- no silent no-ops
+def _dbrx_config():
+    # attn_config rope_theta: DbrxAttention reads it (transformers 5 omits it from the config).
+    return DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=96,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+        ffn_config=dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2),
+    )  # fmt: skip
+
+
+BYPASSING = {
+    "dbrx": (_dbrx_config, {"transformer.blocks.0.ffn.experts": "DbrxExperts"}),
+    "llama4": (
+        lambda: Llama4TextConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=24,
+            intermediate_size_mlp=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+        ),
+        {"model.layers.0.feed_forward.experts": "Llama4TextExperts"},
+    ),
+    "jetmoe": (
+        lambda: JetMoeConfig(
+            vocab_size=96,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_key_value_heads=2,
+            kv_channels=8,
+            intermediate_size=24,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        {"model.layers.0.mlp.input_linear": "JetMoeParallelExperts"},
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(BYPASSING))
+def test_describe_lists_blocks_outside_the_interface(family):
+    make_config, some = BYPASSING[family]
+    model = AutoModelForCausalLM.from_config(make_config(), experts_implementation="eager")
+    report = moe_hf.describe(model)
+    for name, cls in some.items():
+        assert report[name].startswith(f"no-op: {cls} builds its experts without")
+    assert all(v.startswith("no-op: ") for v in report.values())
+    assert f"no-op: {next(iter(some.values()))}" in str(report)
+
+
+def test_switching_dbrx_to_moe_route_warns_once():
+    with pytest.warns(moe_hf.MoeRouteNoOpWarning, match=r"blocks\.0\.ffn\.experts \(DbrxExperts\)"):
+        model = AutoModelForCausalLM.from_config(_dbrx_config(), experts_implementation="moe_route")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", moe_hf.MoeRouteNoOpWarning)
+        model.set_experts_implementation("eager")
+        model.set_experts_implementation("moe_route")  # named once already: silent
+    fresh = AutoModelForCausalLM.from_config(_dbrx_config(), experts_implementation="eager")
+    with pytest.warns(moe_hf.MoeRouteNoOpWarning, match="2 MoE block") as record:
+        fresh.set_experts_implementation("moe_route_reference")
+    assert len(record) == 1
+    with warnings.catch_warnings():  # a model whose experts all use the interface: no warning
+        warnings.simplefilter("error", moe_hf.MoeRouteNoOpWarning)
+        AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation="moe_route")
+
+
+def test_describe_says_how_to_register():
+    model = AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation="eager")
+    assert moe_hf.describe(model).notes == []
+    notes = moe_hf.describe(model, name="moe_route_unregistered").notes
+    assert len(notes) == 1 and "moe_route.integrations.hf.register()" in notes[0]
+    with pytest.raises(ValueError, match="moe_route_unregistered"):  # transformers' own error
+        model.set_experts_implementation("moe_route_unregistered")
+
+
+def test_from_pretrained_plans_at_load_and_warns_about_bypassing_blocks(tmp_path):
+    """from_pretrained builds the model under torch.device("meta"): the post_init hook still
+    plans gpt-oss's experts at load (on the CPU), the loaded model agrees with eager, and a
+    DBRX checkpoint loaded for moe_route warns once."""
+    torch.manual_seed(0)
+    src = AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), experts_implementation="eager")
+    src.save_pretrained(tmp_path / "gpt_oss")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "gpt_oss", experts_implementation="moe_route_reference"
+    ).eval()
+    (experts,) = [m for m in model.modules() if hasattr(m, "has_gate")]
+    _, plan = experts.__dict__["_moe_route_plan"]  # planned at load, before any forward
+    assert plan.activation == "swiglu(alpha=1.702, limit=1.0, up_offset=1.0)"
+    ids = token_ids()
+    with torch.no_grad():
+        ours = model(ids).logits
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+    AutoModelForCausalLM.from_config(_dbrx_config()).save_pretrained(tmp_path / "dbrx")
+    with pytest.warns(moe_hf.MoeRouteNoOpWarning, match="DbrxExperts") as record:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "dbrx", experts_implementation="moe_route")
+    assert sum(r.category is moe_hf.MoeRouteNoOpWarning for r in record) == 1
+
+
+def test_switch_hooks_are_installed_once_and_leave_other_models_alone():
+    from transformers import PreTrainedModel
+
+    hooks = (PreTrainedModel.post_init, PreTrainedModel.set_experts_implementation)
+    moe_hf.register("moe_route_again", backend="reference")  # registering again: no new wrapper
+    assert (PreTrainedModel.post_init, PreTrainedModel.set_experts_implementation) == hooks
+    assert all(h._moe_route_hook for h in hooks)
+    with warnings.catch_warnings():  # no moe_route warning for models that never ask
+        warnings.simplefilter("error", moe_hf.MoeRouteNoOpWarning)
+        warnings.simplefilter("error", moe_hf.MoeRouteFallbackWarning)
+        AutoModelForCausalLM.from_config(_dbrx_config(), experts_implementation="eager")
+        mixtral = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+        mixtral.set_experts_implementation("eager")
+    assert not any("_moe_route_plan" in m.__dict__ for m in mixtral.modules())

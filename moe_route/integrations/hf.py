@@ -8,7 +8,7 @@ top_k_weights)`` for the implementation its config names (``"eager"``, ``"groupe
 
     import moe_route.integrations.hf as moe_hf
 
-    moe_hf.register()
+    moe_hf.register()  # first: transformers rejects an unknown name
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="moe_route")
     model.set_experts_implementation("moe_route")  # or switch a model already loaded
 
@@ -26,35 +26,63 @@ Layouts. The decorator's flags describe how the module stores its weights; each 
 * ``has_bias=True``: ``gate_up_proj_bias`` (or ``up_proj_bias``) ``[E, N]`` is ``b1``,
   ``down_proj_bias [E, H]`` is ``b2`` (scaled by the router weight, as in transformers).
 
-The activation comes from the module's ``act_fn``: SiLU gives ``swiglu`` when gated and ``silu``
-otherwise, exact (erf) GELU ``geglu`` / ``gelu``, and, ungated only, ReLU ``relu`` and the linear
-activation ``identity``. ``is_concatenated=False`` is honoured as interleaved gate/up rows (as
-transformers' ``sonicmoe`` does), even though transformers' default ``_apply_gate`` always
-splits in halves. Slots that transformers' expert parallelism sends elsewhere (ids ``>= E``,
-weight zero) become dropped slots (``-1``).
+The activation is recognised from what the module computes, not from its class name:
 
-Not supported, and what happens then: an experts class that overrides ``_apply_gate`` (gpt-oss,
-DeepSeek-V4, GLM-5 clamp their SwiGLU; moe_route's kernels have no clamp), any other activation
-(tanh-approximated GELU, ReLU², ...), a gated ReLU / identity, ``has_post_expert_norm=True``
-(the norm sits between GEMM2 and the weighted sum that fused_moe fuses), weights of another dtype
-than float32 / float16 / bfloat16 or of two dtypes. Such a module *falls back*: a
-:class:`MoeRouteFallbackWarning` names the class and the reason (once per distinct message, by
-Python's default warning filter), and transformers' ``"grouped_mm"`` implementation runs it. A
-warning rather than an error, so that one unsupported MoE block (say, in a vision tower) does not
-stop a model whose other layers run on moe_route; ``register(fallback="error")`` raises
-``NotImplementedError`` instead, and :func:`describe` lists, before running anything, which
-modules of a model run where.
+* the module's ``act_fn`` is evaluated on a probe vector and compared with moe_route's
+  element-wise functions (SiLU, exact GELU, tanh-approximated GELU, ReLU, squared ReLU, the
+  identity); gated with transformers' default ``_apply_gate`` that gives ``swiglu`` /
+  ``geglu`` / ``geglu_tanh``, with the gate/up layout of ``is_concatenated`` (honoured as
+  interleaved rows, as transformers' ``sonicmoe`` does, although the default ``_apply_gate``
+  splits in halves);
+* a class that overrides ``_apply_gate`` (gpt-oss, DeepSeek-V4, GLM-5, MiniMax-M3, ...) has its
+  ``_apply_gate`` evaluated on a probe ``[gate | up]`` tensor and compared with the clamped
+  SwiGLU family and the plain gated activations, in both gate/up layouts, with the parameters
+  the module holds (``alpha`` / ``swiglu_alpha``, ``limit`` / ``swiglu_limit``) and an
+  ``up_offset`` of 0 or 1. The one that agrees (to float32 rounding) is what runs; its layout
+  is the one ``_apply_gate`` reads (gpt-oss: interleaved). gpt-oss's experts, for instance,
+  run as ``swiglu(alpha=1.702, limit=7.0, up_offset=1.0)``, interleaved, transposed weights,
+  biases.
+
+The probes run once per module (CPU, float64, a few hundred values) and the plan is kept on
+the module until its ``act_fn``, parameters or flags change. Slots that transformers' expert
+parallelism sends elsewhere (ids ``>= E``, weight zero) become dropped slots (``-1``).
+
+Not supported, and what happens then: an ``act_fn`` or ``_apply_gate`` that matches none of
+the above (e.g. Step-3.7's clamp after the activation, a soft-capped SwiGLU, a gated ReLU),
+``has_post_expert_norm=True`` (the norm sits between GEMM2 and the weighted sum that fused_moe
+fuses), weights of another dtype than float32 / float16 / bfloat16 or of two dtypes. Such a
+module *falls back*: a :class:`MoeRouteFallbackWarning` names the class and the reason (once per
+distinct message, by Python's default warning filter), and transformers' ``"grouped_mm"``
+implementation runs it. A warning rather than an error, so that one unsupported MoE block (say,
+in a vision tower) does not stop a model whose other layers run on moe_route;
+``register(fallback="error")`` raises ``NotImplementedError`` instead.
+
+Blocks that ``experts_implementation`` never reaches: some families (DBRX, Llama 4, JetMoE,
+Step-3.7, ...) build their experts without ``@use_experts_implementation``, so whatever the
+implementation asked for, they run their own forward. Asking for a moe_route name on a model
+that has such blocks (``from_pretrained``/``from_config(..., experts_implementation=...)`` or
+``set_experts_implementation``) emits one :class:`MoeRouteNoOpWarning` naming them. transformers
+offers no hook there, so :func:`register` wraps ``PreTrainedModel.post_init`` and
+``PreTrainedModel.set_experts_implementation`` (once; they call the originals unchanged) to see
+the request.
+
+:func:`describe` lists, before running anything, which modules of a model run where and why, the
+blocks that bypass the interface included, and says when moe_route is not registered yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..activations import GATED_KINDS, KIND_CODES, Activation
 from ..grouped_gemm import GEMM_DTYPES
 from ..moe import fused_moe
 
@@ -66,9 +94,25 @@ FALLBACKS = ("grouped_mm", "batched_mm", "eager", "error")
 #: ``fused_moe`` keyword arguments that :func:`register` passes through.
 FUSED_MOE_OPTIONS = ("backend", "finalize", "deterministic", "gather", "allow_tf32")
 
+#: Module attributes read as the gated activation's parameters, by parameter.
+PARAMETER_ATTRS = {"alpha": ("alpha", "swiglu_alpha"), "limit": ("limit", "swiglu_limit")}
+
+#: Attributes of an experts module that count its experts (for blocks outside the interface).
+_COUNT_ATTRS = ("num_experts", "num_local_experts", "num_routed_experts", "total_experts")
+
+# Names registered by register() in this process (the switch hook warns for these only).
+_REGISTERED: set[str] = set()
+# Experts modules already named in a MoeRouteNoOpWarning (one warning per module).
+_WARNED_NO_OPS: weakref.WeakSet = weakref.WeakSet()
+
 
 class MoeRouteFallbackWarning(UserWarning):
     """An experts module that moe_route cannot run exactly ran on another implementation."""
+
+
+class MoeRouteNoOpWarning(UserWarning):
+    """moe_route was asked for on a model with MoE blocks that experts_implementation does not
+    reach (they build their experts without transformers' experts interface)."""
 
 
 class Unsupported(Exception):
@@ -79,8 +123,8 @@ class Unsupported(Exception):
 class ExpertsPlan:
     """How one experts module maps onto :func:`moe_route.fused_moe` (static, no tensors)."""
 
-    #: ``fused_moe`` activation: ``swiglu``/``geglu`` (gated) or ``silu``/``gelu``/``relu``/
-    #: ``identity``.
+    #: ``fused_moe`` activation, canonical string (``str`` of a :class:`moe_route.Activation`):
+    #: ``swiglu``, ``swiglu(alpha=1.702, limit=7.0, up_offset=1.0)``, ``relu2``, ...
     activation: str
     #: ``"concat"`` (gate rows, then up rows) or ``"interleaved"``; ignored when ungated.
     gate_up_layout: str
@@ -100,69 +144,168 @@ class ExpertsPlan:
         )
 
 
-# --------------------------------------------------------------------------- layout mapping
-def _plain_activation(act_fn: object) -> str | None:
-    """fused_moe's name for an element-wise activation module/function, or None."""
-    from transformers import activations as hf_act
+# --------------------------------------------------------------------------- recognition
+def _probe_points(limit: float | None) -> torch.Tensor:
+    """float64 points on both sides of ``±limit`` (when given) and through ``[-4, 4]``, where
+    exact and tanh GELU differ by up to 5e-4 and SiLU's slope matters."""
+    span = 1.5 * max(4.0, limit or 0.0)
+    pts = torch.linspace(-span, span, 97, dtype=torch.float64)
+    return torch.cat([pts, torch.linspace(-4.0, 4.0, 31, dtype=torch.float64)])
 
-    if isinstance(act_fn, (nn.SiLU, hf_act.SiLUActivation)) or act_fn is torch.nn.functional.silu:
-        return "silu"
-    if isinstance(act_fn, nn.GELU):
-        return "gelu" if act_fn.approximate == "none" else None
-    if isinstance(act_fn, hf_act.GELUActivation):
-        # Both variants are the exact erf GELU (nn.functional.gelu or the python formula).
-        return "gelu"
-    if act_fn is torch.nn.functional.gelu:
-        return "gelu"
-    if isinstance(act_fn, nn.ReLU) or act_fn is torch.nn.functional.relu:
-        return "relu"
-    if isinstance(act_fn, (nn.Identity, hf_act.LinearActivation)):
-        return "identity"
+
+def _agrees(got: object, want: torch.Tensor) -> bool:
+    """Equal to float32 rounding (an implementation may compute in float32)."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+        return False
+    got = got.detach().to("cpu", torch.float64)
+    return bool(((got - want).abs() <= 1e-5 * (1.0 + want.abs())).all())
+
+
+@torch.compiler.disable
+def _recognise_act_fn(act_fn: object) -> str | None:
+    """The element-wise kind (a key of ``KIND_CODES``) that ``act_fn`` computes, or None."""
+    if act_fn is None or not callable(act_fn):
+        return None
+    x = _probe_points(None)
+    try:
+        with torch.no_grad():
+            got = act_fn(x.clone())
+    except Exception:  # e.g. an activation with parameters on another device
+        return None
+    from ..reference import activation_reference
+
+    for kind in KIND_CODES:
+        if _agrees(got, activation_reference(x, Activation(kind))):
+            return kind
     return None
+
+
+def _attr_number(module: nn.Module, names: tuple[str, ...]) -> float | None:
+    for name in names:
+        v = getattr(module, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+    return None
+
+
+@torch.compiler.disable
+def _recognise_apply_gate(module: nn.Module) -> tuple[Activation, str] | None:
+    """``(spec, gate_up_layout)`` that the module's own ``_apply_gate`` computes, or None.
+
+    Candidates: every gated kind (an ``_apply_gate`` need not use ``act_fn``), the module's
+    ``alpha`` (and 1), its ``limit`` (and none), an ``up_offset`` of 0 or 1, both layouts.
+    """
+    from ..reference import activation_reference
+
+    alpha = _attr_number(module, PARAMETER_ATTRS["alpha"])
+    limit = _attr_number(module, PARAMETER_ATTRS["limit"])
+    limit = limit if limit is not None and limit > 0 else None
+    pts = _probe_points(limit)
+    n = pts.numel()
+    # Two rows: gate and up take every pairing of small, large and clamped values.
+    gate = torch.stack([pts, pts.flip(0)])
+    up = torch.stack([pts.roll(n // 3), pts.roll(2 * n // 3).flip(0)])
+    concat = torch.cat([gate, up], dim=-1)
+    interleaved = torch.stack([gate, up], dim=-1).reshape(2, 2 * n)
+    got = {}
+    for layout, probe in (("concat", concat), ("interleaved", interleaved)):
+        try:
+            with torch.no_grad():
+                got[layout] = module._apply_gate(probe.clone())
+        except Exception:
+            got[layout] = None
+    found = set()
+    for k in GATED_KINDS.values():
+        for a in {alpha or 1.0, 1.0} if k == "silu" else {1.0}:
+            for lim in {limit, None}:
+                for off in (0.0, 1.0):
+                    spec = Activation(k, gated=True, alpha=a, limit=lim, up_offset=off)
+                    for layout, probe in (("concat", concat), ("interleaved", interleaved)):
+                        want = activation_reference(probe, spec, layout)
+                        if _agrees(got[layout], want):
+                            found.add((spec, layout))
+    return found.pop() if len(found) == 1 else None
 
 
 def _describe_act(act_fn: object) -> str:
     return type(act_fn).__name__ if isinstance(act_fn, nn.Module) else repr(act_fn)
 
 
+def _plan_key(module: nn.Module) -> tuple:
+    """What the plan depends on; cheap enough to compare on every forward."""
+    attrs = tuple(
+        v if v is None or isinstance(v, (bool, int, float)) else id(v)  # never a tensor's ==
+        for v in (getattr(module, a, None) for names in PARAMETER_ATTRS.values() for a in names)
+    )
+    flags = tuple(
+        getattr(module, f, None)
+        for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
+                  "has_post_expert_norm")
+    )  # fmt: skip
+    return (id(getattr(module, "act_fn", None)), getattr(type(module), "_apply_gate", None),
+            *flags, *attrs)  # fmt: skip
+
+
 def plan_for(module: nn.Module) -> ExpertsPlan:
-    """Map an experts module's flags and ``act_fn`` onto ``fused_moe``, or raise
-    :class:`Unsupported` with the reason.
+    """Map an experts module's flags and computation onto ``fused_moe``, or raise
+    :class:`Unsupported` with the reason. The result is kept on the module (see
+    :func:`_plan_key`), so the probes run once.
     """
+    if not hasattr(module, "has_gate"):
+        raise Unsupported(
+            f"{type(module).__name__} is not decorated with @use_experts_implementation"
+        )
+    key = _plan_key(module)
+    cached = module.__dict__.get("_moe_route_plan")
+    if cached is None or cached[0] != key:
+        try:
+            cached = (key, _make_plan(module))
+        except Unsupported as exc:
+            cached = (key, str(exc))
+        module.__dict__["_moe_route_plan"] = cached
+    if isinstance(cached[1], str):
+        raise Unsupported(cached[1])
+    return cached[1]
+
+
+def _make_plan(module: nn.Module) -> ExpertsPlan:
     from transformers.integrations.moe import _default_apply_gate
 
     cls = type(module).__name__
-    if not hasattr(module, "has_gate"):
-        raise Unsupported(f"{cls} is not decorated with @use_experts_implementation")
     if getattr(module, "has_post_expert_norm", False):
         raise Unsupported(
             "has_post_expert_norm=True: the norm sits between GEMM2 and the weighted sum, "
             "which fused_moe fuses"
         )
-    plain = _plain_activation(getattr(module, "act_fn", None))
-    if module.has_gate:
-        if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+    act_fn = getattr(module, "act_fn", None)
+    kind = _recognise_act_fn(act_fn)
+    layout = "concat" if getattr(module, "is_concatenated", True) else "interleaved"
+    if not module.has_gate:
+        if kind is None:
             raise Unsupported(
-                f"{cls} overrides _apply_gate (e.g. a clamped SwiGLU); moe_route's fused "
-                "activations are plain swiglu / geglu"
+                f"act_fn {_describe_act(act_fn)} computes none of moe_route's activations "
+                f"({', '.join(KIND_CODES)})"
             )
-        gated = {"silu": "swiglu", "gelu": "geglu"}.get(plain)
-        if gated is None:
+        spec, w1_name = Activation(kind), "up_proj"
+    elif getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate:
+        if kind is None or kind not in GATED_KINDS.values():
             raise Unsupported(
-                f"gated act_fn {_describe_act(getattr(module, 'act_fn', None))} has no fused "
-                "moe_route activation (SiLU -> swiglu and exact GELU -> geglu do)"
+                f"gated act_fn {_describe_act(act_fn)} has no fused moe_route activation "
+                "(SiLU -> swiglu, exact GELU -> geglu and tanh GELU -> geglu_tanh do)"
             )
-        activation, w1_name = gated, "gate_up_proj"
+        spec, w1_name = Activation(kind, gated=True), "gate_up_proj"
     else:
-        if plain is None:
+        found = _recognise_apply_gate(module)
+        if found is None:
             raise Unsupported(
-                f"act_fn {_describe_act(getattr(module, 'act_fn', None))} has no moe_route "
-                "activation (silu, exact gelu, relu, identity do)"
+                f"{cls}._apply_gate computes none of moe_route's gated activations (swiglu, "
+                "geglu, geglu_tanh, with the module's alpha / limit and an up_offset of 0 or 1, "
+                "in either gate/up layout)"
             )
-        activation, w1_name = plain, "up_proj"
+        (spec, layout), w1_name = found, "gate_up_proj"
     return ExpertsPlan(
-        activation=activation,
-        gate_up_layout="concat" if getattr(module, "is_concatenated", True) else "interleaved",
+        activation=str(spec),
+        gate_up_layout=layout,
         transposed=bool(module.is_transposed),
         w1_name=w1_name,
         has_bias=bool(module.has_bias),
@@ -263,8 +406,13 @@ def register(name: str = NAME, *, fallback: str = "grouped_mm", **fused_moe_opti
 
     Afterwards ``from_pretrained(..., experts_implementation=name)``,
     ``from_config(config, experts_implementation=name)`` and
-    ``model.set_experts_implementation(name)`` run the experts on moe_route. Calling it again
+    ``model.set_experts_implementation(name)`` run the experts on moe_route (before it,
+    transformers rejects the name as not a valid experts implementation). Calling it again
     replaces the earlier registration (e.g. with other options).
+
+    It also wraps ``PreTrainedModel.post_init`` and ``set_experts_implementation`` (once) so
+    that asking for ``name`` on a model with MoE blocks outside the experts interface warns
+    (:class:`MoeRouteNoOpWarning`): those blocks would silently keep their own forward.
 
     Args:
         name: the implementation's name (default ``"moe_route"``).
@@ -291,14 +439,158 @@ def register(name: str = NAME, *, fallback: str = "grouped_mm", **fused_moe_opti
     fn = functools.partial(moe_route_experts_forward, fallback=fallback, **fused_moe_options)
     functools.update_wrapper(fn, moe_route_experts_forward)
     ExpertsInterface.register(name, fn)
+    _REGISTERED.add(name)
+    _install_switch_hook()
     return name
 
 
-def describe(model: nn.Module) -> dict[str, str]:
-    """For every experts module of ``model``: how moe_route would run it, or why it cannot.
+def is_registered(name: str = NAME) -> bool:
+    """Whether transformers knows ``name`` as an experts implementation."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return name in ALL_EXPERTS_FUNCTIONS
+
+
+# --------------------------------------------------------------------------- blocks outside
+def bypassing_experts(model: nn.Module) -> dict[str, str]:
+    """MoE blocks of ``model`` that ``experts_implementation`` does not reach.
+
+    An experts module (its class name holds "expert" and it counts its experts in
+    ``num_experts`` / ``num_local_experts`` / ...) that is not decorated with
+    ``@use_experts_implementation`` always runs its own forward (DBRX, Llama 4, JetMoE,
+    Step-3.7, NLLB-MoE, Switch Transformers). Submodules of a listed module are not listed.
 
     Returns:
-        ``{module name: "moe_route: swiglu concat" | "fallback: <reason>"}``.
+        ``{module name: class name}``.
+    """
+    found: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        if any(module_name.startswith(f"{p}.") for p in found):
+            continue
+        if hasattr(module, "has_gate") or "expert" not in type(module).__name__.lower():
+            continue
+        count = next((getattr(module, a) for a in _COUNT_ATTRS if hasattr(module, a)), None)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            found[module_name] = type(module).__name__
+    return found
+
+
+def _bypass_reason(cls: str) -> str:
+    return (
+        f"no-op: {cls} builds its experts without transformers' experts interface "
+        "(@use_experts_implementation), so experts_implementation never reaches it; it runs "
+        "its own forward whatever is asked for"
+    )
+
+
+def _on_request(model: nn.Module, name: str) -> None:
+    """A moe_route name was asked for on ``model``: plan its experts modules now (the probes
+    then never run inside a forward) and warn about the blocks the request does not reach.
+
+    Never fails the model's construction or switch: ``from_pretrained`` builds the model under
+    ``torch.device("meta")``, so the probes run under an explicit CPU device, and an error
+    other than :class:`Unsupported` is left to the forward, which plans again and raises it
+    there (only :class:`Unsupported` is cached)."""
+    with torch.device("cpu"):
+        for module in model.modules():
+            if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
+                with contextlib.suppress(Exception):  # Unsupported: said by the fallback
+                    plan_for(module)
+    _warn_no_ops(model, name)
+
+
+def _warn_no_ops(model: nn.Module, name: str) -> None:
+    modules = dict(model.named_modules())
+    new = {n: c for n, c in bypassing_experts(model).items() if modules[n] not in _WARNED_NO_OPS}
+    if not new:
+        return
+    for n in new:
+        _WARNED_NO_OPS.add(modules[n])
+    listed = ", ".join(f"{n or '<model>'} ({c})" for n, c in list(new.items())[:4])
+    more = f" and {len(new) - 4} more" if len(new) > 4 else ""
+    warnings.warn(
+        f"experts_implementation={name!r} does not reach {len(new)} MoE block(s) of "
+        f"{type(model).__name__}: {listed}{more}. They build their experts without "
+        "transformers' experts interface (@use_experts_implementation) and keep running their "
+        "own forward; moe_route.integrations.hf.describe(model) lists every experts module",
+        MoeRouteNoOpWarning,
+        stacklevel=4,
+    )
+
+
+def _install_switch_hook() -> None:
+    """Wrap ``PreTrainedModel.post_init`` (the end of every model's ``__init__``, so of
+    ``from_pretrained`` / ``from_config(..., experts_implementation=...)``: the modules exist and
+    the config holds the request) and ``PreTrainedModel.set_experts_implementation`` (which
+    leaves the config alone on a model without decorated experts, so the request is read from
+    its argument).
+
+    transformers offers no callback for either: it checks the name in
+    ``PreTrainedModel.__init__``, before the model's submodules exist, and a forward hook would
+    never fire on the blocks that matter here (they never call an experts implementation)."""
+    from transformers import PreTrainedModel
+
+    # Each wrapper is installed once (a later functools.wraps around it keeps the mark), calls
+    # the original first and unchanged, and does nothing more unless a registered moe_route
+    # name was asked for: models that never ask pay one attribute read per post_init.
+    post_init = PreTrainedModel.post_init
+    if not getattr(post_init, "_moe_route_hook", False):
+
+        @functools.wraps(post_init)
+        def hooked_post_init(self, *args, **kwargs):
+            out = post_init(self, *args, **kwargs)
+            requested = getattr(getattr(self, "config", None), "_experts_implementation", None)
+            if isinstance(requested, str) and requested in _REGISTERED:
+                _on_request(self, requested)
+            return out
+
+        hooked_post_init._moe_route_hook = True
+        PreTrainedModel.post_init = hooked_post_init
+
+    set_impl = PreTrainedModel.set_experts_implementation
+    if not getattr(set_impl, "_moe_route_hook", False):
+
+        @functools.wraps(set_impl)
+        def hooked_set_experts_implementation(self, experts_implementation, *args, **kwargs):
+            out = set_impl(self, experts_implementation, *args, **kwargs)
+            asked = experts_implementation
+            names = asked.values() if isinstance(asked, dict) else [asked]
+            ours = [n for n in names if isinstance(n, str) and n in _REGISTERED]
+            if ours:
+                _on_request(self, ours[0])
+            return out
+
+        hooked_set_experts_implementation._moe_route_hook = True
+        PreTrainedModel.set_experts_implementation = hooked_set_experts_implementation
+
+
+# --------------------------------------------------------------------------- describe
+class Description(dict):
+    """``{module name: how it runs}`` with ``notes`` (e.g. how to register); ``str()`` is a
+    printable report."""
+
+    def __init__(self, entries: dict[str, str], notes: list[str]):
+        super().__init__(entries)
+        self.notes = notes
+
+    def __str__(self) -> str:
+        lines = [f"{name or '<module>'}: {how}" for name, how in self.items()]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def describe(model: nn.Module, name: str = NAME) -> Description:
+    """For every experts module of ``model``: how moe_route would run it, or why it cannot.
+
+    Args:
+        model: a transformers model (or any module holding experts modules).
+        name: the implementation name the notes refer to.
+
+    Returns:
+        ``{module name: "moe_route: swiglu concat" | "fallback: <reason>" | "no-op: <reason>"}``
+        (a :class:`Description`): ``fallback`` modules run on transformers' ``grouped_mm``
+        (see :func:`register`), ``no-op`` ones are MoE blocks outside the experts interface,
+        which keep their own forward. ``.notes`` says when ``name`` is not registered yet and
+        how to register it.
     """
     report = {}
     for module_name, module in model.named_modules():
@@ -310,4 +602,14 @@ def describe(model: nn.Module) -> dict[str, str]:
             report[module_name] = str(plan)
         except Unsupported as exc:
             report[module_name] = f"fallback: {exc}"
-    return report
+    for module_name, cls in bypassing_experts(model).items():
+        report[module_name] = _bypass_reason(cls)
+    notes = []
+    if not is_registered(name):
+        notes.append(
+            f"{name!r} is not registered in transformers yet: call "
+            "moe_route.integrations.hf.register() before from_pretrained(..., "
+            f"experts_implementation={name!r}) or model.set_experts_implementation({name!r}) "
+            "(transformers rejects an unknown name)"
+        )
+    return Description(report, notes)

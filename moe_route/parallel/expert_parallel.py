@@ -224,7 +224,9 @@ def _gather(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torc
     if src.shape[0] == 0:  # static shape: nothing to read, every entry is invalid
         return src.new_zeros(index.shape[0], *src.shape[1:])
     rows = src.index_select(0, index.clamp(0, src.shape[0] - 1))
-    return torch.where(valid.unsqueeze(1), rows, torch.zeros((), dtype=src.dtype))
+    # masked_fill with a Python scalar: a CPU 0-d tensor here is a host-to-device copy, which
+    # syncs eagerly and is refused inside CUDA-graph capture.
+    return rows.masked_fill(~valid.unsqueeze(1), 0)
 
 
 def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:

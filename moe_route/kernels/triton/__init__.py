@@ -24,40 +24,70 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: Triton decides at decoration (import) time whether a ``@triton.jit`` function is
+#: interpreted, so the answer of the launch path is fixed at import too.
+INTERPRETING = interpreting()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)``; plain Python (``triton.cdiv`` costs 2 µs of host time per call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``); plain Python, like :func:`cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+#: every :class:`ThinKernel` made (for :func:`launch_keys`)
+KERNELS: list[ThinKernel] = []
+
+
 class ThinKernel:
     """A ``@triton.jit`` function launched through a cache of its compiled variants.
 
-    ``launch(key, grid, *args, **constexprs)``: ``args`` are the kernel's runtime arguments in
-    order, ``constexprs`` its ``tl.constexpr`` parameters and launch options (``num_warps``,
-    ``num_stages``). ``key`` must determine everything Triton specialises on (argument dtypes,
+    ``launch(key, grid, args, constexprs)``: ``args`` is the tuple of the kernel's runtime
+    arguments in order; ``constexprs`` a callable returning its ``tl.constexpr`` parameters and
+    launch options (``num_warps``, ``num_stages``) as a dict, called only when ``key`` is
+    launched for the first time (building ~25 keyword arguments on every launch cost more than
+    the lookup). ``key`` must determine everything Triton specialises on (argument dtypes,
     16-byte alignment of pointers, integers equal to 1 or divisible by 16 unless marked
-    ``do_not_specialize``, the constexprs, the device); ``None`` takes Triton's own path.
+    ``do_not_specialize``, the constexprs); ``None`` takes Triton's own path.
     """
 
     def __init__(self, fn):
         self.fn = fn
         self._compiled: dict = {}
+        KERNELS.append(self)
         params = getattr(fn, "params", None)
         if params is None:  # the interpreter wraps the function differently
             params = fn.fn.params if hasattr(fn, "fn") and hasattr(fn.fn, "params") else []
         self._constexpr_names = tuple(p.name for p in params if p.is_constexpr)
 
-    def launch(self, key, grid, *args, **constexprs) -> None:
-        if key is None or interpreting():
-            self.fn[grid](*args, **constexprs)
+    def launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
+        if key is None or INTERPRETING:
+            self.fn[grid](*args, **constexprs())
             return
         device = torch.cuda.current_device()
-        compiled = self._compiled.get((device, key))
-        if compiled is None or _hooks_set():
-            compiled = self.fn[grid](*args, **constexprs)  # compiles (or finds) and launches
-            self._compiled[(device, key)] = compiled
+        hit = self._compiled.get((device, key))
+        if hit is None or _hooks_set():
+            cx = constexprs()
+            compiled = self.fn[grid](*args, **cx)  # compiles (or finds) and launches
+            values = tuple(cx[name] for name in self._constexpr_names)
+            self._compiled[(device, key)] = (compiled, values)
             return
-        values = tuple(constexprs[name] for name in self._constexpr_names)
+        compiled, values = hit
         g = (*grid, 1, 1)
         compiled.run(
             g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
             compiled.packed_metadata, None, None, None, *args, *values,
         )  # fmt: skip
+
+
+def launch_keys() -> int:
+    """How many (device, launch key) variants all thin kernels have launched: a new one means a
+    compile or, at best, Triton's own cache lookup (the tests count them across token counts)."""
+    return sum(len(k._compiled) for k in KERNELS)
 
 
 def _hooks_set() -> bool:

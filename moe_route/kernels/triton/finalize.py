@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned
+from . import ThinKernel, aligned, cdiv, next_pow2
 
 # NOTE: on an H200, 2-4 KiB of columns per program reached 91-98% of the copy bandwidth at
 # the mixtral and deepseek shapes, 8 KiB 83-84% (bench/bench_routing.py --sweep).
@@ -80,14 +80,14 @@ def finalize_triton(
     if T == 0 or H == 0:
         return
     if block_h is None:
-        block_h = min(triton.next_power_of_2(H), BYTES_PER_PROGRAM // y_perm.element_size())
+        block_h = min(next_pow2(H), BYTES_PER_PROGRAM // y_perm.element_size())
     if bias is None:
         bias_arg, sbt, sbh = out, 0, 0  # never read: HAS_BIAS is False
     elif bias.dim() == 1:
         bias_arg, sbt, sbh = bias, 0, bias.stride(0)
     else:
         bias_arg, sbt, sbh = bias, bias.stride(0), bias.stride(1)
-    grid = (T, triton.cdiv(H, block_h))
+    grid = (T, cdiv(H, block_h))
     acc = tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32
     key = (
         K, H, block_h, acc, bias is not None, y_perm.dtype, topk_weights.dtype, bias_arg.dtype,
@@ -95,10 +95,13 @@ def finalize_triton(
         aligned(y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out),
     )  # fmt: skip
     _FINALIZE.launch(
-        key, grid, y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H,
-        y_perm.stride(0), y_perm.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        sbt, sbh, out.stride(0), out.stride(1),
-        K=K, HAS_BIAS=bias is not None, ACC=acc, BLOCK_H=block_h, num_warps=4,
+        key, grid,
+        (
+            y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H,
+            y_perm.stride(0), y_perm.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+            sbt, sbh, out.stride(0), out.stride(1),
+        ),
+        lambda: dict(K=K, HAS_BIAS=bias is not None, ACC=acc, BLOCK_H=block_h, num_warps=4),
     )  # fmt: skip
 
 
@@ -162,6 +165,9 @@ def _finalize_backward_kernel(
                  mask=ks < K)  # fmt: skip
 
 
+_FINALIZE_BACKWARD = ThinKernel(_finalize_backward_kernel)
+
+
 def finalize_backward_triton(
     dout: torch.Tensor,
     y_perm: torch.Tensor,
@@ -182,12 +188,23 @@ def finalize_backward_triton(
     acc = tl.float64 if torch.float64 in (dout.dtype, y_perm.dtype) else tl.float32
     dy_arg = dy if dy is not None else y_perm
     dw_arg = dw if dw is not None else topk_weights
-    block_h = min(triton.next_power_of_2(max(H, 1)), 1024)
-    _finalize_backward_kernel[(T,)](
-        dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy_arg, dw_arg, T, H,
-        dout.stride(0), dout.stride(1), y_perm.stride(0), y_perm.stride(1),
-        topk_weights.stride(0), topk_weights.stride(1), dy_arg.stride(0), dy_arg.stride(1),
-        dw_arg.stride(0), dw_arg.stride(1),
-        K=K, K_POW2=triton.next_power_of_2(K), NEED_DY=dy is not None, NEED_DW=dw is not None,
-        ACC=acc, BLOCK_H=block_h, num_warps=4,
+    block_h = min(next_pow2(max(H, 1)), 1024)
+    key = (
+        dout.dtype, y_perm.dtype, topk_weights.dtype, dy_arg.dtype, dw_arg.dtype, dout.stride(),
+        y_perm.stride(), topk_weights.stride(), dy_arg.stride(), dw_arg.stride(), K, H,
+        dy is not None, dw is not None, block_h,
+        aligned(dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy_arg, dw_arg),
+    )  # fmt: skip
+    _FINALIZE_BACKWARD.launch(
+        key, (T,),
+        (
+            dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy_arg, dw_arg, T, H,
+            dout.stride(0), dout.stride(1), y_perm.stride(0), y_perm.stride(1),
+            topk_weights.stride(0), topk_weights.stride(1), dy_arg.stride(0), dy_arg.stride(1),
+            dw_arg.stride(0), dw_arg.stride(1),
+        ),
+        lambda: dict(
+            K=K, K_POW2=next_pow2(K), NEED_DY=dy is not None, NEED_DW=dw is not None,
+            ACC=acc, BLOCK_H=block_h, num_warps=4,
+        ),
     )  # fmt: skip

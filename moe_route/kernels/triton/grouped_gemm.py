@@ -13,12 +13,19 @@ time so that consecutive programs reuse the same weight columns in L2.
 The main loop (:func:`_mainloop`) is shared; each kernel owns one epilogue:
 
 * :func:`_gemm_kernel` — GEMM1 and GEMM2: bias, then the activation (plain, or gated with gate
-  and up accumulators over the same ``A`` tile, ``W1`` rows gate-then-up or interleaved), and
+  and up accumulators over the same ``A`` tile, ``W1`` rows gate-then-up or interleaved; its
+  math and parameters in :mod:`.activation`, from a :class:`GemmEpilogue`), and
   with ``STORE_PRE`` (training) also the pre-activation ``z``, rounded to the input dtype, from
   which the activation is then computed (the backward recomputes ``act(z)`` from the saved
   ``z`` and must see the forward's bits). ``GATHER`` reads ``A`` row ``d`` as
   ``x[dest_to_src[d] mod T]``: ``x_perm`` is never written. Programs past the experts write
   zeros to the dropped rows ``[offset[E], M)``, so every output row is defined.
+  :func:`_gemm_persistent_kernel` (``GemmConfig.persistent``) does the same work with a few
+  programs per SM, each looping over the routed tiles with a stride of the grid (the grouped
+  order above; the tiles' experts from one prefix sum per program; an exact loop bound read
+  from ``offsets`` on the device, so no host sync and a routing-independent grid), the
+  loop flattened so that the next tile's loads overlap this tile's epilogue. Each tile is
+  computed by the same :func:`_gemm_tile`: the same arithmetic in both kernels.
 * :func:`_gemm_act_bwd_kernel` — GEMM2's backward with the activation's backward:
   ``g[d] = dout[t] @ W2[e]`` (``A`` gathered from ``dout``, ``W = W2`` seen as ``[E, I, H]``);
   the epilogue recomputes ``h[d] = act(z[d])``, writes ``w[t,k]·h[d]`` (for ``dW2``), the
@@ -41,13 +48,14 @@ specialised: a new ``T`` reuses the compiled kernel of its tile configuration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned
+from . import ThinKernel, aligned, cdiv, next_pow2
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 
 #: Rows per step of the ordered fused finalize's reduction.
@@ -71,18 +79,31 @@ class GemmConfig:
     num_stages: int
     #: Load the non-gathered operands through TMA descriptors (SM90+, 16-bit, aligned).
     use_tma: bool = False
+    #: GEMM1 / GEMM2 (:func:`grouped_gemm_triton`) only: programs per SM of the persistent
+    #: kernel (0: one program per tile). The other kernels take the per-tile grid whatever
+    #: this says.
+    persistent: int = 0
+    #: With ``persistent`` and every operand read through TMA: a warp-specialised loop.
+    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
 class GemmEpilogue:
-    """What GEMM1's epilogue computes: the activation and its parameters, the layout."""
+    """What GEMM1's epilogue computes: the activation and its parameters, the layout.
 
-    #: element-wise activation code (:data:`.activation.ACT_CODES`).
+    Built from a :class:`moe_route.activations.Activation` by
+    :func:`moe_route.grouped_gemm.epilogue_for`; every field is a constexpr of the kernels
+    (and part of their launch key)."""
+
+    #: element-wise kind's code (:data:`moe_route.activations.KIND_CODES`).
     act: int = 0
     gated: bool = False
     interleaved: bool = False
+    #: silu's slope: ``x · sigmoid(alpha · x)``.
     alpha: float = 1.0
-    limit: float | None = None
+    #: clamp of gate (from above) and up (both sides) of a gated activation; ``0.0``: none.
+    limit: float = 0.0
+    #: added to the clamped up.
     up_offset: float = 0.0
 
 
@@ -91,15 +112,20 @@ IDENTITY = GemmEpilogue()
 
 # --------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _program_tile(M_TILES, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+def _swizzle(tile, M_TILES, n_tiles, GROUP_M: tl.constexpr):
+    """``(m_tile, n_tile)`` of flat tile index ``tile``: ``GROUP_M`` m-tiles at a time sweep
+    every n-tile, so that consecutive tiles reuse the same weight columns in L2."""
     in_group = GROUP_M * n_tiles
-    first_m = (pid // in_group) * GROUP_M
+    first_m = (tile // in_group) * GROUP_M
     group_size = tl.minimum(M_TILES - first_m, GROUP_M)
-    m_tile = first_m + (pid % in_group) % group_size
-    n_tile = (pid % in_group) // group_size
+    m_tile = first_m + (tile % in_group) % group_size
+    n_tile = (tile % in_group) // group_size
     return m_tile, n_tile
+
+
+@triton.jit
+def _program_tile(M_TILES, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    return _swizzle(tl.program_id(0), M_TILES, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
 
 
 @triton.jit
@@ -112,23 +138,36 @@ def _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_expert(offsets_ptr, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """``(e, first_row, row_end)`` of m-tile ``m_tile``; ``e == E`` past the routed tiles
-    (``first_row`` is then the first row of this dropped-row tile)."""
+def _expert_ends(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """The first m-tile after each expert (``E_POW2`` lanes; the lanes past ``E`` hold the
+    number of routed m-tiles): a prefix sum of the experts' tile counts, in registers."""
     ex = tl.arange(0, E_POW2)
     lo = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     hi = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
-    tiles = ((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
-    ends = tl.cumsum(tiles, 0)  # first m-tile after expert e
-    # Experts whose tiles all come before m_tile: exactly the experts before m_tile's expert.
-    e = tl.sum(((ends <= m_tile) & (ex < E)).to(tl.int32), axis=0)
-    start = tl.sum(tl.where(ex == e, ends - tiles, 0), axis=0)
-    routed_tiles = tl.sum(tiles, axis=0)
-    past = e >= E
-    start = tl.where(past, routed_tiles, start)
+    return tl.cumsum(((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32), 0)
+
+
+@triton.jit
+def _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """``(e, first_row, row_end)`` of m-tile ``m_tile`` from :func:`_expert_ends`; ``e == E``
+    past the routed tiles (``first_row`` is then the first row of this dropped-row tile)."""
+    ex = tl.arange(0, E_POW2)
+    # The experts whose tiles all come before m_tile are a prefix (ends never decreases), of
+    # length e; the last of them ends where m_tile's expert starts. One reduction finds both:
+    # the largest (end, index + 1) pair of that prefix, packed (index + 1 < E_POW2).
+    before = (ends <= m_tile) & (ex < E)
+    key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
+    e = (key % E_POW2).to(tl.int32)
+    start = key // E_POW2
     first_row = tl.load(offsets_ptr + e) + (m_tile - start) * BLOCK_M
     row_end = tl.load(offsets_ptr + tl.minimum(e + 1, E))
     return e, first_row, row_end
+
+
+@triton.jit
+def _tile_expert(offsets_ptr, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    return _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
 
 
 @triton.jit
@@ -147,7 +186,7 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
               TWO: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
               W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
               ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr = 0):  # fmt: skip
     """``A[rows] @ W[e][w_rows].T`` (and, with ``TWO``, ``@ W[e][up_rows].T``) over ``Kd``.
 
     ``w_rows`` / ``up_rows`` must be in bounds (callers clamp the columns past ``N``: their
@@ -156,13 +195,20 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
     With ``A_DESC`` / ``W_DESC`` the tiles come through TMA descriptors (Hopper): rows past the
     expert or the matrix are read (or zero-filled) but never stored. ``N_UP`` is the first up
     row for the descriptor path (concat layout).
+
+    ``ONE_DOT`` (gated, ``W_DESC``, instead of ``TWO``): the gate and up rows of the tile come
+    in one ``[2*BLOCK_N, BLOCK_K]`` TMA box and go through one MMA into one ``[BLOCK_M,
+    2*BLOCK_N]`` accumulator, split after the loop: ``1``, concat rows through ``w_desc`` over
+    ``W`` viewed ``[E, 2, N_UP, Kd]`` (box ``[1, 2, BLOCK_N, BLOCK_K]``); ``2``, interleaved rows
+    ``2*n0 ...`` (box ``[1, 2*BLOCK_N, BLOCK_K]``).
     """
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
     u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    ACC_N: tl.constexpr = 2 * BLOCK_N if ONE_DOT else BLOCK_N
+    acc = tl.zeros([BLOCK_M, ACC_N], dtype=ACC)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
@@ -172,7 +218,11 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC and W_KMAJOR:
+        if ONE_DOT == 1:
+            wg = tl.reshape(w_desc.load([e, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K]).T
+        elif ONE_DOT == 2:
+            wg = tl.reshape(w_desc.load([e, 2 * n0, k0]), [2 * BLOCK_N, BLOCK_K]).T
+        elif W_DESC and W_KMAJOR:
             wg = tl.reshape(w_desc.load([e, k0, n0]), [BLOCK_K, BLOCK_N])
         elif W_DESC:
             wg = tl.reshape(w_desc.load([e, n0, k0]), [BLOCK_N, BLOCK_K]).T
@@ -194,6 +244,10 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
             u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
+    if ONE_DOT == 1:  # columns: BLOCK_N gate, then BLOCK_N up
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    elif ONE_DOT == 2:  # columns: gate, up, gate, up, ...
+        acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     return acc, acc_up
 
 
@@ -223,37 +277,42 @@ def _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER: tl.constexpr):
 
 
 # --------------------------------------------------------------------------- GEMM1 / GEMM2
-@triton.jit(do_not_specialize=_VARYING)
-def _gemm_kernel(
-    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
-    E, M_ROWS, M_TILES, N_OUT, KD, T,
+@triton.jit
+def _zero_rows(out_ptr, z_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_on, stride_zm,
+               GATED: tl.constexpr, STORE_PRE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """A tile of the dropped rows ``[offset[E], M)``: zeros in ``out`` (and ``z``)."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M_ROWS) & (cols < N_OUT)[None, :]
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on, zeros,
+             mask=mask)  # fmt: skip
+    if STORE_PRE:  # all columns of z, gate and up, whatever the layout
+        z_zero = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
+        tl.store(z_zero, zeros, mask=mask)
+        if GATED:
+            tl.store(z_zero + N_OUT, zeros, mask=mask)
+
+
+@triton.jit
+def _gemm_tile(
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e, first_row,
+    row_end, n_tile, N_OUT, KD, T,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
-    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr,
 ):  # fmt: skip
-    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
-    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
-        return
-    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
+    main loop, bias, pre-activation, activation, store."""
     rows = first_row + tl.arange(0, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
-    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros, then done
-        mask = (rows[:, None] < M_ROWS) & col_ok[None, :]
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-                 zeros, mask=mask)  # fmt: skip
-        if STORE_PRE:  # all columns of z, gate and up, whatever the layout
-            z_zero = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
-            tl.store(z_zero, zeros, mask=mask)
-            if GATED:
-                tl.store(z_zero + N_OUT, zeros, mask=mask)
-        return
     row_ok = rows < row_end
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
     a_rows = _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER)
@@ -262,7 +321,8 @@ def _gemm_kernel(
     acc, acc_up = _mainloop(
         a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_gate, w_up,
         n_tile * BLOCK_N, N_OUT, KD, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-        GATED, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC, BLOCK_M, BLOCK_N, BLOCK_K,
+        GATED and not ONE_DOT, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC, BLOCK_M,
+        BLOCK_N, BLOCK_K, ONE_DOT,
     )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
@@ -285,6 +345,86 @@ def _gemm_kernel(
         h = plain_forward(acc, ACT)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _gemm_kernel(
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
+    E, M_ROWS, M_TILES, N_OUT, KD, T,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
+    stride_be, stride_bn,
+    ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
+    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros, then done
+        _zero_rows(out_ptr, z_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_on,
+                   stride_zm, GATED, STORE_PRE, BLOCK_M, BLOCK_N)  # fmt: skip
+        return
+    _gemm_tile(
+        a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e, first_row,
+        row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+        stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
+        UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC,
+        W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 0,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _gemm_persistent_kernel(
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
+    E, M_ROWS, M_TILES, N_OUT, KD, T,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
+    stride_be, stride_bn,
+    ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
+    W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
+
+    Program ``p`` of ``P`` takes tiles ``p, p + P, ...`` of the routed tiles, numbered
+    ``GROUP_M``-swizzled over ``(m_tile, n_tile)``; the experts' tile ends are summed once per
+    program, so the loop bound is exact (``routed m-tiles x n-tiles``, read from ``offsets``
+    on the device: no host sync, the grid does not depend on the routing) and the loop body has
+    no branch, for the compiler to flatten and software-pipeline across tiles. The dropped rows'
+    zero tiles follow in a second loop, in reverse program order (the programs that got one
+    tile fewer above take them first). ``M_TILES`` (the per-tile kernel's bound) is unused.
+    ``ONE_DOT``: a gated ``W1``'s gate and up rows through one TMA box and one accumulator
+    (see :func:`_mainloop` and the launcher's note).
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    routed_tiles = tl.max(ends, axis=0)
+    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    for tile in tl.range(pid, routed_tiles * n_tiles, programs, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        m_tile, n_tile = _swizzle(tile, routed_tiles, n_tiles, GROUP_M)
+        e, first_row, row_end = _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
+        _gemm_tile(
+            a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e,
+            first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn,
+            stride_wk, stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA,
+            LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION,
+            A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, ONE_DOT,
+        )  # fmt: skip
+    routed = tl.load(offsets_ptr + E)
+    zero_tiles = tl.cdiv(M_ROWS - routed, BLOCK_M) * n_tiles
+    for tile in range(programs - 1 - pid, zero_tiles, programs):
+        _zero_rows(out_ptr, z_ptr, routed + (tile // n_tiles) * BLOCK_M, tile % n_tiles, M_ROWS,
+                   N_OUT, stride_om, stride_on, stride_zm, GATED, STORE_PRE, BLOCK_M,
+                   BLOCK_N)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- activation bwd
@@ -471,6 +611,7 @@ def _gemm_finalize_kernel(
 
 # --------------------------------------------------------------------------- launchers
 _GEMM = ThinKernel(_gemm_kernel)
+_GEMM_PERSISTENT = ThinKernel(_gemm_persistent_kernel)
 _ACT_BWD = ThinKernel(_gemm_act_bwd_kernel)
 _FINALIZE = ThinKernel(_gemm_finalize_kernel)
 
@@ -498,6 +639,21 @@ def _w_descriptor(w, bn, bk, use_tma):
     return None, False
 
 
+def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
+    """``(w_desc, one_dot)`` reading a gated ``W1``'s gate and up rows of an n-tile in one TMA
+    box (``_mainloop``'s ``ONE_DOT``), or ``(None, 0)``."""
+    if w.dtype not in (torch.float16, torch.bfloat16) or 2 * bn > 256:  # a TMA box side <= 256
+        return None, 0
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if interleaved:
+        return (TensorDescriptor.from_tensor(w, [1, 2 * bn, bk]), 2) if _tma_ok(w) else (None, 0)
+    halves = w.unflatten(1, (2, n_out))  # [E, 2, N_out, Kd]: gate rows, then up rows
+    if not _tma_ok(halves):
+        return None, 0
+    return TensorDescriptor.from_tensor(halves, [1, 2, bn, bk]), 1
+
+
 def _a_descriptor(a, bm, bk, use_tma):
     if not use_tma or a.dtype not in (torch.float16, torch.bfloat16) or not _tma_ok(a):
         return None
@@ -518,7 +674,24 @@ def _acc(dtype: torch.dtype):
 
 def _m_tiles(M: int, E: int, bm: int) -> int:
     # Σ_e cdiv(rows_e, bm) + cdiv(dropped, bm) <= cdiv(M, bm) + E + 1, whatever the routing.
-    return triton.cdiv(M, bm) + E + 1
+    return cdiv(M, bm) + E + 1
+
+
+#: The persistent kernel's stand-in SM count off CUDA (the interpreter): small, so that the
+#: programs' tile loops wrap several times in the CPU tests.
+CPU_SMS = 3
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device); :data:`CPU_SMS` off CUDA."""
+    if device.type != "cuda":
+        return CPU_SMS
+    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def grouped_gemm_triton(
@@ -546,6 +719,9 @@ def grouped_gemm_triton(
             row ``d`` reads ``x[dest_to_src[d] mod T]`` (``x_perm`` never exists).
         num_rows: ``M = T*K`` (default ``a.shape[0]``).
         pre_activation: ``[M, N]`` contiguous rows; also write GEMM1's pre-activation there.
+
+    ``cfg.persistent``: the persistent kernel on ``cfg.persistent * num_sms`` programs (at most
+    the per-tile grid), the same output.
     """
     E, n_w, kd = w.shape
     n_out = n_w // 2 if epilogue.gated else n_w
@@ -556,32 +732,55 @@ def grouped_gemm_triton(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     gather = dest_to_src is not None
     a_desc = None if gather else _a_descriptor(a, bm, bk, cfg.use_tma)
-    w_desc, w_kmajor = (None, False)
-    if not (epilogue.gated and epilogue.interleaved):
+    w_desc, w_kmajor, one_dot = None, False, 0
+    if cfg.persistent and cfg.use_tma and epilogue.gated:
+        # NOTE: with gate and up in two accumulators, the persistent kernel's flattened loop
+        # made ptxas serialise the wgmma instructions (warning C7515, sm_90a, Triton 3.5.1:
+        # a select resets an accumulator between wgmma and its wait; scripts/kernel_resources.py);
+        # one accumulator of twice the width, as GEMM2 has, compiles without it.
+        w_desc, one_dot = _gate_up_descriptor(w, n_out, bn, bk, epilogue.interleaved)
+    if w_desc is None and not (epilogue.gated and epilogue.interleaved):
         w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)
     m_tiles = _m_tiles(M, E, bm)
+    tiles = m_tiles * cdiv(n_out, bn)
     z = pre_activation if pre_activation is not None else out
     b = bias if bias is not None else out
     key = (
         cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, a.stride(), w.stride(), out.stride(),
         z.stride(0), b.stride() if bias is not None else None, gather, pre_activation is not None,
-        a_desc is not None, w_desc is not None, w_kmajor, allow_tf32, E, n_out, kd,
+        a_desc is not None, w_desc is not None, w_kmajor, one_dot, allow_tf32, E, n_out, kd,
         aligned(a, w, out, b, z, offsets, dest_to_src),
     )  # fmt: skip
-    _GEMM.launch(
-        key, (m_tiles * triton.cdiv(n_out, bn),),
-        a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z, b,
-        offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1), z.stride(0),
-        b.stride(0) if bias is not None else 0, b.stride(1) if bias is not None else 0,
-        ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-        UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
-        HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=pre_activation is not None,
-        ACC=_acc(a.dtype), DOT_PRECISION=_precision(a.dtype, allow_tf32),
-        A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
-        EVEN_K=kd % bk == 0, E_POW2=triton.next_power_of_2(E + 1), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+
+    def constexprs():
+        cx = dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
+            HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=pre_activation is not None,
+            ACC=_acc(a.dtype), DOT_PRECISION=_precision(a.dtype, allow_tf32),
+            A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
+            EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if cfg.persistent:
+            # the automatic warp specialisation wants every load of the loop through TMA
+            cx["WARP_SPECIALIZE"] = cfg.warp_specialize and cx["A_DESC"] and cx["W_DESC"]
+            cx["ONE_DOT"] = one_dot
+        return cx
+
+    kernel, grid = _GEMM, tiles
+    if cfg.persistent:
+        kernel, grid = _GEMM_PERSISTENT, min(tiles, cfg.persistent * num_sms(a.device))
+    kernel.launch(
+        key, (grid,),
+        (
+            a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
+            b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+            out.stride(1), z.stride(0), b.stride(0) if bias is not None else 0,
+            b.stride(1) if bias is not None else 0,
+        ),
+        constexprs,
     )  # fmt: skip
 
 
@@ -611,7 +810,7 @@ def grouped_gemm_act_backward_triton(
     T = topk_weights.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     acc_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
-    partial = torch.empty(M, triton.cdiv(n_out, bn), dtype=acc_dtype, device=dout.device)
+    partial = torch.empty(M, cdiv(n_out, bn), dtype=acc_dtype, device=dout.device)
     if M == 0 or n_out == 0:
         return partial
     w_desc, w_kmajor = _w_descriptor(w2t, bn, bk, cfg.use_tma)
@@ -623,17 +822,21 @@ def grouped_gemm_act_backward_triton(
         aligned(dout, w2t, wh, z, dz, topk_weights, offsets, dest_to_src),
     )  # fmt: skip
     _ACT_BWD.launch(
-        key, (m_tiles * triton.cdiv(n_out, bn),),
-        dout, w2t, w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
-        offsets, dest_to_src, E, M, m_tiles, n_out, kd, T,
-        dout.stride(0), dout.stride(1), w2t.stride(0), w2t.stride(1), w2t.stride(2),
-        wh.stride(0), wh.stride(1), z.stride(0), topk_weights.stride(0), topk_weights.stride(1),
-        ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-        UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
-        DOT_PRECISION=_precision(dout.dtype, allow_tf32), W_DESC=w_desc is not None,
-        W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0, E_POW2=triton.next_power_of_2(E + 1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        key, (m_tiles * cdiv(n_out, bn),),
+        (
+            dout, w2t, w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
+            offsets, dest_to_src, E, M, m_tiles, n_out, kd, T, dout.stride(0), dout.stride(1),
+            w2t.stride(0), w2t.stride(1), w2t.stride(2), wh.stride(0), wh.stride(1), z.stride(0),
+            topk_weights.stride(0), topk_weights.stride(1),
+        ),
+        lambda: dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
+            DOT_PRECISION=_precision(dout.dtype, allow_tf32), W_DESC=w_desc is not None,
+            W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
     )  # fmt: skip
     return partial
 
@@ -676,7 +879,7 @@ def grouped_gemm_finalize_triton(
     y = h.new_empty(M, n_out) if ordered else out  # the ordered epilogue's scratch rows
     counter = out
     if ordered:
-        counter = torch.zeros(T, triton.cdiv(n_out, bn), dtype=torch.int32, device=h.device)
+        counter = torch.zeros(T, cdiv(n_out, bn), dtype=torch.int32, device=h.device)
     fb = bias if bias is not None else out
     sfbt, sfbh = (
         (0, 0) if bias is None else (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
@@ -690,20 +893,22 @@ def grouped_gemm_finalize_triton(
         aligned(h, w2, out, b, fb, topk_weights, offsets, dest_to_src, src_to_dest, expert_for_src),
     )  # fmt: skip
     _FINALIZE.launch(
-        key, (m_tiles * triton.cdiv(n_out, bn),),
-        h, a_desc if a_desc is not None else h, w2, w_desc if w_desc is not None else w2, y, b,
-        offsets, dest_to_src, topk_weights, out, counter, src_to_dest, expert_for_src, fb,
-        E, M, m_tiles, n_out, kd, T,
-        h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        y.stride(0), y.stride(1),
-        b.stride(0) if b2 is not None else 0, b.stride(1) if b2 is not None else 0,
-        topk_weights.stride(0), topk_weights.stride(1), out.stride(0), out.stride(1),
-        sfbt, sfbh,
-        ORDERED=ordered, HAS_BIAS=b2 is not None, FINAL_BIAS=ordered and bias is not None,
-        TOP_K=K if ordered else 1, ACC=_acc(h.dtype),
-        DOT_PRECISION=_precision(h.dtype, allow_tf32), A_DESC=a_desc is not None,
-        W_DESC=w_desc is not None, W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0,
-        E_POW2=triton.next_power_of_2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, RED_M=min(bm, RED_ROWS), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        key, (m_tiles * cdiv(n_out, bn),),
+        (
+            h, a_desc if a_desc is not None else h, w2, w_desc if w_desc is not None else w2, y, b,
+            offsets, dest_to_src, topk_weights, out, counter, src_to_dest, expert_for_src, fb, E,
+            M, m_tiles, n_out, kd, T, h.stride(0), h.stride(1), w2.stride(0), w2.stride(1),
+            w2.stride(2), y.stride(0), y.stride(1), b.stride(0) if b2 is not None else 0,
+            b.stride(1) if b2 is not None else 0, topk_weights.stride(0), topk_weights.stride(1),
+            out.stride(0), out.stride(1), sfbt, sfbh,
+        ),
+        lambda: dict(
+            ORDERED=ordered, HAS_BIAS=b2 is not None, FINAL_BIAS=ordered and bias is not None,
+            TOP_K=K if ordered else 1, ACC=_acc(h.dtype),
+            DOT_PRECISION=_precision(h.dtype, allow_tf32), A_DESC=a_desc is not None,
+            W_DESC=w_desc is not None, W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0,
+            E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=cfg.group_m, RED_M=min(bm, RED_ROWS), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
     )  # fmt: skip

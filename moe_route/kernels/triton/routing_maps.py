@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned
+from . import ThinKernel, aligned, cdiv, next_pow2
 
 #: Triton's cap on the elements of one tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``), on
 #: a GPU and under the interpreter alike. A program holds one counter per *bin* — E experts, K
@@ -250,22 +250,24 @@ def routing_maps_triton(
     st, sk = topk_ids.stride()
     # Tiles from the token bucket (T rounded up to a power of two), not T: every T of a bucket
     # runs the same compiled kernels.
-    n_bucket = triton.next_power_of_2(T) * K
+    n_bucket = next_pow2(T) * K
     if tile is None:
-        tile = triton.next_power_of_2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
+        tile = next_pow2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
     tile = max(tile, 16)
     key = (tile, K, E, topk_ids.dtype, st, sk, aligned(topk_ids, src_to_dest, dest_to_src,
            expert_for_src, offsets))  # fmt: skip
     if tile >= N:
         _ONE_TILE.launch(
-            key, (1,), topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets,
-            T, K, E, st, sk,
-            BLOCK=tile, OFFSET_BINS=triton.next_power_of_2(E + 1),
-            num_warps=4 if tile <= 1024 else 8,
+            key, (1,),
+            (topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets, T, K, E, st, sk),
+            lambda: dict(
+                BLOCK=tile, OFFSET_BINS=next_pow2(E + 1),
+                num_warps=4 if tile <= 1024 else 8,
+            ),
         )  # fmt: skip
         return
-    num_tiles = triton.cdiv(N, tile)
-    num_bins = triton.next_power_of_2(E + K + 1)  # the padding bin E+K is gathered too
+    num_tiles = cdiv(N, tile)
+    num_bins = next_pow2(E + K + 1)  # the padding bin E+K is gathered too
     scratch = torch.empty(2 * num_tiles * num_bins + num_bins, dtype=torch.int32,
                           device=topk_ids.device)  # fmt: skip
     tile_counts = scratch[: num_tiles * num_bins].view(num_tiles, num_bins)
@@ -275,19 +277,23 @@ def routing_maps_triton(
     totals = scratch[2 * num_tiles * num_bins :]
     warps = 4 if tile <= 1024 else 8
     _HISTOGRAM.launch(
-        key, (num_tiles,), topk_ids, tile_counts, expert_for_src, T, K, E, st, sk,
-        BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
+        key, (num_tiles,),
+        (topk_ids, tile_counts, expert_for_src, T, K, E, st, sk),
+        lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
     )  # fmt: skip
     scan_bins = min(num_bins, 32)
     _SCAN.launch(
         (num_bins, aligned(tile_counts, tiles_before, totals)), (num_bins // scan_bins,),
-        tile_counts, tiles_before, totals, num_tiles,
-        NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4,
+        (tile_counts, tiles_before, totals, num_tiles),
+        lambda: dict(NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4),
     )  # fmt: skip
     _PLACE.launch(
         (*key, aligned(tile_counts, tiles_before, totals)), (num_tiles,),
-        topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets,
-        T, K, E, st, sk, BLOCK=tile, NUM_BINS=num_bins, num_warps=warps,
+        (
+            topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets, T, K,
+            E, st, sk,
+        ),
+        lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
     )  # fmt: skip
 
 

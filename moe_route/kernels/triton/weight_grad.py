@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned
+from . import ThinKernel, aligned, cdiv, next_pow2
 from .grouped_gemm import _mma, _tma_ok
 
 
@@ -199,7 +199,7 @@ def expert_weight_grad_triton(
     idx = dest_to_src if dest_to_src is not None else offsets
     scale = db_scale if db_scale is not None else dw
     dbt = db if db is not None else dw
-    grid = (triton.cdiv(N, bn) * triton.cdiv(KD, bk), E)
+    grid = (cdiv(N, bn) * cdiv(KD, bk), E)
     key = (
         config, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
         dw.stride(), dbt.stride(), scale.stride(), a_gather, b_gather, db_scale is not None,
@@ -207,18 +207,22 @@ def expert_weight_grad_triton(
         aligned(a, b, dw, dbt, offsets, idx, scale),
     )  # fmt: skip
     _WEIGHT_GRAD.launch(
-        key, grid, a, b, a_desc if a_desc is not None else a, b_desc if b_desc is not None else b,
-        dw, dbt, offsets, idx, scale, N, KD, max(T, 1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        dw.stride(0), dw.stride(1), dw.stride(2),
-        db.stride(0) if db is not None else 0, db.stride(1) if db is not None else 0,
-        scale.stride(0) if db_scale is not None else 0,
-        scale.stride(1) if db_scale is not None else 0,
-        A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
-        HAS_DBIAS=db is not None, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
-        A_T_LOAD=a_t_load,
-        ACC=tl.float64 if a.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
-        BLOCK_R=br, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        key, grid,
+        (
+            a, b, a_desc if a_desc is not None else a, b_desc if b_desc is not None else b, dw,
+            dbt, offsets, idx, scale, N, KD, max(T, 1), a.stride(0), a.stride(1), b.stride(0),
+            b.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+            db.stride(0) if db is not None else 0, db.stride(1) if db is not None else 0,
+            scale.stride(0) if db_scale is not None else 0,
+            scale.stride(1) if db_scale is not None else 0,
+        ),
+        lambda: dict(
+            A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
+            HAS_DBIAS=db is not None, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
+            A_T_LOAD=a_t_load, ACC=tl.float64 if a.dtype == torch.float64 else tl.float32,
+            DOT_PRECISION=precision, BLOCK_R=br, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages,
+        ),
     )  # fmt: skip
 
 
@@ -298,13 +302,17 @@ def router_weight_grad_triton(
         aligned(partial, dout, bt, src_to_dest, expert_for_src, dw),
     )  # fmt: skip
     _ROUTER_GRAD.launch(
-        key, (triton.cdiv(T * K, block_s),), partial, dout, bt, src_to_dest, expert_for_src, dw,
-        T, dout.shape[1], nt,
-        partial.stride(0), dout.stride(0), dout.stride(1),
-        bt.stride(0) if b2 is not None else 0, bt.stride(1) if b2 is not None else 0,
-        dw.stride(0), dw.stride(1),
-        K=K, HAS_B2=b2 is not None, ACC=acc, BLOCK_S=block_s,
-        BLOCK_NT=triton.next_power_of_2(nt), BLOCK_H=128, num_warps=4,
+        key, (cdiv(T * K, block_s),),
+        (
+            partial, dout, bt, src_to_dest, expert_for_src, dw, T, dout.shape[1], nt,
+            partial.stride(0), dout.stride(0), dout.stride(1),
+            bt.stride(0) if b2 is not None else 0, bt.stride(1) if b2 is not None else 0,
+            dw.stride(0), dw.stride(1),
+        ),
+        lambda: dict(
+            K=K, HAS_B2=b2 is not None, ACC=acc, BLOCK_S=block_s,
+            BLOCK_NT=next_pow2(nt), BLOCK_H=128, num_warps=4,
+        ),
     )  # fmt: skip
 
 

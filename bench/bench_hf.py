@@ -1,0 +1,93 @@
+"""A real client: a transformers Qwen3-MoE model (4 decoder layers at Qwen3-30B-A3B's MoE sizes,
+random weights, bf16) run eagerly with each experts implementation: prefill of 2048 tokens and
+decode steps with a KV cache (issue 11's comparison). CUDA only.
+
+    python bench/bench_hf.py [--layers 4] [--prefill 2048] [--decode 32]
+                             [--impls eager grouped_mm moe_route]
+
+Times are CUDA-event medians over repeats after warm-up (prefill: whole forward; decode: one
+token per step with the cache, averaged over the steps), same model, same inputs, same
+process; the table gives each implementation's time and its speed relative to ``grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def build(layers: int, vocab: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=8192,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def time_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--impls", nargs="+", default=["eager", "grouped_mm", "moe_route"])
+    args = p.parse_args(argv)
+
+    import moe_route.integrations.hf as moe_hf
+
+    moe_hf.register()
+    model = build(args.layers, vocab=1024)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    prompt = torch.randint(0, 1024, (1, args.prefill), device="cuda", generator=g)
+    rows = {}
+    with torch.no_grad():
+        for impl in args.impls:
+            model.set_experts_implementation(impl)
+
+            def prefill():
+                return model(prompt, use_cache=True)
+
+            for _ in range(2):  # warm-up (compiles)
+                out = prefill()
+            prefill_ms = time_ms(prefill, args.repeats)
+
+            def decode(out=out):
+                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                for _ in range(args.decode):
+                    step = model(tok, past_key_values=cache, use_cache=True)
+                    cache, tok = step.past_key_values, step.logits[:, -1:].argmax(-1)
+
+            decode()  # warm-up
+            decode_ms = time_ms(lambda: decode(prefill()), max(2, args.repeats // 3))
+            decode_ms = (decode_ms - prefill_ms) / args.decode
+            rows[impl] = (prefill_ms, decode_ms)
+            us = decode_ms * 1e3
+            print(f"{impl:12} prefill {prefill_ms:8.2f} ms   decode {us:8.1f} us/token")
+    base = rows.get("grouped_mm")
+    if base:
+        print("\nrelative to grouped_mm (higher is faster):")
+        for impl, (pf, dc) in rows.items():
+            print(f"{impl:12} prefill {base[0] / pf:5.2f}x   decode {base[1] / dc:5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""The persistent grouped GEMM kernel (``GemmConfig.persistent``) on the CPU, through the Triton
+interpreter, against the float64 oracle and against the per-tile kernel.
+
+The interpreter runs the programs one after the other, so the persistent kernel's schedule is
+exercised by its grid: ``num_sms`` off CUDA is :data:`CPU_SMS`, patched here to 1-3 programs
+per launch, so that each program's tile loop wraps many times (T*K = 74 rows over 5 experts
+with 16x16x16 tiles: ~9 routed m-tiles x 2 n-tiles, plus the dropped rows' zero tiles). Each
+tile runs the per-tile kernel's own code (``_gemm_tile``), so the two kernels must agree bit for
+bit here; against the oracle the tolerances of tests/test_grouped_gemm.py apply. bf16 is
+tested on CUDA only (tests/test_gpu_moe.py): the interpreter's bf16 ``tl.dot`` is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+import moe_cases
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moe_cases import (
+    NAN,
+    TOL,
+    assert_dropped_rows_zero,
+    gemm_case,
+    gemm_reference,
+    make_ids,
+    needs_interpreter,
+    rand,
+)
+
+import moe_route
+from moe_route import tuning
+from moe_route.kernels.triton import grouped_gemm as gk
+
+pytestmark = needs_interpreter
+
+PER_TILE = gk.GemmConfig(16, 16, 16, 2, 4, 2)
+PERSISTENT = dataclasses.replace(PER_TILE, persistent=1)
+launch = functools.partial(moe_cases.launch, allow_tf32=False)
+assert_matches = functools.partial(moe_cases.assert_matches, verbose=True)
+gg_module = importlib.import_module("moe_route.grouped_gemm")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the launches of each GEMM kernel."""
+    calls = {"per_tile": 0, "persistent": 0, "grids": []}
+
+    def wrap(kernel, name):
+        launch_orig = kernel.launch
+
+        def counted(key, grid, args, constexprs):
+            calls[name] += 1
+            calls["grids"].append(grid[0])
+            return launch_orig(key, grid, args, constexprs)
+
+        monkeypatch.setattr(kernel, "launch", counted)
+
+    wrap(gk._GEMM, "per_tile")
+    wrap(gk._GEMM_PERSISTENT, "persistent")
+    return calls
+
+
+def both(monkeypatch, sms, *args, config=PER_TILE, **kw):
+    """``(per-tile out, persistent out)`` of one launch, ``sms`` stand-in SMs."""
+    monkeypatch.setattr(gk, "CPU_SMS", sms)
+    ref = launch(*args, config=config, **kw)
+    out = launch(*args, config=dataclasses.replace(config, persistent=1), **kw)
+    return ref, out
+
+
+# ----------------------------------------------------------------------------- vs oracle
+@pytest.mark.parametrize("sms", [1, 3])
+@pytest.mark.parametrize("gather", [False, True], ids=["perm", "gather"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(
+    ("activation", "layout"),
+    [("swiglu", "concat"), ("swiglu", "interleaved"), ("gelu", "concat"), ("identity", "concat")],
+    ids=["swiglu", "swiglu-interleaved", "gelu", "identity"],
+)
+def test_persistent_epilogues(monkeypatch, spy, activation, layout, bias, gather, sms):
+    """fp32: T*K = 74 rows over 5 experts (20 % dropped), I = 19 (two n-tiles), H = 27 (a
+    ragged k-tile): plain and gated epilogues, gathered and permuted rows, with and without
+    bias, on one program (every tile in one loop) and three."""
+    a, w, b, maps = gemm_case(37, 2, 5, 27, 19, activation, bias=bias, gather=gather, seed=3)
+    kw = dict(activation=activation, layout=layout, gather=gather)
+    per_tile, out = both(monkeypatch, sms, a, w, maps, b, **kw)
+    assert spy["persistent"] == 1 and spy["grids"][-1] == sms
+    assert_matches(out, gemm_reference(a, w, maps, b, **kw), TOL[torch.float32])
+    assert_dropped_rows_zero(out, maps)
+    assert torch.equal(out, per_tile)
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("gather", [False, True], ids=["perm", "gather"])
+def test_persistent_fp16_tma(monkeypatch, gather, layout):
+    """fp16 with the TMA descriptors forced on (the interpreter emulates them; it wants row
+    strides in multiples of 16 elements): ``A`` tiles that run past their expert's rows (and
+    past ``M``) are read and never stored; a gated ``W1``'s gate and up rows come in one box
+    (``ONE_DOT``; concat through the ``[E, 2, I, H]`` view; I = 48 with 32-wide n-tiles, so
+    that the last n-tile's gate rows run past I into zero fill, not into the up rows); GEMM2
+    reads ``W2`` stored k-major (``w2_t.transpose(1, 2)``)."""
+    inter, cfg = 48, dataclasses.replace(PER_TILE, block_n=32)
+    a, w, b, maps = gemm_case(37, 2, 5, 32, inter, "swiglu", dtype=torch.float16, bias=True,
+                              gather=gather, seed=4)  # fmt: skip
+    kw = dict(activation="swiglu", layout=layout, gather=gather, use_tma=True, config=cfg)
+    seen = []
+    launch_persistent = gk._GEMM_PERSISTENT.launch
+
+    def spy(key, grid, args, constexprs):
+        seen.append(constexprs())
+        return launch_persistent(key, grid, args, constexprs)
+
+    monkeypatch.setattr(gk._GEMM_PERSISTENT, "launch", spy)
+    per_tile, h = both(monkeypatch, 2, a, w, maps, b, **kw)
+    assert seen[-1]["ONE_DOT"] == (2 if layout == "interleaved" else 1)
+    assert seen[-1]["W_DESC"] and seen[-1]["A_DESC"] == (not gather)
+    ref = gemm_reference(a, w, maps, b, activation="swiglu", layout=layout, gather=gather)
+    assert_matches(h, ref, TOL[torch.float16])
+    assert_dropped_rows_zero(h, maps)
+    assert torch.equal(h, per_tile)
+    w2 = rand(5, inter, 32, dtype=torch.float16, scale=inter**-0.5, seed=5).transpose(1, 2)
+    y_tile, y = both(monkeypatch, 2, h, w2, maps, use_tma=True, config=cfg)
+    assert_matches(y, gemm_reference(h, w2, maps), TOL[torch.float16], what="GEMM2")
+    assert_dropped_rows_zero(y, maps)
+    assert torch.equal(y, y_tile)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("activation", "layout"), [("swiglu", "interleaved"), ("relu", "concat")])
+def test_persistent_store_pre(monkeypatch, dtype, activation, layout):
+    """STORE_PRE: the pre-activation ``z`` (gate and up columns in ``W1``'s layout, zero in the
+    dropped rows) is the per-tile kernel's, and ``out = act(z)`` from those rounded bits."""
+    a, w, b, maps = gemm_case(29, 2, 4, 27, 13, activation, dtype=dtype, bias=True, gather=True,
+                              seed=6)  # fmt: skip
+    M = maps.num_expanded_rows
+    zs = [torch.full((M, w.shape[1]), NAN, dtype=dtype) for _ in range(2)]
+    kw = dict(activation=activation, layout=layout, gather=True)
+    monkeypatch.setattr(gk, "CPU_SMS", 2)
+    per_tile = launch(a, w, maps, b, config=PER_TILE, pre_activation=zs[0], **kw)
+    out = launch(a, w, maps, b, config=PERSISTENT, pre_activation=zs[1], **kw)
+    assert torch.equal(zs[1], zs[0]) and torch.equal(out, per_tile)
+    z_ref = gemm_reference(a, w, maps, b, gather=True)  # identity: the pre-activation
+    assert_matches(zs[1], z_ref, TOL[dtype], what="z")
+    assert_dropped_rows_zero(zs[1], maps)
+    assert_matches(out, gemm_reference(a, w, maps, b, **kw), TOL[dtype])
+    assert_dropped_rows_zero(out, maps)
+
+
+# ----------------------------------------------------------------------------- routing shapes
+OCCUPANCY = {
+    # experts 1 and 4 of 6 only: the first, middle and last experts own no tile
+    "empty_experts": (6, lambda T: torch.tensor([[1, 4], [4, 1]]).repeat(T // 2 + 1, 1)[:T]),
+    "all_in_first": (6, lambda T: torch.zeros(T, 1, dtype=torch.int64)),
+    "all_in_last": (6, lambda T: torch.full((T, 1), 5, dtype=torch.int64)),
+    "one_expert": (1, lambda T: torch.zeros(T, 1, dtype=torch.int64)),
+    "one_expert_dropped": (1, lambda T: torch.where(torch.arange(T).unsqueeze(1) % 3 == 0, -1, 0)),
+    "mostly_dropped": (6, lambda T: torch.where(
+        torch.arange(T).unsqueeze(1) % 7 == 0, torch.tensor([[2, 3]]), torch.tensor([[-1, -1]])
+    )),
+    # nothing routed: no GEMM tile at all, only the zero tiles of the second loop
+    "all_dropped": (6, lambda T: torch.full((T, 2), -1, dtype=torch.int64)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", list(OCCUPANCY))
+def test_persistent_occupancy(monkeypatch, pattern):
+    T, (E, ids_of) = 41, OCCUPANCY[pattern]
+    ids = ids_of(T)
+    a, w, b, maps = gemm_case(T, ids.shape[1], E, 20, 17, "swiglu", bias=True, gather=True,
+                              ids=ids, seed=13)  # fmt: skip
+    per_tile, out = both(monkeypatch, 3, a, w, maps, b, activation="swiglu", gather=True)
+    assert_dropped_rows_zero(out, maps)
+    assert torch.equal(out, per_tile)
+    if int(maps.expert_first_token_offset[-1]) > 0:
+        ref = gemm_reference(a, w, maps, b, activation="swiglu", gather=True)
+        assert_matches(out, ref, TOL[torch.float32])
+
+
+def test_persistent_more_programs_than_tiles(monkeypatch, spy):
+    """A grid capped at the tile bound, larger than the routed tiles: programs with no GEMM tile
+    only zero dropped rows (or nothing)."""
+    a, w, b, maps = gemm_case(5, 2, 3, 20, 9, "gelu", bias=True, gather=True, seed=21)
+    per_tile, out = both(monkeypatch, 64, a, w, maps, b, activation="gelu", gather=True)
+    assert spy["grids"][-1] == spy["grids"][0] < 64  # min(tile bound, programs)
+    assert_dropped_rows_zero(out, maps)
+    assert torch.equal(out, per_tile)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    T=st.integers(1, 30),
+    K=st.integers(1, 3),
+    E=st.integers(1, 6),
+    drop=st.sampled_from([0.0, 0.3, 1.0]),
+    programs=st.integers(1, 5),
+    group_m=st.sampled_from([1, 2, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_persistent_random_routings(T, K, E, drop, programs, group_m, seed):
+    """Any routing, any program count and group size: the persistent kernel writes what the
+    per-tile kernel writes, every element (NaN-poisoned outputs)."""
+    K = min(K, E)
+    cfg = dataclasses.replace(PER_TILE, group_m=group_m)
+    ids = make_ids(T, K, E, drop=drop, seed=seed)
+    a, w, b, maps = gemm_case(T, K, E, 18, 9, "swiglu", bias=True, gather=True, ids=ids,
+                              seed=seed)  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        per_tile, out = both(mp, programs, a, w, maps, b, activation="swiglu", gather=True,
+                             config=cfg)  # fmt: skip
+    assert torch.equal(out, per_tile)
+    assert_dropped_rows_zero(out, maps)
+
+
+# ----------------------------------------------------------------------------- selection
+def test_env_selects_persistent(monkeypatch, spy):
+    """``MOE_ROUTE_PERSISTENT=2``: the public grouped_gemm and its backward's two GEMMs (the
+    pre-activation recomputed; dX, ``W`` read k-major) run the persistent kernel with 2 programs
+    per SM, the same bits as without."""
+    a, w, b, maps = gemm_case(23, 2, 4, 21, 11, "geglu", dtype=torch.float16, bias=True,
+                              gather=True, seed=8)  # fmt: skip
+
+    def run():
+        x = a.clone().requires_grad_(True)
+        out = moe_route.grouped_gemm(x, w, maps, bias=b, activation="geglu", gather=True)
+        out.backward(rand(*out.shape, dtype=out.dtype, seed=9))
+        return out.detach(), x.grad
+
+    monkeypatch.setattr(gk, "CPU_SMS", 2)
+    out0, da0 = run()
+    assert spy["persistent"] == 0 and spy["per_tile"] == 3
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "2")
+    out1, da1 = run()
+    assert spy["persistent"] == 3 and spy["per_tile"] == 3
+    assert spy["grids"][-3:] == [4, 4, 4]
+    assert torch.equal(out1, out0) and torch.equal(da1, da0)
+    assert_matches(out1, gemm_reference(a, w, maps, b, activation="geglu", gather=True),
+                   TOL[torch.float16])  # fmt: skip
+
+
+def test_env_fused_moe(monkeypatch, spy):
+    """The whole forward under ``MOE_ROUTE_PERSISTENT=1``: GEMM1 (gathered, swiglu) and GEMM2
+    persistent, the same bits as the per-tile kernels."""
+    case = moe_cases.moe_case(19, 2, 4, 24, 12, b1=True, b2=True, bias="H", seed=10)
+    ref = moe_cases.run_moe(case)
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "1")
+    spy["persistent"] = 0
+    out = moe_cases.run_moe(case)
+    assert spy["persistent"] == 2
+    assert torch.equal(out, ref)
+    assert_matches(out, moe_cases.moe_expected(case), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("value", ["yes", "-1", "1.5"])
+def test_env_bad_value(monkeypatch, spy, value):
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", value)
+    a, w, _, maps = gemm_case(6, 2, 3, 8, 4, "identity", seed=1)
+    with pytest.raises(ValueError, match=rf"MOE_ROUTE_PERSISTENT='{value}'.*integer >= 0"):
+        moe_route.grouped_gemm(a, w, maps)
+    assert spy["per_tile"] == spy["persistent"] == 0
+
+
+def test_tuning_defaults_and_override(monkeypatch):
+    """The tables choose the per-tile kernel everywhere until a GPU sweep says otherwise; the
+    override changes GEMM1 / GEMM2 configs only (the activation backward has no persistent
+    kernel)."""
+    rows = [1, 16, 64, 512, 8192]
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+    for rpe in rows:
+        for dtype in dtypes:
+            for cc in (None, 80, 90):
+                assert tuning.gemm_config(rpe, True, dtype, cc).persistent == 0
+                assert tuning.gemm_config(rpe, False, dtype, cc).persistent == 0
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "3")
+    base = dataclasses.replace(tuning.gemm_config(512, True, torch.bfloat16, 90), persistent=0)
+    monkeypatch.delenv("MOE_ROUTE_PERSISTENT")
+    assert base == tuning.gemm_config(512, True, torch.bfloat16, 90)
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "3")
+    assert tuning.gemm_config(512, True, torch.bfloat16, 90).persistent == 3
+    assert tuning.act_backward_config(32, 768, torch.bfloat16, 90).persistent == 0
+    monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "0")
+    assert tuning.gemm_config(512, False, torch.bfloat16, 90).persistent == 0
+
+
+# ----------------------------------------------------------------------------- the GPU sweep
+def test_gemm_sweep_smoke(tmp_path, capsys):
+    """scripts/gemm_sweep.py at its --smoke size (the interpreter): every persistent config
+    runs and matches the per-tile kernel, the CSV and the tuning suggestion come out."""
+    import csv
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "gemm_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemm_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    assert sweep.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "gemm_sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    persistent = [r for r in rows if r["kernel"] == "persistent"]
+    assert {r["gemm"] for r in rows} == {"gemm1", "gemm1_xperm", "gemm2"}
+    assert persistent and all(r["status"] == "ok" for r in persistent), persistent
+    assert "return GemmConfig(" in capsys.readouterr().out

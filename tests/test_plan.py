@@ -1,0 +1,134 @@
+"""The per-call plan of ``fused_moe`` (issue 11): one cached decision per call shape that never
+serves a stale answer, errors before any launch, and the warm-up that compiles every bucket.
+
+CPU: the Triton kernels run under the interpreter (fp32/fp16 only, see moe_cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_cases import TOL, assert_matches, moe_case, moe_expected, needs_interpreter, run_moe
+
+import moe_route
+from moe_route import moe as moe_mod
+from moe_route.kernels import triton as kt
+from moe_route.tuning import token_bucket, token_buckets
+
+pytestmark = needs_interpreter
+
+T, K, E, H, INTER = 5, 2, 4, 32, 16
+
+
+def plan_of(case, **kw):
+    x, w1, w2 = case["x"], case["w1"], case["w2"]
+    args = dict(activation="swiglu", gate_up_layout="concat", finalize="auto",
+                deterministic=True, gather=None, allow_tf32=False, backend="triton")  # fmt: skip
+    args.update(kw)
+    return moe_mod.moe_plan(x, w1, w2, K, args["activation"], args["gate_up_layout"],
+                            args["finalize"], args["deterministic"], args["gather"],
+                            args["allow_tf32"], args["backend"])  # fmt: skip
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the kernels launched (the launches still run)."""
+    seen = []
+    real = kt.ThinKernel.launch
+
+    def spy(self, key, grid, args, constexprs):
+        seen.append(self.fn.__name__ if hasattr(self.fn, "__name__") else repr(self.fn))
+        return real(self, key, grid, args, constexprs)
+
+    monkeypatch.setattr(kt.ThinKernel, "launch", spy)
+    return seen
+
+
+def test_plan_is_shared_inside_a_bucket_and_not_across():
+    small, same_bucket, next_bucket = (moe_case(t, K, E, H, INTER) for t in (5, 8, 9))
+    assert token_bucket(5) == token_bucket(8) != token_bucket(9)
+    assert plan_of(small) is plan_of(same_bucket)
+    assert plan_of(small) is not plan_of(next_bucket)
+
+
+def test_plan_follows_dtype_flags_and_activation():
+    f32 = moe_case(T, K, E, H, INTER)
+    f16 = moe_case(T, K, E, H, INTER, dtype=torch.float16)
+    p32, p16 = plan_of(f32), plan_of(f16)
+    assert p32 is not p16
+    assert p32.configs.gemm1.block_k != p16.configs.gemm1.block_k  # fp32 tiles are narrower
+    assert plan_of(f32, finalize="standalone").path == "standalone"
+    assert plan_of(f32, finalize="fused").path == "fused"
+    assert plan_of(f32, finalize="fused", deterministic=False).path == "fused_atomic"
+    assert plan_of(f32, gather=False).gather is False
+    assert plan_of(f32, gather=True).gather is True
+    assert plan_of(f32, allow_tf32=True).configs.allow_tf32
+    geglu = plan_of(f32, activation="geglu").configs.epilogue
+    assert geglu != plan_of(f32).configs.epilogue and geglu.gated
+
+
+def test_plan_follows_environment_overrides(monkeypatch):
+    case = moe_case(T, K, E, H, INTER)
+    assert plan_of(case).path == "standalone"  # the CPU is below SM90
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", "fused")
+    assert plan_of(case).path == "fused"
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "torch")
+    assert plan_of(case, backend="auto").backend == "torch"
+    monkeypatch.delenv("MOE_ROUTE_BACKEND")
+    monkeypatch.delenv("MOE_ROUTE_FINALIZE")
+    assert plan_of(case).path == "standalone"
+    assert plan_of(case, backend="auto").backend == "triton"
+
+
+@pytest.mark.parametrize("finalize", ["standalone", "fused"])
+def test_env_override_after_a_cached_call_runs_the_right_kernels(monkeypatch, launches, finalize):
+    case = moe_case(T, K, E, H, INTER)
+    ref = moe_expected(case)
+    run_moe(case, finalize="standalone", backend="triton")  # caches the standalone plan
+    launches.clear()
+    monkeypatch.setenv("MOE_ROUTE_FINALIZE", finalize)
+    out = run_moe(case, finalize="standalone", backend="triton")
+    assert_matches(out, ref, TOL[torch.float32])
+    fused = "_gemm_finalize_kernel" in launches
+    assert fused == (finalize == "fused"), launches
+
+
+def test_bad_arguments_raise_before_any_launch(launches):
+    case = moe_case(T, K, E, H, INTER)
+    bad_w2 = dict(case, w2=case["w2"][:, :, :-1])
+    bad_ids = dict(case, topk_ids=case["topk_ids"].to(torch.float32))
+    for bad, err in ((bad_w2, ValueError), (bad_ids, TypeError)):
+        with pytest.raises(err):
+            run_moe(bad, backend="triton")
+    with pytest.raises(ValueError, match="finalize"):
+        run_moe(case, backend="triton", finalize="sideways")
+    with pytest.raises(ValueError, match="backend"):
+        run_moe(case, backend="gpu")
+    assert launches == []
+
+
+def test_token_buckets():
+    assert token_buckets(1) == [1]
+    assert token_buckets(5) == [1, 2, 4, 8]
+    assert token_buckets(8) == [1, 2, 4, 8]
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="max_tokens"):
+            token_buckets(bad)
+
+
+def test_warmup_runs_every_bucket_without_touching_grads_or_rng():
+    case = moe_case(T, K, E, H, INTER)
+    w1 = case["w1"].clone().requires_grad_()
+    w2 = case["w2"].clone().requires_grad_()
+    state = torch.get_rng_state()
+    assert moe_route.warmup(w1, w2, K, 6, backward=True, backend="triton") == [1, 2, 4, 8]
+    assert w1.grad is None and w2.grad is None
+    assert torch.equal(state, torch.get_rng_state())
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route.warmup(w1, w2, E + 1, 4)
+
+
+def test_layer_warmup(launches):
+    layer = moe_route.MoELayer(H, INTER, E, K, aux_loss_coef=0.01, backend="triton")
+    assert layer.warmup(3, backward=True) == [1, 2, 4]
+    assert all(p.grad is None for p in layer.parameters())
+    assert "_gemm_act_bwd_kernel" in launches  # the backward ran
