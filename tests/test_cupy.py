@@ -193,12 +193,12 @@ def h100_limits(monkeypatch, fake_cupy):
 @pytest.mark.parametrize(("E", "chosen"), [(256, "cupy"), (29048, "cupy"), (29049, "triton"),
                                            (32759, "triton")])  # fmt: skip
 def test_auto_maps_fall_back_to_triton_past_the_cupy_expert_limit(h100_limits, E, chosen):
-    """ "auto" picks the CuPy maps at 512 slots (measured faster), but only for as many experts
+    """ "auto" picks the CuPy maps at 131072 slots (measured faster), but only for as many experts
     as their kernels hold; past that Triton's, for build_routing_maps and fused_moe's plan."""
-    device = torch.device("cuda", 0)
-    assert h100_limits._cached_maps_backend(device, "auto", 64, 8, E) == chosen
+    device, T = torch.device("cuda", 0), arch.CUPY_MAPS_MIN_LARGE_SLOTS // 8
+    assert h100_limits._cached_maps_backend(device, "auto", T, 8, E) == chosen
     plan = importlib.import_module("moe_route.moe")._plan.__wrapped__(
-        device, torch.bfloat16, (E, 64, 32), (E, 32, 32), E, 8, 64, "swiglu", "concat",
+        device, torch.bfloat16, (E, 64, 32), (E, 32, 32), E, 8, T, "swiglu", "concat",
         "standalone", True, False, "auto", arch.env_key(),
     )  # fmt: skip
     assert plan.maps_backend == chosen
@@ -207,13 +207,13 @@ def test_auto_maps_fall_back_to_triton_past_the_cupy_expert_limit(h100_limits, E
 def test_maps_past_every_kernel_limit_or_explicit_cupy_raise(h100_limits, monkeypatch):
     device = torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"num_experts=32760 with K=8: the Triton .* E <= 32759"):
-        h100_limits._cached_maps_backend(device, "auto", 64, 8, 32760)
+        h100_limits._cached_maps_backend(device, "auto", 1 << 14, 8, 32760)
     for how in ("argument", "env"):
         if how == "env":
             monkeypatch.setenv("MOE_ROUTE_BACKEND", "cupy")
         with pytest.raises(ValueError, match=r"num_experts=29049 with K=8: the CuPy .* E <= 29048"):
             h100_limits._cached_maps_backend(device, "cupy" if how == "argument" else "auto",
-                                             64, 8, 29049)  # fmt: skip
+                                             1 << 14, 8, 29049)  # fmt: skip
 
 
 def test_env_backend_cupy(monkeypatch, fake_cupy):

@@ -224,6 +224,32 @@ def test_grouped_gemm_weight_layouts_and_odd_sizes(how, sizes):
     check(out, ref, torch.float32, how)
 
 
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_grouped_gemm_stride_zero_operands(dim):
+    """Broadcast (stride-0) weights and tokens at aligned sizes: torch._grouped_mm takes no
+    stride-0 leading dimension, so they go through the per-expert loop, with the reference's
+    values, forward and backward."""
+    E, H, n = 4, 16, 24
+    _, (s2d, d2s, efs, off), x, w, b = gemm_case(
+        11, 2, E, H, n, dtype=torch.float32, bias=True, seed=5
+    )
+    w = w[:, :1].expand(E, n, H) if dim == 1 else w
+    w = w[:, :, :1].expand(E, n, H) if dim == 2 else w
+    w = w[:1].expand(E, n, H) if dim == 0 else w
+    x = x[:, :1].expand(x.shape)  # stride (1, 0)
+    assert 0 in w.stride() and 0 in x.stride()
+    out = TI.grouped_gemm_torch(x, w, off, b, "silu", "concat", d2s)
+    x_perm = R.expand_rows_reference(x, d2s, off)
+    w_c = w.contiguous()
+    check(out, R.grouped_gemm_reference(x_perm, w_c, off, b, activation="silu"), x.dtype, "out")
+    dout = rand(*out.shape, seed=6)
+    got = TI.grouped_gemm_backward_torch(dout, x, w, off, b, "silu", "concat", s2d, d2s, efs, True)
+    rda, rdw, rdb = R.grouped_gemm_backward_reference(dout, x_perm, w_c, off, b, activation="silu")
+    rda = R.finalize_moe_routing_reference(rda, torch.ones(11, 2), s2d, efs)
+    for name, g, want in zip(("da", "dw", "db"), got, (rda, rdw, rdb), strict=True):
+        check(g, want, torch.float32, name)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 40])
 def test_grouped_gemm_few_rows_and_empty_experts(rows):
     """Below and above the row count where torch._grouped_mm takes over; most experts empty."""

@@ -117,10 +117,17 @@ class _Segments:
 # --------------------------------------------------------------------------- segment GEMMs
 def _pitch_ok(m: torch.Tensor) -> bool:
     """``torch._grouped_mm``'s layout rule: unit stride in one of the last two dims, the other
-    a multiple of 16 bytes."""
-    es = m.element_size()
+    a leading dimension (at least that dim's extent: no stride-0 broadcast) of a multiple of
+    16 bytes; no stride-0 batch of several matrices."""
+    if m.dim() == 3 and m.stride(0) == 0 and m.shape[0] > 1:
+        return False
     rows, cols = m.stride()[-2:]
-    return (cols == 1 and rows * es % 16 == 0) or (rows == 1 and cols * es % 16 == 0)
+    n_rows, n_cols = m.shape[-2:]
+    if cols == 1 and rows >= max(n_cols, 1):
+        return rows * m.element_size() % 16 == 0
+    if rows == 1 and cols >= max(n_rows, 1):
+        return cols * m.element_size() % 16 == 0
+    return False
 
 
 @functools.cache
