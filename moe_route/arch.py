@@ -290,7 +290,23 @@ def _probe_cupy(index: int) -> Choice:
         return Choice("no", f"compiling a kernel with NVRTC failed: {type(exc).__name__}: {exc}")
 
 
-_BACKEND_CACHE: dict = {}
+def env_cached(fn):
+    """``fn(*args)`` cached on its (hashable) arguments and :func:`env_key`: the decisions the
+    public functions take on every call (backend, finalize path, ...), answered once per
+    configuration and again whenever an environment override changes. Exceptions are not
+    cached (a bad argument raises on every call); ``.cache_clear()`` empties the cache."""
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def cached(*args):
+        key = (*args, env_key())
+        chosen = cache.get(key)
+        if chosen is None:
+            chosen = cache[key] = fn(*args)
+        return chosen
+
+    cached.cache_clear = cache.clear
+    return cached
 
 
 def cached_backend(device: torch.device, requested: str = "auto") -> str:
@@ -298,23 +314,18 @@ def cached_backend(device: torch.device, requested: str = "auto") -> str:
     environment overrides: what the public functions ask on every call."""
     if requested == "cupy":  # asks whether CuPy imports every time (tests hide it)
         return backend_for(device, requested).value
-    key = (device, requested, env_key())
-    chosen = _BACKEND_CACHE.get(key)
-    if chosen is None:
-        chosen = _BACKEND_CACHE[key] = backend_for(device, requested).value
-    return chosen
+    return _cached_backend(device, requested)
 
 
-_FINALIZE_CACHE: dict = {}
+@env_cached
+def _cached_backend(device: torch.device, requested: str) -> str:
+    return backend_for(device, requested).value
 
 
+@env_cached
 def cached_finalize_path(device: torch.device, requested: str, deterministic: bool) -> str:
     """:func:`finalize_path_for`'s answer (the value), cached like :func:`cached_backend`."""
-    key = (device, requested, deterministic, env_key())
-    chosen = _FINALIZE_CACHE.get(key)
-    if chosen is None:
-        chosen = _FINALIZE_CACHE[key] = finalize_path_for(device, requested, deterministic).value
-    return chosen
+    return finalize_path_for(device, requested, deterministic).value
 
 
 def env_key() -> tuple[str, str, str, str, str]:

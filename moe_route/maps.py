@@ -262,15 +262,16 @@ def build_routing_maps(
     return maps_op(ids, E, chosen)
 
 
-_BACKEND_CACHE: dict = {}
-
-
 def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: int) -> str:
-    key = (device, backend, T.bit_length(), K, E, arch.env_key())
-    chosen = _BACKEND_CACHE.get(key)
-    if chosen is None:
-        arch.check_backend_name(backend)
-        chosen = maps_backend(device, backend, T, K, E)
-        check_kernel_limits(chosen, E, K, device)  # before any launch
-        _BACKEND_CACHE[key] = chosen
+    from .tuning import token_bucket
+
+    return _bucket_maps_backend(device, backend, token_bucket(T), K, E)
+
+
+@arch.env_cached
+def _bucket_maps_backend(device: torch.device, backend: str, bucket: int, K: int, E: int) -> str:
+    """Keyed on the token bucket, the unit :func:`maps_backend` decides on."""
+    arch.check_backend_name(backend)
+    chosen = maps_backend(device, backend, bucket, K, E)
+    check_kernel_limits(chosen, E, K, device)  # before any launch
     return chosen

@@ -118,21 +118,11 @@ def softmax_topk_torch(
     return weights, ids.to(torch.int32)
 
 
-_ROUTER_BACKEND_CACHE: dict = {}
-
-
+@arch.env_cached
 def router_backend(device: torch.device, backend: str, num_experts: int) -> str:
     """``"triton"`` or ``"torch"``: what runs :func:`softmax_topk` for ``num_experts`` experts
     on ``device`` (cached like :func:`moe_route.arch.cached_backend`; raises before any
     launch when the kernel cannot hold ``num_experts``)."""
-    key = (device, backend, num_experts, arch.env_key())
-    chosen = _ROUTER_BACKEND_CACHE.get(key)
-    if chosen is None:
-        chosen = _ROUTER_BACKEND_CACHE[key] = _router_backend(device, backend, num_experts)
-    return chosen
-
-
-def _router_backend(device: torch.device, backend: str, num_experts: int) -> str:
     chosen = arch.cached_backend(device, backend)  # names, aliases, MOE_ROUTE_BACKEND
     if chosen == "torch":
         return "torch"

@@ -185,9 +185,10 @@ def h100_limits(monkeypatch, fake_cupy):
     maps_module = importlib.import_module("moe_route.maps")
     monkeypatch.setattr(cupy_maps._nvrtc, "max_shared_memory", lambda device: 227 * 1024)
     monkeypatch.setattr(triton_maps, "_shared_memory_optin", lambda index: 227 * 1024)
-    monkeypatch.setattr(maps_module, "_BACKEND_CACHE", {})
     monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
-    return maps_module
+    maps_module._bucket_maps_backend.cache_clear()
+    yield maps_module
+    maps_module._bucket_maps_backend.cache_clear()
 
 
 @pytest.mark.parametrize(("E", "chosen"), [(256, "cupy"), (29048, "cupy"), (29049, "triton"),
@@ -309,3 +310,11 @@ def test_routing_maps_warps_fit_shared_memory(monkeypatch):
     cupy_maps.check_num_experts_supported(29048, 8, cpu)
     with pytest.raises(ValueError, match=r"num_experts=29049 with K=8: .* E <= 29048; use backe"):
         cupy_maps.check_num_experts_supported(29049, 8, cpu)
+
+
+def test_maps_backend_cache_is_keyed_on_the_token_bucket(h100_limits):
+    """T = 8192 and 8193 share a bit length but not a bucket (8192 / 16384 tokens: 65536 /
+    131072 slots at K = 8): a cache keyed on the bit length served 8193 the choice of 8192."""
+    device = torch.device("cuda", 0)
+    assert h100_limits._cached_maps_backend(device, "auto", 8192, 8, 256) == "triton"
+    assert h100_limits._cached_maps_backend(device, "auto", 8193, 8, 256) == "cupy"
