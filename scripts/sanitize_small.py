@@ -1,21 +1,37 @@
-"""Small fused_moe forward + backward (bf16, dropped slots, odd sizes) for compute-sanitizer."""
+"""Small fused_moe forward + backward (bf16, dropped slots, odd sizes, plain and clamped
+SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
+compute-sanitizer. ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
+``--tiny``: the smallest shape only (racecheck is slow)."""
+
+import sys
 
 import torch
 
 import moe_route
-from moe_route import reference as R
 
 torch.manual_seed(0)
-for T, H, inter, E, K in ((37, 200, 136, 8, 2), (5, 72, 40, 4, 4)):
+shapes = ((37, 200, 136, 8, 2), (5, 72, 40, 4, 4))
+if "--tiny" in sys.argv:
+    shapes = shapes[1:]
+clamped = moe_route.activation("swiglu", alpha=1.702, limit=0.75, up_offset=1.0)
+for T, H, inter, E, K in shapes:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(E, 2 * inter, H, device="cuda") * 0.05).bfloat16()
     w2 = (torch.randn(E, H, inter, device="cuda") * 0.05).bfloat16()
-    tw, ids = R.topk_routing_reference(torch.randn(T, E, device="cuda"), K, renormalize=True)
+    logits = torch.randn(T, E, device="cuda", requires_grad=True)
+    tw, ids = moe_route.softmax_topk(logits, K)
+    torch.autograd.grad(tw.sum(), logits)
+    tw, ids = tw.detach(), ids.clone()
     ids[1, 0] = -1
-    for fin, det in (("standalone", True), ("fused", True), ("fused", False)):
-        for _ in range(2):  # the second launch goes through the direct (thin) path
-            leaves = [t.detach().requires_grad_() for t in (x, w1, w2, tw)]
-            out = moe_route.fused_moe(*leaves, ids, finalize=fin, deterministic=det)
-            torch.autograd.grad(out.float().sum(), leaves)
+    for act in ("swiglu", clamped):
+        for fin, det in (("standalone", True), ("fused", True), ("fused", False)):
+            for _ in range(2):  # the second launch goes through the direct (thin) path
+                leaves = [t.detach().requires_grad_() for t in (x, w1, w2, tw)]
+                out = moe_route.fused_moe(*leaves, ids, activation=act, finalize=fin,
+                                          deterministic=det)  # fmt: skip
+                torch.autograd.grad(out.float().sum(), leaves)
+    layer = moe_route.MoELayer(H, inter, E, K, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    (out.output.float().sum() + out.aux_loss).backward()
 torch.cuda.synchronize()
 print("sanitize_small done")
