@@ -190,7 +190,7 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
     return ours
 
 
-def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
+def stage_breakdown(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     """Time each kernel of the training step alone (TFLOP/s against the dense rate), under the
     launch configurations fused_moe's plan picks for this shape."""
     from moe_route.kernels.triton import weight_grad
@@ -210,9 +210,12 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     maps = moe_route.build_routing_maps(ids, E)
     s2d, d2s, efs, off = maps.tensors()
     cfg = _plan_for(x, w1, w2, K, "swiglu", "concat", "standalone", True, False, "auto").configs
-    tma = cfg.act_bwd.use_tma
     M = T * K
     dout = torch.randn(T, H, device=dev, dtype=dt)
+    dout_perm = torch.randn(M, H, device=dev, dtype=dt)  # what the backward permutes for dW
+    x_perm = torch.randn(M, H, device=dev, dtype=dt)
+    dout_perm = torch.randn(M, H, device=dev, dtype=dt)  # what the backward permutes for dW
+    x_perm = torch.randn(M, H, device=dev, dtype=dt)
     z = torch.randn(M, 2 * I, device=dev, dtype=dt)
     h = torch.empty(M, I, device=dev, dtype=dt)
     dz = torch.empty_like(z)
@@ -236,11 +239,9 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
         "bwd_router_w": (lambda: weight_grad.router_weight_grad_triton(
             partial, dout, None, s2d, efs, dtw), 0),
         "bwd_dw2": (lambda: weight_grad.expert_weight_grad_triton(
-            dout, h, off, dw2, cfg.wgrad2, dest_to_src=d2s, a_gather=True, num_rows=M,
-            use_tma=tma), g),
+            dout_perm, h, off, dw2, cfg.wgrad2, dest_to_src=d2s, num_rows=M), g),
         "bwd_dw1": (lambda: weight_grad.expert_weight_grad_triton(
-            dz, x, off, dw1, cfg.wgrad1, dest_to_src=d2s, b_gather=True, num_rows=M,
-            use_tma=tma), 2 * g),
+            dz, x_perm, off, dw1, cfg.wgrad1, dest_to_src=d2s, num_rows=M), 2 * g),
         "bwd_dx_gemm": (lambda: grouped_gemm_triton(dz, w1.transpose(1, 2), off, dx_perm, cfg.dx),
                         2 * g),
         "bwd_dx_sum": (lambda: finalize_triton(dx_perm, unit, s2d, efs, None, dx), 0),
@@ -255,25 +256,6 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows, sweep=False):  # noqa: E741
     dense = time_cuda(lambda: torch.mm(dz[:, : 2 * I].t(), dx_perm[:, :H]))
     print(f"  dense dz^T @ rows [{2 * I}x{M}]x[{M}x{H}]: "
           f"{2 * M * 2 * I * H / dense.median_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
-    if sweep:  # variants of the weight-gradient kernel, against the plan's configs timed above
-        variants = {
-            "dw1 a_t_load": lambda: weight_grad.expert_weight_grad_triton(
-                dz, x, off, dw1, cfg.wgrad1, dest_to_src=d2s, b_gather=True, num_rows=M,
-                use_tma=tma, a_t_load=True),
-            "dw2 a_t_load": lambda: weight_grad.expert_weight_grad_triton(
-                dout, h, off, dw2, cfg.wgrad2, dest_to_src=d2s, a_gather=True, num_rows=M,
-                use_tma=tma, a_t_load=True),
-            "dw1 (64,256,128,8,3)": lambda: weight_grad.expert_weight_grad_triton(
-                dz, x, off, dw1, (64, 256, 128, 8, 3), dest_to_src=d2s, b_gather=True,
-                num_rows=M, use_tma=tma),
-            "dw2 (32,128,128,4,4)": lambda: weight_grad.expert_weight_grad_triton(
-                dout, h, off, dw2, (32, 128, 128, 4, 4), dest_to_src=d2s, a_gather=True,
-                num_rows=M, use_tma=tma),
-        }  # fmt: skip
-        for label, fn in variants.items():
-            t = time_cuda(fn)
-            flops = 2 * g if label.startswith("dw1") else g
-            print(f"  {label}: {flops / t.median_s / 1e12:.0f} TFLOP/s", flush=True)
 
 
 def main(argv=None):
@@ -282,7 +264,6 @@ def main(argv=None):
     ap.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
     ap.add_argument("--out", default="bench/results", help="directory for CSV / JSON")
     ap.add_argument("--stages", action="store_true", help="time each kernel of the step")
-    ap.add_argument("--sweep", action="store_true", help="with --stages: dW tile sweep")
     args = ap.parse_args(argv)
     ceil = Ceilings.measure("cuda")
     env = environment(ceil, "cuda")
@@ -290,7 +271,7 @@ def main(argv=None):
     shapes = [SHAPES[i] for i in QUICK] if args.quick else SHAPES
     if args.stages:
         for s in shapes:
-            stage_breakdown(*s, ceil, rows, sweep=args.sweep)
+            stage_breakdown(*s, ceil, rows)
             torch.cuda.empty_cache()
         write_results(rows, env, args.out, "train_stages")
         return

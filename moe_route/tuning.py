@@ -13,6 +13,7 @@ import torch
 
 from ._env import getenv
 from .kernels.triton.grouped_gemm import GemmConfig
+from .kernels.triton.weight_grad import WeightGradConfig
 
 #: Environment override of the GEMM kernels' persistent variant (benchmarking): unset or empty,
 #: the tables below decide; ``0``, the per-tile kernel; ``N >= 1``, ``N`` persistent programs
@@ -99,20 +100,22 @@ def act_backward_config(rows_per_expert: float, n_out: int, dtype: torch.dtype, 
     return GemmConfig(128, 128, 64, 8, 8, 4, tma)
 
 
-def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype):
-    """``(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the weight-gradient kernel.
+def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype, cc: int | None):
+    """Tiles of the weight-gradient kernels (``n``: the gradient's rows, ``dW[e]`` being
+    ``[n, Kd]``).
 
-    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep): with <= 512 rows per expert
-    (qwen3, deepseek-v3) 32-row steps on 4 warps beat 64-row steps on 8 by 6-21% (more CTAs
-    per SM hide the short reduction's prologue); with 1024 rows (mixtral) and a wide N
-    (2I = 28672), 256-wide N tiles won by 10%.
+    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep, the pointer kernel): with <= 512
+    rows per expert (qwen3, deepseek-v3) 32-row steps on 4 warps beat 64-row steps on 8 by
+    6-21% (more CTAs per SM hide the short reduction's prologue); with 1024 rows (mixtral) and
+    a wide N (2I = 28672), 256-wide N tiles won by 10%.
     """
     if dtype == torch.float64:
-        return 16, 32, 32, 4, 1
+        return WeightGradConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
-        return 32, 64, 64, 4, 3
+        return WeightGradConfig(32, 64, 64, 4, 3)
+    tma = cc is not None and cc >= 90
     if rows_per_expert <= 512:
-        return 32, 128, 128, 4, 4
+        return WeightGradConfig(32, 128, 128, 4, 4, tma)
     if n >= 8192:
-        return 64, 256, 128, 8, 3
-    return 64, 128, 128, 8, 3
+        return WeightGradConfig(64, 256, 128, 8, 3, tma)
+    return WeightGradConfig(64, 128, 128, 8, 3, tma)

@@ -48,7 +48,8 @@ TOTAL = "total"
 # launches split evenly among them, in this order. Update when kernels are renamed or split.
 MOE_ROUTE_KERNELS: dict[str, tuple[str, ...]] = {
     r"_gemm_act_bwd": (DGEMM2,),  # dz = act'(z)·w·(dout @ W2), w·act(z), partial <g, h>
-    r"_gemm_kernel": (DX1,),  # dx_perm = dz @ W1
+    r"_gemm_kernel|_gemm_persistent": (DX1,),  # dx_perm = dz @ W1
+    r"_expand_rows": (DW2, DW1),  # dout and x permuted for the TMA weight-gradient kernel
     r"_router_weight_grad": (ROUTER,),
     r"_expert_weight_grad": (DW2, DW1),
     r"_finalize": (EXPAND,),  # dx[t] = sum over k of dx_perm

@@ -20,7 +20,7 @@ chooses every configuration; nothing here decides policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +34,12 @@ from .grouped_gemm import (
     grouped_gemm_finalize_triton,
     grouped_gemm_triton,
 )
-from .weight_grad import expert_weight_grad_triton, router_weight_grad_triton
+from .weight_grad import (
+    WeightGradConfig,
+    expert_weight_grad_triton,
+    router_weight_grad_triton,
+    tma_operands_ok,
+)
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,8 @@ class MoEConfigs:
     gemm2: GemmConfig
     act_bwd: GemmConfig
     dx: GemmConfig
-    wgrad2: tuple
-    wgrad1: tuple
+    wgrad2: WeightGradConfig
+    wgrad1: WeightGradConfig
     epilogue: GemmEpilogue
     #: ``"standalone"``, ``"fused"`` (ordered) or ``"fused_atomic"``.
     finalize: str
@@ -118,10 +123,13 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     if need_dw2:
         dw2 = torch.empty_like(w2)
         db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
+        a, gather = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
         expert_weight_grad_triton(
-            dout, wh, offsets, dw2, cfg.wgrad2, db=db2, dest_to_src=dest_to_src, a_gather=True,
-            db_scale=topk_weights, num_rows=M, allow_tf32=tf32, use_tma=cfg.act_bwd.use_tma,
+            a, wh, offsets, dw2, _wgrad_config(cfg.wgrad2, a, wh), db=db2,
+            dest_to_src=dest_to_src, a_gather=gather, db_scale=topk_weights, num_rows=M,
+            allow_tf32=tf32,
         )  # fmt: skip
+        del a
     del wh
     if need_dx:
         dx_perm = x.new_empty(M, H)
@@ -134,9 +142,10 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     if need_dw1:
         dw1 = torch.empty_like(w1)
         db1 = torch.empty(w1.shape[:2], dtype=b1.dtype, device=x.device) if b1 is not None else None
+        b, gather = _wgrad_operand(x, maps, M, cfg.wgrad1, dz)
         expert_weight_grad_triton(
-            dz, x, offsets, dw1, cfg.wgrad1, db=db1, dest_to_src=dest_to_src, b_gather=True,
-            num_rows=M, allow_tf32=tf32, use_tma=cfg.act_bwd.use_tma,
+            dz, b, offsets, dw1, _wgrad_config(cfg.wgrad1, dz, b), db=db1,
+            dest_to_src=dest_to_src, b_gather=gather, num_rows=M, allow_tf32=tf32,
         )  # fmt: skip
     return dx, dw1, dw2, dtopk, db1, db2
 
@@ -144,7 +153,7 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
 def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src,
                                  bias, activation, gate_up_layout, epilogue: GemmEpilogue, gather,
                                  need_da, need_dw, need_db, cfg: GemmConfig, dx_cfg: GemmConfig,
-                                 wgrad_cfg: tuple, allow_tf32):  # fmt: skip
+                                 wgrad_cfg: WeightGradConfig, allow_tf32):  # fmt: skip
     """``(da, dw, db)`` of :func:`grouped_gemm_triton` (stage-by-stage use; ``None`` for those
     not asked for). The pre-activation is recomputed (one more GEMM) for a non-identity
     activation: this backward saves only the op's inputs (``fused_moe`` saves ``z``)."""
@@ -174,8 +183,33 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
     if need_dw or need_db:
         dw = torch.empty_like(w)
         db = torch.empty(w.shape[:2], dtype=w.dtype, device=a.device) if need_db else None
+        b, b_gather = a, False
+        if gather:
+            b, b_gather = _wgrad_operand(a, (src_to_dest, dest_to_src, expert_for_src, offsets),
+                                         M, wgrad_cfg, dz)  # fmt: skip
         expert_weight_grad_triton(
-            dz, a, offsets, dw, wgrad_cfg, db=db, dest_to_src=dest_to_src, b_gather=gather,
-            num_rows=M, allow_tf32=allow_tf32, use_tma=cfg.use_tma,
+            dz, b, offsets, dw, _wgrad_config(wgrad_cfg, dz, b), db=db, dest_to_src=dest_to_src,
+            b_gather=b_gather, num_rows=M, allow_tf32=allow_tf32,
         )  # fmt: skip
     return da, dw, db
+
+
+def _wgrad_operand(token_rows, maps, M, cfg: WeightGradConfig, other):
+    """``(operand, gathered)`` of a weight gradient for ``[T, C]`` token rows: permuted into
+    ``[M, C]`` when the TMA kernel will read it (an expand, ~1 % of the GEMM's time), else
+    the rows themselves, gathered through the maps by the pointer kernel."""
+    row_bytes = token_rows.shape[1] * token_rows.element_size()
+    sixteen_bit = token_rows.dtype in (torch.float16, torch.bfloat16)
+    if not (cfg.use_tma and sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)):
+        return token_rows, True
+    src_to_dest, _, expert_for_src, _ = maps
+    rows = token_rows.new_empty(M, token_rows.shape[1])
+    expand_rows_triton(token_rows, src_to_dest, expert_for_src, rows)
+    return rows, False
+
+
+def _wgrad_config(cfg: WeightGradConfig, a, b) -> WeightGradConfig:
+    """``cfg``, or its pointer-kernel twin when an operand cannot be read through TMA."""
+    if cfg.use_tma and not tma_operands_ok(a, b):
+        return replace(cfg, use_tma=False)
+    return cfg

@@ -16,6 +16,12 @@ the programs of the first ``Kd`` tile. (``dW2 = Σ dout[t]^T (w h)``: GEMM2's ba
 ``w·h``, so no MMA operand is rescaled here.) On Hopper the operand that is not gathered is
 loaded through TMA.
 
+On Hopper with 16-bit operands the launch sequence permutes the gathered operand into a buffer
+first (one expand, ~1 % of the GEMM's time) and :func:`_expert_weight_grad_tma_kernel` reads
+both operands through TMA: the rows of an expert are walked in whole ``BLOCK_R`` steps through
+the descriptors (software-pipelined, the MMA reading shared memory directly) and a last partial
+step, if any, through masked loads, so no row of another expert enters a sum.
+
 **Router-weight gradient** (:func:`router_weight_grad_triton`):
 ``d w[t,k] = <dout[t], y[d]> = Σ_j partial[d, j] + <dout[t], b2[e]>`` with ``d = dest(k*T+t)``,
 where ``partial[d, j]`` are the per-column-tile dot products ``<dout[t] W2[e], h[d]>`` left by
@@ -25,52 +31,72 @@ GEMM2's output ``y`` is never stored for it. Dropped slots get zero.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from . import ThinKernel, aligned, cdiv, next_pow2
-from .grouped_gemm import _mma, _tma_ok
+from .grouped_gemm import _mma, _tma_ok, num_sms
+
+
+@dataclass(frozen=True)
+class WeightGradConfig:
+    """Tiles of the weight-gradient kernels (chosen by :mod:`moe_route.tuning`)."""
+
+    #: rows of the expert reduced per step
+    block_r: int
+    #: the output tile, ``[block_n, block_k]`` of ``dW[e]``
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    #: both operands through TMA (SM90+, 16-bit, aligned, neither gathered): the launch
+    #: sequence permutes a gathered operand into a buffer first
+    use_tma: bool = False
+    #: the TMA kernel only: programs per SM walking the tiles (0: one program per tile)
+    persistent: int = 0
+
+
+@triton.jit
+def _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T, stride_st, stride_sk,
+                    A_SCALE: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """``col_sum + Σ_rows s_r a[r]`` (``s_r`` the router weight of row ``r``'s slot, else 1)."""
+    if A_SCALE:
+        src = tl.load(dest_to_src_ptr + r, mask=r_ok, other=0)
+        t = (src % T).to(tl.int64)
+        w = tl.load(scale_ptr + t * stride_st + (src // T) * stride_sk, mask=r_ok, other=0)
+        col_sum += tl.sum(a.to(ACC) * w.to(ACC)[:, None], axis=0)
+    else:
+        col_sum += tl.sum(tl.where(r_ok[:, None], a.to(ACC), 0.0), axis=0)
+    return col_sum
+
+
+@triton.jit
+def _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we, stride_wn,
+              stride_wk, stride_dbe, stride_dbn, HAS_DBIAS: tl.constexpr):  # fmt: skip
+    dw_ptrs = (
+        dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
+    )
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+    if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
+        if pid_k == 0:
+            db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
+            tl.store(db_ptrs, col_sum.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _expert_weight_grad_kernel(
-    a_ptr,
-    b_ptr,
-    a_desc,
-    b_desc,
-    dw_ptr,
-    db_ptr,
-    offsets_ptr,
-    dest_to_src_ptr,
-    scale_ptr,
-    N,
-    KD,
-    T,
-    stride_am,
-    stride_an,
-    stride_bm,
-    stride_bk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_dbe,
-    stride_dbn,
-    stride_st,
-    stride_sk,
-    A_GATHER: tl.constexpr,
-    B_GATHER: tl.constexpr,
-    A_SCALE: tl.constexpr,
-    HAS_DBIAS: tl.constexpr,
-    A_DESC: tl.constexpr,
-    B_DESC: tl.constexpr,
-    A_T_LOAD: tl.constexpr,
-    ACC: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    a_ptr, b_ptr, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr, scale_ptr, N, KD, T,
+    stride_am, stride_an, stride_bm, stride_bk, stride_we, stride_wn, stride_wk, stride_dbe,
+    stride_dbn, stride_st, stride_sk,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, A_SCALE: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program ``(n-tile x k-tile, e)``: one tile of ``dW[e]``, rows through pointers (gathered
+    through the maps where asked)."""
     k_tiles = tl.cdiv(KD, BLOCK_K)
     pid_n = tl.program_id(0) // k_tiles
     pid_k = tl.program_id(0) % k_tiles
@@ -86,66 +112,89 @@ def _expert_weight_grad_kernel(
     for r0 in range(lo, hi, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < hi
-        if A_GATHER or B_GATHER or A_SCALE:
-            src = tl.load(dest_to_src_ptr + r, mask=r_ok, other=0)
-            t = (src % T).to(tl.int64)
+        if A_GATHER or B_GATHER:
+            t = (tl.load(dest_to_src_ptr + r, mask=r_ok, other=0) % T).to(tl.int64)
         a_rows = t if A_GATHER else r.to(tl.int64)
         b_rows = t if B_GATHER else r.to(tl.int64)
-        # With a descriptor (TMA, Hopper) the tile may run past the expert into rows that
-        # belong to the next one (or are zero-filled past M); the other operand is masked to
-        # zero there, and those rows hold finite values, so they add nothing.
-        if A_DESC:
-            a = a_desc.load([r0.to(tl.int32), pid_n * BLOCK_N])
-        elif A_T_LOAD:  # load A^T as it goes into the MMA ([BLOCK_N, BLOCK_R]), no transpose
-            a_t = tl.load(
-                a_ptr + a_rows[None, :] * stride_am + ns[:, None] * stride_an,
-                mask=r_ok[None, :] & n_ok[:, None],
-                other=0.0,
-            )
-            a = tl.trans(a_t)
-        else:
-            a = tl.load(
-                a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
-                mask=r_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
+            mask=r_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
         if HAS_DBIAS:
-            if A_SCALE:  # db = Σ w a (the MMA operand itself is not scaled)
-                w = tl.load(scale_ptr + t * stride_st + (src // T) * stride_sk, mask=r_ok, other=0)
-                col_sum += tl.sum(a.to(ACC) * w.to(ACC)[:, None], axis=0)
-            else:
-                col_sum += tl.sum(tl.where(r_ok[:, None], a.to(ACC), 0.0), axis=0)
-        if B_DESC:
-            b = b_desc.load([r0.to(tl.int32), pid_k * BLOCK_K])
-        else:
-            b = tl.load(
-                b_ptr + b_rows[:, None] * stride_bm + ks[None, :] * stride_bk,
-                mask=r_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-        if A_T_LOAD and not A_DESC:
-            acc = _mma(a_t, b, acc, DOT_PRECISION)
-        else:
-            acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
-    dw_ptrs = (
-        dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
-    )
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
-    if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
-        if pid_k == 0:
-            db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
-            tl.store(db_ptrs, col_sum.to(db_ptr.dtype.element_ty), mask=n_ok)
+            col_sum = _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T,
+                                      stride_st, stride_sk, A_SCALE, ACC)  # fmt: skip
+        b = tl.load(
+            b_ptr + b_rows[:, None] * stride_bm + ks[None, :] * stride_bk,
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
+    _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we, stride_wn,
+              stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
 
 
-def _descriptor(t: torch.Tensor, block: list[int], use_tma: bool):
-    """A TMA descriptor over ``t [M, C]`` (Hopper, 16-bit, aligned), else ``None``."""
-    if not use_tma or t.dtype not in (torch.float16, torch.bfloat16) or t.numel() == 0:
-        return None
-    if not _tma_ok(t):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
+@triton.jit(do_not_specialize=["T"])
+def _expert_weight_grad_tma_kernel(
+    a_desc, b_desc, a_ptr, b_ptr, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr, scale_ptr,
+    E, N, KD, T,
+    stride_am, stride_bm, stride_we, stride_wn, stride_wk, stride_dbe, stride_dbn, stride_st,
+    stride_sk,
+    A_SCALE: tl.constexpr, HAS_DBIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Tiles ``pid, pid + P, ...`` of ``E x n-tiles x k-tiles`` (``P`` programs; one tile each
+    when ``P`` is the tile count), each ``[BLOCK_N, BLOCK_K]`` of ``dW[e]``: whole ``BLOCK_R``
+    row steps of the expert through the descriptors, a partial last step through masked
+    loads. Both operands unit-stride in their columns (the launcher checks)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(KD, BLOCK_K)
+    per_expert = n_tiles * k_tiles
+    for tile in range(pid, E * per_expert, programs):
+        e = tile // per_expert
+        pid_n = (tile % per_expert) // k_tiles
+        pid_k = tile % k_tiles
+        lo = tl.load(offsets_ptr + e)
+        hi = tl.load(offsets_ptr + e + 1)
+        n0 = pid_n * BLOCK_N
+        k0 = pid_k * BLOCK_K
+        ns = n0 + tl.arange(0, BLOCK_N)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        n_ok = ns < N
+        k_ok = ks < KD
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+        whole_end = lo + (hi - lo) // BLOCK_R * BLOCK_R
+        for r0 in range(lo, whole_end, BLOCK_R):
+            a = a_desc.load([r0, n0])
+            b = b_desc.load([r0, k0])
+            if HAS_DBIAS:
+                r = r0 + tl.arange(0, BLOCK_R)
+                col_sum = _scaled_col_sum(col_sum, a, r, r < hi, dest_to_src_ptr, scale_ptr, T,
+                                          stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
+            acc = tl.dot(a.T, b, acc)
+        if whole_end < hi:
+            r = whole_end + tl.arange(0, BLOCK_R)
+            r_ok = r < hi
+            rows = r.to(tl.int64)
+            a = tl.load(a_ptr + rows[:, None] * stride_am + ns[None, :],
+                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+            b = tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            if HAS_DBIAS:
+                col_sum = _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T,
+                                          stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
+            acc = tl.dot(a.T, b, acc)
+        _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we,
+                  stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
 
-    return TensorDescriptor.from_tensor(t, block)
+
+def tma_operands_ok(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`_expert_weight_grad_tma_kernel` can read these operands (16-bit, unit
+    column stride, 16-byte aligned rows)."""
+    return all(t.dtype in (torch.float16, torch.bfloat16) and _tma_ok(t) for t in tensors)
 
 
 def expert_weight_grad_triton(
@@ -153,7 +202,7 @@ def expert_weight_grad_triton(
     b: torch.Tensor,
     offsets: torch.Tensor,
     dw: torch.Tensor,
-    config: tuple,
+    config: WeightGradConfig,
     *,
     db: torch.Tensor | None = None,
     dest_to_src: torch.Tensor | None = None,
@@ -162,8 +211,6 @@ def expert_weight_grad_triton(
     db_scale: torch.Tensor | None = None,
     num_rows: int,
     allow_tf32: bool = False,
-    use_tma: bool = False,
-    a_t_load: bool = False,
 ) -> None:
     """``dw[e] = Σ_d A[d]^T B[d]`` and ``db[e] = Σ_d s_d A[d]`` over the rows of each expert.
 
@@ -172,61 +219,86 @@ def expert_weight_grad_triton(
         b: ``[M, Kd]`` permuted rows, or ``[T, Kd]`` token rows with ``b_gather``.
         offsets: ``expert_first_token_offset [E+1]``.
         dw: ``[E, N, Kd]`` output, any strides (e.g. ``torch.empty_like(weight)``).
-        config: ``(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)``
-            (:func:`moe_route.tuning.weight_grad_config`).
+        config: the tiles (:func:`moe_route.tuning.weight_grad_config`). With ``use_tma``,
+            neither operand may be gathered and both must pass :func:`tma_operands_ok` (the
+            launch sequence permutes them first).
         db: optional ``[E, N]`` bias-gradient output.
         dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for gathers and scaling.
         db_scale: ``topk_weights [T, K]``: ``s_d`` is the router weight of row ``d``'s slot
             (``1`` without it). ``dW2`` takes ``B = w·h`` from GEMM2's backward instead of
             scaling an MMA operand.
         num_rows: ``M = T*K``.
-        use_tma: load the operand that is not gathered through a TMA descriptor (only when the
-            other one is gathered and masked; the plan decides: SM90+).
     """
     E, N, KD = dw.shape
     if N == 0 or KD == 0:
         return
-    br, bn, bk, warps, stages = config
+    c = config
     T = a.shape[0] if a_gather else b.shape[0] if b_gather else max(num_rows, 1)
     if db_scale is not None:
         T = db_scale.shape[0]
+    idx = dest_to_src if dest_to_src is not None else offsets
+    scale = db_scale if db_scale is not None else dw
+    dbt = db if db is not None else dw
+    db_strides = (db.stride(0), db.stride(1)) if db is not None else (0, 0)
+    scale_strides = (scale.stride(0), scale.stride(1)) if db_scale is not None else (0, 0)
+    if c.use_tma and a.shape[0] and b.shape[0]:
+        _launch_tma(a, b, offsets, dw, dbt, idx, scale, c, T, db is not None,
+                    db_scale is not None, db_strides, scale_strides)  # fmt: skip
+        return
     if a.dtype == torch.float64:
         precision = "fma"
     else:
         precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
-    a_desc = _descriptor(a, [br, bn], use_tma) if b_gather and not a_gather else None
-    b_desc = _descriptor(b, [br, bk], use_tma) if a_gather and not b_gather else None
-    idx = dest_to_src if dest_to_src is not None else offsets
-    scale = db_scale if db_scale is not None else dw
-    dbt = db if db is not None else dw
-    grid = (cdiv(N, bn) * cdiv(KD, bk), E)
     key = (
-        config, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
+        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
         dw.stride(), dbt.stride(), scale.stride(), a_gather, b_gather, db_scale is not None,
-        db is not None, a_desc is not None, b_desc is not None, a_t_load, allow_tf32, N, KD,
-        aligned(a, b, dw, dbt, offsets, idx, scale),
+        db is not None, allow_tf32, N, KD, aligned(a, b, dw, dbt, offsets, idx, scale),
     )  # fmt: skip
     _WEIGHT_GRAD.launch(
-        key, grid,
+        key, (cdiv(N, c.block_n) * cdiv(KD, c.block_k), E),
         (
-            a, b, a_desc if a_desc is not None else a, b_desc if b_desc is not None else b, dw,
-            dbt, offsets, idx, scale, N, KD, max(T, 1), a.stride(0), a.stride(1), b.stride(0),
-            b.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-            db.stride(0) if db is not None else 0, db.stride(1) if db is not None else 0,
-            scale.stride(0) if db_scale is not None else 0,
-            scale.stride(1) if db_scale is not None else 0,
+            a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1), a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), dw.stride(0), dw.stride(1), dw.stride(2), *db_strides,
+            *scale_strides,
         ),
         lambda: dict(
             A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
-            HAS_DBIAS=db is not None, A_DESC=a_desc is not None, B_DESC=b_desc is not None,
-            A_T_LOAD=a_t_load, ACC=tl.float64 if a.dtype == torch.float64 else tl.float32,
-            DOT_PRECISION=precision, BLOCK_R=br, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-            num_stages=stages,
+            HAS_DBIAS=db is not None, ACC=tl.float64 if a.dtype == torch.float64 else tl.float32,
+            DOT_PRECISION=precision, BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        ),
+    )  # fmt: skip
+
+
+def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_db, a_scale,
+                db_strides, scale_strides):  # fmt: skip
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, N, KD = dw.shape
+    tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
+    programs = tiles if not c.persistent else min(tiles, c.persistent * num_sms(a.device))
+    key = (
+        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
+        dw.stride(), dbt.stride(), scale.stride(), has_db, a_scale, N, KD,
+        aligned(a, b, dw, dbt, offsets, idx, scale),
+    )  # fmt: skip
+    _WEIGHT_GRAD_TMA.launch(
+        key, (programs,),
+        (
+            TensorDescriptor.from_tensor(a, [c.block_r, c.block_n]),
+            TensorDescriptor.from_tensor(b, [c.block_r, c.block_k]), a, b, dw, dbt, offsets,
+            idx, scale, E, N, KD, max(T, 1), a.stride(0), b.stride(0), dw.stride(0),
+            dw.stride(1), dw.stride(2), *db_strides, *scale_strides,
+        ),
+        lambda: dict(
+            A_SCALE=a_scale, HAS_DBIAS=has_db, BLOCK_R=c.block_r, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
         ),
     )  # fmt: skip
 
 
 _WEIGHT_GRAD = ThinKernel(_expert_weight_grad_kernel)
+_WEIGHT_GRAD_TMA = ThinKernel(_expert_weight_grad_tma_kernel)
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -1,0 +1,127 @@
+"""Weight-gradient kernel sweep (GPU): dW1 = dz^T x_perm and dW2 = dout_perm^T (w h) at the
+training shapes, the pointer kernel reading token rows through the maps (the old route) and
+the TMA kernel on permuted rows over a few tile configurations, against ``torch._grouped_mm``
+computing the same per-expert products and a dense ``mm`` of the same FLOPs, all in this
+process. Relative error of every variant against the first.
+
+    PYTHONPATH=. python scripts/wgrad_sweep.py [--shapes mixtral qwen3 deepseek] [--quick]
+"""
+
+import argparse
+import dataclasses
+
+import torch
+import triton
+
+from moe_route import build_routing_maps
+from moe_route.kernels.triton.weight_grad import WeightGradConfig, expert_weight_grad_triton
+from moe_route.reference import topk_routing_reference
+from moe_route.tuning import weight_grad_config
+
+SHAPES = {  # T, H, I, E, K
+    "mixtral": (4096, 4096, 14336, 8, 2),
+    "qwen3": (8192, 2048, 768, 128, 8),
+    "deepseek": (4096, 7168, 2048, 256, 8),
+}
+TMA_CONFIGS = [  # block_r, block_n, block_k, warps, stages, persistent
+    (64, 128, 128, 4, 4, 0),
+    (64, 128, 128, 8, 4, 0),
+    (64, 256, 128, 8, 3, 0),
+    (64, 128, 256, 8, 3, 0),
+    (32, 128, 128, 4, 4, 0),
+    (32, 128, 256, 8, 4, 0),
+    (128, 128, 128, 8, 3, 0),
+    (64, 128, 128, 8, 4, 1),
+    (64, 256, 128, 8, 3, 1),
+    (64, 128, 256, 8, 3, 1),
+]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="only 4 TMA configs")
+    args = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    cc = torch.cuda.get_device_capability()
+    cc = cc[0] * 10 + cc[1]
+    configs = TMA_CONFIGS[:3] + TMA_CONFIGS[7:8] if args.quick else TMA_CONFIGS
+    a0 = torch.randn(8192, 8192, device=dev, dtype=dt)
+    dense = 2 * 8192**3 / bench(lambda: a0 @ a0)
+    print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
+    for name in args.shapes:
+        T, H, inter, E, K = SHAPES[name]
+        M = T * K
+        _, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)
+        maps = build_routing_maps(ids, E)
+        _, d2s, _, off = maps.tensors()
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        dout = torch.randn(T, H, device=dev, dtype=dt)
+        x_perm = x[d2s % T]
+        dout_perm = dout[d2s % T]
+        dz = torch.randn(M, 2 * inter, device=dev, dtype=dt)
+        wh = torch.randn(M, inter, device=dev, dtype=dt)
+        rpe = M / E
+        for which, (a, b, tok, gather_a) in {
+            "dW1": (dz, x_perm, x, False),
+            "dW2": (dout_perm, wh, dout, True),
+        }.items():
+            N, KD = a.shape[1], b.shape[1]
+            flops = 2 * M * N * KD
+            dw = torch.empty(E, N, KD, device=dev, dtype=dt)
+            results = []
+            plan_cfg = weight_grad_config(rpe, N, dt, cc)
+            old = dataclasses.replace(plan_cfg, use_tma=False, persistent=0)
+
+            def run_old(old=old, a=a, b=b, tok=tok, gather_a=gather_a, dw=dw, off=off, d2s=d2s,
+                        M=M):  # fmt: skip
+                if gather_a:
+                    expert_weight_grad_triton(tok, b, off, dw, old, dest_to_src=d2s,
+                                              a_gather=True, num_rows=M)  # fmt: skip
+                else:
+                    expert_weight_grad_triton(a, tok, off, dw, old, dest_to_src=d2s,
+                                              b_gather=True, num_rows=M)  # fmt: skip
+
+            run_old()
+            ref = dw.clone()
+            results.append((f"pointer+gather {old.block_r}x{old.block_n}x{old.block_k}",
+                            bench(run_old), 0.0))  # fmt: skip
+            offs = off[1:].to(torch.int32)
+            try:
+                gm = torch._grouped_mm(a.t(), b, offs=offs)
+                results.append(("torch._grouped_mm", bench(lambda a=a, b=b, offs=offs: (
+                    torch._grouped_mm(a.t(), b, offs=offs))), rel(gm, ref)))  # fmt: skip
+            except Exception as exc:
+                print(f"  _grouped_mm failed: {type(exc).__name__}: {exc}")
+            for c in [plan_cfg, *(WeightGradConfig(*c[:5], True, c[5]) for c in configs)]:
+                try:
+                    dw.fill_(float("nan"))
+
+                    def run(c=c, a=a, b=b, dw=dw, off=off, d2s=d2s, M=M):
+                        expert_weight_grad_triton(a, b, off, dw, c, dest_to_src=d2s, num_rows=M)
+
+                    run()
+                    err = rel(dw, ref)
+                    label = (f"tma {c.block_r}x{c.block_n}x{c.block_k} w{c.num_warps} "
+                             f"s{c.num_stages} p{c.persistent}")  # fmt: skip
+                    if c == plan_cfg:
+                        label = "plan: " + label
+                    results.append((label, bench(run), err))
+                except Exception as exc:
+                    print(f"  {c}: {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"{name} T={T} {which} [{E}x{N}x{KD}] over {M} rows:")
+            for label, t, err in results:
+                print(f"  {label:40s} {t * 1e6:9.1f} us {flops / t / 1e12:6.0f} TFLOP/s "
+                      f"{flops / t / dense:5.0%} of dense  rel err {err:.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
