@@ -91,12 +91,12 @@ def main():
                                               b_gather=True, num_rows=M)  # fmt: skip
 
             run_old()
-            ref = dw.clone()
+            ref = dw[:8].clone()  # errors over the first 8 experts (deepseek's dW is 15 GB)
             results.append((f"pointer+gather {old.block_r}x{old.block_n}x{old.block_k}",
                             bench(run_old), 0.0))  # fmt: skip
             offs = off[1:].to(torch.int32)
             try:
-                gm = torch._grouped_mm(a.t(), b, offs=offs)
+                gm = torch._grouped_mm(a.t(), b, offs=offs)[:8].clone()
                 results.append(("torch._grouped_mm", bench(lambda a=a, b=b, offs=offs: (
                     torch._grouped_mm(a.t(), b, offs=offs))), rel(gm, ref)))  # fmt: skip
             except Exception as exc:
@@ -109,7 +109,7 @@ def main():
                         expert_weight_grad_triton(a, b, off, dw, c, dest_to_src=d2s, num_rows=M)
 
                     run()
-                    err = rel(dw, ref)
+                    err = rel(dw[:8], ref)
                     label = (f"tma {c.block_r}x{c.block_n}x{c.block_k} w{c.num_warps} "
                              f"s{c.num_stages} p{c.persistent}")  # fmt: skip
                     if c == plan_cfg:

@@ -168,8 +168,8 @@ def _expert_weight_grad_tma_kernel(
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         whole_end = lo + (hi - lo) // BLOCK_R * BLOCK_R
         for r0 in range(lo, whole_end, BLOCK_R):
-            a = a_desc.load([r0, n0])
-            b = b_desc.load([r0, k0])
+            a = a_desc.load([r0.to(tl.int32), n0])
+            b = b_desc.load([r0.to(tl.int32), k0])
             if HAS_DBIAS:
                 r = r0 + tl.arange(0, BLOCK_R)
                 col_sum = _scaled_col_sum(col_sum, a, r, r < hi, dest_to_src_ptr, scale_ptr, T,
