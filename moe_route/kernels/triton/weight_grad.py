@@ -134,14 +134,14 @@ def _expert_weight_grad_kernel(
               stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["E", "T"])
 def _expert_weight_grad_tma_kernel(
-    a_desc, b_desc, a_ptr, b_ptr, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr, scale_ptr,
-    E, N, KD, T,
+    a_desc, b_desc, dw_desc, a_ptr, b_ptr, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr,
+    scale_ptr, E, N, KD, T,
     stride_am, stride_bm, stride_we, stride_wn, stride_wk, stride_dbe, stride_dbn, stride_st,
     stride_sk,
-    A_SCALE: tl.constexpr, HAS_DBIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_SCALE: tl.constexpr, HAS_DBIAS: tl.constexpr, DW_DESC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Tiles ``pid, pid + P, ...`` of ``E x n-tiles x k-tiles`` (``P`` programs; one tile each
     when ``P`` is the tile count), each ``[BLOCK_N, BLOCK_K]`` of ``dW[e]``: whole ``BLOCK_R``
@@ -156,8 +156,9 @@ def _expert_weight_grad_tma_kernel(
         e = tile // per_expert
         pid_n = (tile % per_expert) // k_tiles
         pid_k = tile % k_tiles
-        lo = tl.load(offsets_ptr + e)
-        hi = tl.load(offsets_ptr + e + 1)
+        # int32 rows: TMA coordinates are 32-bit (M = T*K < 2^31 rows)
+        lo = tl.load(offsets_ptr + e).to(tl.int32)
+        hi = tl.load(offsets_ptr + e + 1).to(tl.int32)
         n0 = pid_n * BLOCK_N
         k0 = pid_k * BLOCK_K
         ns = n0 + tl.arange(0, BLOCK_N)
@@ -168,8 +169,8 @@ def _expert_weight_grad_tma_kernel(
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         whole_end = lo + (hi - lo) // BLOCK_R * BLOCK_R
         for r0 in range(lo, whole_end, BLOCK_R):
-            a = a_desc.load([r0.to(tl.int32), n0])
-            b = b_desc.load([r0.to(tl.int32), k0])
+            a = a_desc.load([r0, n0])
+            b = b_desc.load([r0, k0])
             if HAS_DBIAS:
                 r = r0 + tl.arange(0, BLOCK_R)
                 col_sum = _scaled_col_sum(col_sum, a, r, r < hi, dest_to_src_ptr, scale_ptr, T,
@@ -187,8 +188,15 @@ def _expert_weight_grad_tma_kernel(
                 col_sum = _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T,
                                           stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
             acc = tl.dot(a.T, b, acc)
-        _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we,
-                  stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
+        if DW_DESC:  # an asynchronous store: the program moves on to its next tile meanwhile
+            dw_desc.store([e, n0, k0], acc.to(dw_desc.dtype).reshape(1, BLOCK_N, BLOCK_K))
+            if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
+                if pid_k == 0:
+                    db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
+                    tl.store(db_ptrs, col_sum.to(db_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we,
+                      stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
 
 
 def tma_operands_ok(*tensors: torch.Tensor) -> bool:
@@ -275,23 +283,25 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     E, N, KD = dw.shape
+    dw_tma = tma_operands_ok(dw)
     tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
     programs = tiles if not c.persistent else min(tiles, c.persistent * num_sms(a.device))
     key = (
         c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
-        dw.stride(), dbt.stride(), scale.stride(), has_db, a_scale, N, KD,
+        dw.stride(), dbt.stride(), scale.stride(), has_db, a_scale, N, KD, dw_tma,
         aligned(a, b, dw, dbt, offsets, idx, scale),
     )  # fmt: skip
+    dw_desc = TensorDescriptor.from_tensor(dw, [1, c.block_n, c.block_k]) if dw_tma else dw
     _WEIGHT_GRAD_TMA.launch(
         key, (programs,),
         (
             TensorDescriptor.from_tensor(a, [c.block_r, c.block_n]),
-            TensorDescriptor.from_tensor(b, [c.block_r, c.block_k]), a, b, dw, dbt, offsets,
-            idx, scale, E, N, KD, max(T, 1), a.stride(0), b.stride(0), dw.stride(0),
+            TensorDescriptor.from_tensor(b, [c.block_r, c.block_k]), dw_desc, a, b, dw, dbt,
+            offsets, idx, scale, E, N, KD, max(T, 1), a.stride(0), b.stride(0), dw.stride(0),
             dw.stride(1), dw.stride(2), *db_strides, *scale_strides,
         ),
         lambda: dict(
-            A_SCALE=a_scale, HAS_DBIAS=has_db, BLOCK_R=c.block_r, BLOCK_N=c.block_n,
+            A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma, BLOCK_R=c.block_r, BLOCK_N=c.block_n,
             BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
         ),
     )  # fmt: skip
