@@ -104,18 +104,24 @@ def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype, cc: i
     """Tiles of the weight-gradient kernels (``n``: the gradient's rows, ``dW[e]`` being
     ``[n, Kd]``).
 
-    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep, the pointer kernel): with <= 512
-    rows per expert (qwen3, deepseek-v3) 32-row steps on 4 warps beat 64-row steps on 8 by
-    6-21% (more CTAs per SM hide the short reduction's prologue); with 1024 rows (mixtral) and
-    a wide N (2I = 28672), 256-wide N tiles won by 10%.
+    NOTE: H100, bf16 (scripts/wgrad_sweep.py, 2026-11-24, against torch._grouped_mm in the same
+    run): the TMA kernel with 32-row steps won everywhere. With <= 512 rows per expert
+    (qwen3, deepseek-v3) 128x128 tiles on 4 warps, 2 persistent programs per SM: 902 / 475 us
+    (dW1 / dW2, qwen3 T=8192; _grouped_mm 861 / 443; the pointer kernel 1527 / 860). With 1024
+    rows (mixtral T=4096), one program per SM on 8 warps, 128x256 tiles (dW1 [28672 x 4096]:
+    3215 us, 599 TFLOP/s; _grouped_mm 3414) or 256x128 (dW2 [4096 x 14336]: 1873 us;
+    _grouped_mm 1593).
     """
     if dtype == torch.float64:
         return WeightGradConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
         return WeightGradConfig(32, 64, 64, 4, 3)
-    tma = cc is not None and cc >= 90
+    if cc is None or cc < 90:  # the pointer kernel (H200 sweep of it, before TMA)
+        if rows_per_expert <= 512:
+            return WeightGradConfig(32, 128, 128, 4, 4)
+        return WeightGradConfig(64, 256 if n >= 8192 else 128, 128, 8, 3)
     if rows_per_expert <= 512:
-        return WeightGradConfig(32, 128, 128, 4, 4, tma)
+        return WeightGradConfig(32, 128, 128, 4, 4, True, 2)
     if n >= 8192:
-        return WeightGradConfig(64, 256, 128, 8, 3, tma)
-    return WeightGradConfig(64, 128, 128, 8, 3, tma)
+        return WeightGradConfig(32, 128, 256, 8, 4, True, 1)
+    return WeightGradConfig(32, 256, 128, 8, 4, True, 1)

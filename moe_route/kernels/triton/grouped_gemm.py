@@ -430,16 +430,18 @@ def _gemm_persistent_kernel(
 # --------------------------------------------------------------------------- activation bwd
 @triton.jit(do_not_specialize=_VARYING)
 def _gemm_act_bwd_kernel(
-    a_ptr, w_ptr, w_desc, wh_ptr, z_ptr, dz_ptr, partial_ptr, weights_ptr, offsets_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, wh_ptr, z_ptr, dz_ptr, partial_ptr, weights_ptr, offsets_ptr,
     dest_to_src_ptr, E, M_ROWS, M_TILES, N_OUT, KD, T,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_wt, stride_wkk,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, ACC: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, W_DESC: tl.constexpr, W_KMAJOR: tl.constexpr,
-    EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_PERMUTED: tl.constexpr, A_DESC: tl.constexpr,
+    W_DESC: tl.constexpr, W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    """``A_PERMUTED``: ``a`` holds ``dout``'s rows in the permuted order (``[M, H]``, through
+    ``a_desc`` with ``A_DESC``), else ``dout [T, H]`` itself, rows gathered through the maps."""
     m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
     if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
         return
@@ -461,10 +463,11 @@ def _gemm_act_bwd_kernel(
     row_ok = rows < row_end
     src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
     t = (src % T).to(tl.int64)
+    a_rows = rows.to(tl.int64) if A_PERMUTED else t
     acc, _ = _mainloop(
-        a_ptr, a_ptr, w_ptr, w_desc, e, first_row, t, row_ok, tl.where(col_ok, cols, 0),
+        a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, tl.where(col_ok, cols, 0),
         tl.where(col_ok, cols, 0), n_tile * BLOCK_N, 0, KD, stride_am, stride_ak, stride_we,
-        stride_wn, stride_wk, False, False, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC,
+        stride_wn, stride_wk, False, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC,
         BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     # acc = g = dout[t] @ W2[e] over the I-columns `cols`; z holds GEMM1's pre-activation.
@@ -797,13 +800,15 @@ def grouped_gemm_act_backward_triton(
     *,
     epilogue: GemmEpilogue,
     allow_tf32: bool = False,
+    permuted: bool = False,
 ) -> torch.Tensor:
     """GEMM2's backward with the activation's backward; see the module docstring.
 
-    ``dout [T, H]`` (gathered), ``w2t = W2.transpose(1, 2)`` (``[E, I, H]``), ``z`` GEMM1's
-    pre-activation ``[M, 2I or I]``, ``dz`` laid out like ``z``; writes ``wh = w[t,k]·act(z)``
-    ``[M, I]`` and ``dz`` (zero in dropped rows). Returns the partial router-weight gradients
-    ``[M, cdiv(I, BLOCK_N)]`` float32 (float64 for float64).
+    ``dout [T, H]`` (gathered; with ``permuted``, ``[M, H]`` already in the permuted order,
+    read through TMA where ``cfg.use_tma``), ``w2t = W2.transpose(1, 2)`` (``[E, I, H]``),
+    ``z`` GEMM1's pre-activation ``[M, 2I or I]``, ``dz`` laid out like ``z``; writes
+    ``wh = w[t,k]·act(z)`` ``[M, I]`` and ``dz`` (zero in dropped rows). Returns the partial
+    router-weight gradients ``[M, cdiv(I, BLOCK_N)]`` float32 (float64 for float64).
     """
     E, n_out, kd = w2t.shape
     M = z.shape[0]
@@ -814,17 +819,19 @@ def grouped_gemm_act_backward_triton(
     if M == 0 or n_out == 0:
         return partial
     w_desc, w_kmajor = _w_descriptor(w2t, bn, bk, cfg.use_tma)
+    a_desc = _a_descriptor(dout, bm, bk, cfg.use_tma) if permuted else None
     m_tiles = _m_tiles(M, E, bm)
     key = (
         cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, dout.stride(),
         w2t.stride(), wh.stride(), z.stride(0), topk_weights.stride(), w_desc is not None,
-        w_kmajor, allow_tf32, E, n_out, kd,
+        w_kmajor, allow_tf32, E, n_out, kd, permuted, a_desc is not None,
         aligned(dout, w2t, wh, z, dz, topk_weights, offsets, dest_to_src),
     )  # fmt: skip
     _ACT_BWD.launch(
         key, (m_tiles * cdiv(n_out, bn),),
         (
-            dout, w2t, w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
+            dout, a_desc if a_desc is not None else dout, w2t,
+            w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
             offsets, dest_to_src, E, M, m_tiles, n_out, kd, T, dout.stride(0), dout.stride(1),
             w2t.stride(0), w2t.stride(1), w2t.stride(2), wh.stride(0), wh.stride(1), z.stride(0),
             topk_weights.stride(0), topk_weights.stride(1),
@@ -832,10 +839,10 @@ def grouped_gemm_act_backward_triton(
         lambda: dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
             UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
-            DOT_PRECISION=_precision(dout.dtype, allow_tf32), W_DESC=w_desc is not None,
-            W_KMAJOR=w_kmajor, EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            DOT_PRECISION=_precision(dout.dtype, allow_tf32), A_PERMUTED=permuted,
+            A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
+            EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
     return partial

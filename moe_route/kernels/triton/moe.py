@@ -4,15 +4,20 @@ Forward: (expand) → GEMM1 + activation → GEMM2 → finalize (standalone kern
 epilogue). Backward (from ``x``, GEMM1's saved pre-activation ``z``, the weights and the maps;
 never ``x_perm``, ``h`` or GEMM2's output):
 
+0. On Hopper (16-bit), ``dout`` permuted into ``[M, H]`` by an expand, so that steps 1 and 3
+   read both of their operands through TMA (``x`` likewise before step 5);
 1. GEMM2's backward with the activation's backward in its epilogue: ``g = dout[t] @ W2[e]``
-   (rows read from ``dout`` through the maps), recompute ``h = act(z)``, write ``w[t,k]·h``
-   (for ``dW2``), ``dz = act'(z)·w[t,k] g`` and the partial router-weight gradients
-   ``<g, h>`` per column tile;
+   (rows read from ``dout`` through the maps, or from its permuted copy), recompute
+   ``h = act(z)``, write ``w[t,k]·h`` (for ``dW2``), ``dz = act'(z)·w[t,k] g`` and the
+   partial router-weight gradients ``<g, h>`` per column tile;
 2. ``d w[t,k]``: those partials summed in fixed order (+ ``<dout[t], b2[e]>``);
 3. ``dW2[e] = Σ dout[t]^T (w h)`` by the deterministic per-expert reduction;
 4. ``dx_perm = dz @ W1[e]`` (grouped GEMM over ``W1`` seen k-major) and ``dx[t]``, the sum
    of its ``K`` copies in fixed ``k`` order (the finalize kernel with unit weights);
 5. ``dW1[e] = Σ dz^T x[t]`` last, when ``dx_perm`` is freed.
+
+The weight gradients (steps 3 and 5) are the TMA kernel of :mod:`.weight_grad` where the
+operands allow, else its pointer kernel reading ``dout`` / ``x`` through the maps.
 
 No float atomics anywhere in the backward: same inputs, same bits. The caller (the plan)
 chooses every configuration; nothing here decides policy.
@@ -109,11 +114,13 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     M = dest_to_src.numel()
     tf32 = cfg.allow_tf32
     # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
+    # With TMA, dout is permuted once (an expand) for this GEMM and dW2 to read through TMA.
     wh = x.new_empty(M, w2.shape[2])
     dz = torch.empty_like(z)
+    rows, gathered = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
     partial = grouped_gemm_act_backward_triton(
-        dout, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, cfg.act_bwd,
-        epilogue=cfg.epilogue, allow_tf32=tf32,
+        rows, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, cfg.act_bwd,
+        epilogue=cfg.epilogue, allow_tf32=tf32, permuted=not gathered,
     )  # fmt: skip
     dtopk = dw2 = db2 = dx = dw1 = db1 = None
     if need_dtopk:
@@ -123,14 +130,12 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     if need_dw2:
         dw2 = torch.empty_like(w2)
         db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
-        a, gather = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
         expert_weight_grad_triton(
-            a, wh, offsets, dw2, _wgrad_config(cfg.wgrad2, a, wh), db=db2,
-            dest_to_src=dest_to_src, a_gather=gather, db_scale=topk_weights, num_rows=M,
+            rows, wh, offsets, dw2, _wgrad_config(cfg.wgrad2, rows, wh), db=db2,
+            dest_to_src=dest_to_src, a_gather=gathered, db_scale=topk_weights, num_rows=M,
             allow_tf32=tf32,
         )  # fmt: skip
-        del a
-    del wh
+    del wh, rows
     if need_dx:
         dx_perm = x.new_empty(M, H)
         grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, cfg.dx, allow_tf32=tf32)
