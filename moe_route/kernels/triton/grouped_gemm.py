@@ -439,6 +439,7 @@ def _gemm_act_bwd_kernel(
     DOT_PRECISION: tl.constexpr, A_PERMUTED: tl.constexpr, A_DESC: tl.constexpr,
     W_DESC: tl.constexpr, W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
 ):  # fmt: skip
     """``A_PERMUTED``: ``a`` holds ``dout``'s rows in the permuted order (``[M, H]``, through
     ``a_desc`` with ``A_DESC``), else ``dout [T, H]`` itself, rows gathered through the maps."""
@@ -473,30 +474,72 @@ def _gemm_act_bwd_kernel(
     # acc = g = dout[t] @ W2[e] over the I-columns `cols`; z holds GEMM1's pre-activation.
     k = src // T
     wt = tl.load(weights_ptr + t * stride_wt + k * stride_wkk, mask=row_ok, other=0.0).to(ACC)
+    # 64-bit bases of the tile's rows, 32-bit offsets inside it: [BLOCK_M, BLOCK_N] tensors of
+    # 64-bit pointers cost 2 registers an element, and this epilogue holds several tiles.
+    first = first_row.to(tl.int64)
+    local = tl.arange(0, BLOCK_M)
+    bases = (z_ptr + first * stride_zm, dz_ptr + first * stride_zm, wh_ptr + first * stride_om)
+    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    if SPLIT_EPILOGUE:
+        # NOTE: H100, mixtral T=4096 (ncu): the whole-tile epilogue ran at 255 registers with
+        # 4.7 GB of local-memory spill traffic; two column halves, one after the other.
+        half: tl.constexpr = BLOCK_N // 2
+        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, half]), [0, 2, 1]))
+        part = _act_bwd_epilogue(
+            acc_lo, n_tile * BLOCK_N + tl.arange(0, half), local,
+            row_ok, wt, bases, N_OUT, stride_zm, stride_om, stride_on, ACT, GATED, ALPHA, LIMIT,
+            UP_OFFSET, INTERLEAVED, ACC,
+        )  # fmt: skip
+        part += _act_bwd_epilogue(
+            acc_hi, n_tile * BLOCK_N + half + tl.arange(0, half), local, row_ok, wt, bases,
+            N_OUT, stride_zm, stride_om, stride_on, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
+            INTERLEAVED, ACC,
+        )  # fmt: skip
+    else:
+        part = _act_bwd_epilogue(
+            acc, cols, local, row_ok, wt, bases, N_OUT, stride_zm, stride_om, stride_on, ACT,
+            GATED, ALPHA, LIMIT, UP_OFFSET, INTERLEAVED, ACC,
+        )  # fmt: skip
+    # this tile's share of <dout[t] W2[e], h[d]>
+    tl.store(partial_ptr + rows.to(tl.int64) * n_tiles + n_tile, part, mask=row_ok)
+
+
+@triton.jit
+def _act_bwd_epilogue(acc, cols, local, row_ok, wt, bases, N_OUT, stride_zm, stride_om,
+                      stride_on, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
+                      LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      ACC: tl.constexpr):  # fmt: skip
+    """For the columns ``cols`` of a tile of ``g``: ``w·h`` and ``dz`` stored, ``Σ_cols g·h``
+    returned. ``bases``: ``z``, ``dz`` and ``w·h`` at the tile's first row; ``local`` the
+    rows' offsets from it."""
+    z_base, dz_base, wh_base = bases
+    col_ok = cols < N_OUT
+    gate_cols, up_cols = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
     mask = row_ok[:, None] & col_ok[None, :]
-    z_rows = z_ptr + rows[:, None].to(tl.int64) * stride_zm
-    zg = tl.load(z_rows + gate_rows[None, :], mask=mask, other=0.0).to(ACC)
+    z_rows = local[:, None] * stride_zm
+    zg = tl.load(z_base + z_rows + gate_cols[None, :], mask=mask, other=0.0).to(ACC)
     if GATED:
-        zu = tl.load(z_rows + up_rows[None, :], mask=mask, other=0.0).to(ACC)
+        zu = tl.load(z_base + z_rows + up_cols[None, :], mask=mask, other=0.0).to(ACC)
         h = gated_forward(zg, zu, ACT, ALPHA, LIMIT, UP_OFFSET)
     else:
         zu = zg
         h = plain_forward(zg, ACT)
-    h = h.to(wh_ptr.dtype.element_ty).to(ACC)  # the forward's h, bit for bit
-    wh_ptrs = wh_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    tl.store(wh_ptrs, (h * wt[:, None]).to(wh_ptr.dtype.element_ty), mask=mask)
-    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
-    part = tl.sum(acc * h, axis=1)  # this tile's share of <dout[t] W2[e], h[d]>
-    tl.store(partial_ptr + rows.to(tl.int64) * n_tiles + n_tile, part, mask=row_ok)
+    h = h.to(wh_base.dtype.element_ty).to(ACC)  # the forward's h, bit for bit
+    wh_offs = local[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(wh_base + wh_offs, (h * wt[:, None]).to(wh_base.dtype.element_ty), mask=mask)
+    part = tl.sum(acc * h, axis=1)
     dh = acc * wt[:, None]
-    dz_rows = dz_ptr + rows[:, None].to(tl.int64) * stride_zm
     if GATED:
         d_gate, d_up = gated_backward(zg, zu, dh, ACT, ALPHA, LIMIT, UP_OFFSET)
-        tl.store(dz_rows + gate_rows[None, :], d_gate.to(dz_ptr.dtype.element_ty), mask=mask)
-        tl.store(dz_rows + up_rows[None, :], d_up.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_base + z_rows + gate_cols[None, :], d_gate.to(dz_base.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+        tl.store(dz_base + z_rows + up_cols[None, :], d_up.to(dz_base.dtype.element_ty),
+                 mask=mask)  # fmt: skip
     else:
         d_x = plain_backward(zg, dh, ACT)
-        tl.store(dz_rows + gate_rows[None, :], d_x.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_base + z_rows + gate_cols[None, :], d_x.to(dz_base.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+    return part
 
 
 # --------------------------------------------------------------------------- fused finalize
@@ -842,7 +885,8 @@ def grouped_gemm_act_backward_triton(
             DOT_PRECISION=_precision(dout.dtype, allow_tf32), A_PERMUTED=permuted,
             A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
             EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP_M=cfg.group_m, SPLIT_EPILOGUE=bm * bn >= 4096 and bn >= 32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
     return partial
