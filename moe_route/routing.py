@@ -315,7 +315,7 @@ def route_sigmoid_grouped(
         return sigmoid_grouped_topk_torch(logits, k, n_group, topk_group, expert_bias,
                                           routed_scaling_factor, renormalize)  # fmt: skip
     if expert_bias is not None and expert_bias.requires_grad:
-        expert_bias = expert_bias.detach()  # as the torch path: no gradient, not an op input
+        expert_bias = expert_bias.detach()  # no gradient, as the torch path detaches it
     return SIGMOID_GROUPED_TOPK(logits, expert_bias, k, n_group, topk_group, renormalize,
                                 routed_scaling_factor)  # fmt: skip
 
