@@ -32,9 +32,9 @@ from .routing import (
     check_groups,
     expert_capacity,
     load_balancing_loss,
+    route_sigmoid_grouped,
     route_softmax,
     router_z_loss,
-    sigmoid_grouped_topk,
 )
 from .tuning import token_buckets
 
@@ -391,10 +391,10 @@ class MoELayer(nn.Module):
             if self.routed_scaling_factor != 1.0:
                 weights = weights * self.routed_scaling_factor
             return weights, ids
-        return sigmoid_grouped_topk(
-            logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-            expert_bias=self.expert_bias, routed_scaling_factor=self.routed_scaling_factor,
-            renormalize=self.renormalize,
+        # checked at construction; the bias is the layer's own [E] buffer
+        return route_sigmoid_grouped(
+            logits, self.top_k, self.n_group, self.topk_group, self.expert_bias,
+            self.routed_scaling_factor, self.renormalize, self.backend,
         )  # fmt: skip
 
     def router_probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ Routers (``[T, E]`` logits in, ``(topk_weights [T, K], topk_ids [T, K])`` out):
   is the same router in torch ops (the ``"torch"`` backend, and the kernel's oracle).
 * :func:`sigmoid_grouped_topk` — DeepSeek-V3: sigmoid scores, an additive (aux-loss-free)
   expert bias for the *choice* only, group-limited top-``K``, weights from the unbiased scores.
+  On CUDA one Triton launch as well, forward and backward, ``routed_scaling_factor`` included;
+  :func:`sigmoid_grouped_topk_torch` is its torch path.
 
 Both score in float32 whatever the logits' dtype (float64 stays float64, for ``gradcheck``);
 the caller picks the dtype of the router *matmul* (:class:`moe_route.MoELayer`'s
@@ -120,9 +122,10 @@ def softmax_topk_torch(
 
 @arch.env_cached
 def router_backend(device: torch.device, backend: str, num_experts: int) -> str:
-    """``"triton"`` or ``"torch"``: what runs :func:`softmax_topk` for ``num_experts`` experts
-    on ``device`` (cached like :func:`moe_route.arch.cached_backend`; raises before any
-    launch when the kernel cannot hold ``num_experts``)."""
+    """``"triton"`` or ``"torch"``: what runs a router (:func:`softmax_topk`,
+    :func:`sigmoid_grouped_topk`) for ``num_experts`` experts on ``device`` (cached like
+    :func:`moe_route.arch.cached_backend`; raises before any launch when the kernels cannot
+    hold ``num_experts``)."""
     chosen = arch.cached_backend(device, backend)  # names, aliases, MOE_ROUTE_BACKEND
     if chosen == "torch":
         return "torch"
@@ -145,12 +148,17 @@ def _softmax_topk_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .kernels.triton.router import softmax_topk_triton
 
-    weights, ids = _softmax_topk_fake(logits, k, renormalize)
+    weights, ids = _router_outputs(logits, k)
     softmax_topk_triton(logits, k, renormalize, weights, ids)
     return weights, ids
 
 
 def _softmax_topk_fake(logits, k, renormalize):
+    return _router_outputs(logits, k)
+
+
+def _router_outputs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's outputs, uninitialised: ``weights [T, K]`` in the score dtype, ``ids`` int32."""
     T = logits.shape[0]
     return (
         logits.new_empty(T, k, dtype=_score_dtype(logits)),
@@ -233,6 +241,7 @@ def sigmoid_grouped_topk(
     expert_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
     renormalize: bool = True,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 router: sigmoid scores, group-limited top-k, aux-loss-free expert bias.
 
@@ -247,29 +256,90 @@ def sigmoid_grouped_topk(
     4. the weights are the *unbiased* ``s`` of those ids, divided by their sum
        (``+ 1e-20``) when ``renormalize``, then multiplied by ``routed_scaling_factor``.
 
+    Order and ties as ``torch.sort`` / ``torch.topk`` rank: descending, equal scores (group
+    scores in step 2, choice scores in step 3) to the lower index, NaN above ``+inf``.
+
     Args:
-        logits: ``[T, E]``, any float dtype (scored in float32).
+        logits: ``[T, E]``, any float dtype, any strides (scored in float32).
         k: ``K``, experts per token.
         n_group, topk_group: group limit (``topk_group=None``: all groups, no limit).
-        expert_bias: optional ``[E]`` float; steers the choice only, never the weights, and
-            gets no gradient (``MoELayer.update_expert_bias`` learns it from the load).
-        routed_scaling_factor: multiplies the final weights.
+        expert_bias: optional ``[E]`` float on the logits' device; steers the choice only,
+            never the weights, and gets no gradient (``MoELayer.update_expert_bias`` learns it
+            from the load).
+        routed_scaling_factor: multiplies the final weights (inside the kernel).
         renormalize: ``norm_topk_prob`` of DeepSeek-V3 (True there).
+        backend: as :func:`softmax_topk`: ``"auto"`` (one Triton launch on CUDA up to
+            :data:`moe_route.kernels.triton.router.MAX_EXPERTS` experts, the torch ops
+            otherwise), ``"triton"``, ``"torch"`` (:func:`sigmoid_grouped_topk_torch`);
+            ``"cupy"`` runs the Triton kernel.
 
     Returns:
         ``topk_weights [T, K]`` float32 (float64 for float64 logits), differentiable w.r.t.
-        ``logits``, and ``topk_ids [T, K]`` int32, in descending choice-score order.
+        ``logits``, and ``topk_ids [T, K]`` int32, in descending choice-score order. The
+        kernel computes the scores as torch does (the same bits on CUDA), so its ids are the
+        torch path's on the same device; its weights are within a few ulps of them.
     """
-    T, E = _check_logits(logits, k)
+    _, E = _check_logits(logits, k)
     n_group, topk_group = check_groups(E, k, n_group, topk_group)
-    scores = torch.sigmoid(logits.to(_score_dtype(logits)))
-    choice = scores.detach()
     if expert_bias is not None:
         _checks.check_tensor("expert_bias", expert_bias, ndim=1, dtypes=_checks.FLOAT_DTYPES)
         if expert_bias.shape[0] != E:
             raise ValueError(
                 f"expert_bias must be [E] = [{E}], got {_checks.describe(expert_bias)}"
             )
+        _checks.check_same_device(logits=logits, expert_bias=expert_bias)
+    if isinstance(routed_scaling_factor, bool) or not isinstance(
+        routed_scaling_factor, (int, float)
+    ):
+        raise TypeError(
+            f"routed_scaling_factor must be a number, got {type(routed_scaling_factor).__name__}"
+        )
+    return route_sigmoid_grouped(logits, k, n_group, topk_group, expert_bias,
+                                 float(routed_scaling_factor), bool(renormalize),
+                                 backend)  # fmt: skip
+
+
+def route_sigmoid_grouped(
+    logits: torch.Tensor,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    expert_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+    renormalize: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sigmoid_grouped_topk` without the argument checks (internal composition: the
+    layer); ``topk_group`` an int, ``routed_scaling_factor`` a float."""
+    if router_backend(logits.device, backend, logits.shape[1]) == "torch":
+        return sigmoid_grouped_topk_torch(logits, k, n_group, topk_group, expert_bias,
+                                          routed_scaling_factor, renormalize)  # fmt: skip
+    if expert_bias is not None and expert_bias.requires_grad:
+        expert_bias = expert_bias.detach()  # no gradient, as the torch path detaches it
+    return SIGMOID_GROUPED_TOPK(logits, expert_bias, k, n_group, topk_group, renormalize,
+                                routed_scaling_factor)  # fmt: skip
+
+
+def sigmoid_grouped_topk_torch(
+    logits: torch.Tensor,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    expert_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sigmoid_grouped_topk` in torch ops, differentiable by autograd (no checks): the
+    ``"torch"`` backend, and the kernel's oracle.
+
+    NOTE: on an H100 host this path cost ~120 µs of host time and ~60 µs of device time per
+    call at T=1 (sorts, topk, scatter, masked_fill, gather: a dozen launches), against one
+    thin Triton launch for the kernel: hence the kernel on CUDA.
+    """
+    T, E = logits.shape
+    scores = torch.sigmoid(logits.to(_score_dtype(logits)))
+    choice = scores.detach()
+    if expert_bias is not None:
         choice = choice + expert_bias.detach().to(choice.dtype)
     if topk_group < n_group:
         G = E // n_group
@@ -285,6 +355,73 @@ def sigmoid_grouped_topk(
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- grouped sigmoid op
+def _sigmoid_grouped_impl(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .kernels.triton.router import sigmoid_grouped_topk_triton
+
+    weights, ids = _router_outputs(logits, k)
+    sigmoid_grouped_topk_triton(logits, expert_bias, k, n_group, topk_group, renormalize,
+                                routed_scaling_factor, weights, ids)  # fmt: skip
+    return weights, ids
+
+
+def _sigmoid_grouped_fake(logits, expert_bias, k, *_):
+    return _router_outputs(logits, k)
+
+
+def _sigmoid_grouped_backward_impl(
+    grad: torch.Tensor,
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
+    from .kernels.triton.router import sigmoid_topk_backward_triton
+
+    dlogits = logits.new_empty(logits.shape)
+    sigmoid_topk_backward_triton(grad, ids, logits, renormalize, routed_scaling_factor, dlogits)
+    return dlogits
+
+
+def _sigmoid_grouped_backward_fake(grad, ids, logits, *_):
+    return logits.new_empty(logits.shape)
+
+
+_SIGMOID_GROUPED_BACKWARD = Op(
+    "sigmoid_grouped_topk_backward", _sigmoid_grouped_backward_impl,
+    _sigmoid_grouped_backward_fake,
+)  # fmt: skip
+
+
+def _sigmoid_setup_context(ctx, inputs, output):
+    logits, _, _, _, _, renormalize, scale = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.config = (renormalize, scale)
+
+
+def _sigmoid_backward(ctx, grad_weights, _grad_ids):
+    logits, ids = ctx.saved_tensors
+    dlogits = _SIGMOID_GROUPED_BACKWARD(grad_weights, ids, logits, *ctx.config)
+    return dlogits, None, None, None, None, None, None
+
+
+#: ``moe_route::sigmoid_grouped_topk(logits, expert_bias, k, n_group, topk_group, renormalize,
+#: routed_scaling_factor) -> (weights, ids)``, the Triton kernel (``expert_bias`` gets no
+#: gradient: pass it detached).
+SIGMOID_GROUPED_TOPK = Op(
+    "sigmoid_grouped_topk", _sigmoid_grouped_impl, _sigmoid_grouped_fake,
+    setup_context=_sigmoid_setup_context, backward=_sigmoid_backward,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- counts, losses

@@ -61,6 +61,35 @@ def router_weight_rtol(dtype: torch.dtype, num_experts: int, top_k: int) -> floa
     return 2 * (num_experts + top_k + 6) * torch.finfo(dtype).eps
 
 
+def sigmoid_router_rtol(dtype: torch.dtype, top_k: int) -> float:
+    """Bound on the relative distance of two implementations' grouped sigmoid router weights.
+
+    Each computes ``s = 1 / (1 + exp(-x))`` in ``dtype`` (float32 or float64): ``exp`` within
+    2 ulps, the sum and the division one rounding each, so ``s`` within 4 ulps; renormalised,
+    a sum of ``K`` such positive terms in an order of its own (``K - 1`` roundings), ``+ 1e-20``
+    and a division (2), the scaling factor (1): at most ``(K + 8)`` ulps each, twice that
+    between two of them.
+    """
+    return 2 * (top_k + 8) * torch.finfo(dtype).eps
+
+
+def sigmoid_router_grad_atol(
+    dtype: torch.dtype, top_k: int, scale: float, grad: torch.Tensor
+) -> float:
+    """Absolute bound on the distance of two implementations' ``dlogits`` of the grouped
+    sigmoid router (``dtype``: the score dtype), for the weights' gradient ``grad``.
+
+    ``dlogits[id_k] = s_k (1 - s_k) (γ_k - Σ_j γ_j w_j) / D`` with ``γ = scale · grad``,
+    ``w = u / D`` and ``s_k <= D``, so ``|dlogits| <= 2 γmax`` (``γmax = scale · max|grad|``).
+    One implementation's error: ``Σ_j γ_j w_j`` ``(2K + 9)`` ulps of ``γmax`` (``K`` roundings
+    of the sum, the weights' ``K + 8``), the subtraction, division and the sigmoid factor
+    (``1 - s`` carries ``s``'s 4 ulps absolute) about 11 more: ``2 (K + 10)`` ulps of
+    ``γmax``; twice that between two.
+    """
+    gmax = grad.abs().max().item() if grad.numel() else 0.0
+    return 4 * (top_k + 10) * torch.finfo(dtype).eps * scale * gmax
+
+
 def subnormal_atol(dtype: torch.dtype) -> float:
     """Spacing of the subnormals of ``dtype``: an absolute floor for results near zero."""
     fi = torch.finfo(dtype)

@@ -17,8 +17,9 @@ forward on the rank's own tokens ``x [T, H]``:
 5. exchanges the per-(destination, local expert) counts (an ``all_gather`` of ``[W, E/W]``
    int64, which also gives every rank the global ``tokens_per_expert``), then the rows
    (``all_to_all_single``); the received rows are grouped by source rank, then local expert;
-6. runs its experts over the received rows with :func:`moe_route.fused_moe` at ``K = 1`` and
-   unit router weights (which returns each row's expert output, rounded once: ``1.0·y = y``);
+6. runs its experts over the received rows through :func:`moe_route.fused_moe`'s plan and
+   launches (as the layer does, without the argument checks) at ``K = 1`` and unit router
+   weights (which returns each row's expert output, rounded once: ``1.0·y = y``);
 7. sends the results back with the reverse split, where they land in the permuted order of
    step 4, and combines them with :func:`moe_route.finalize_moe_routing` (router weights, the
    ``K``-way reduction in ascending ``k``, the shared expert as its bias): the same arithmetic
@@ -71,8 +72,9 @@ import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 
 from ..finalize import finalize_moe_routing
-from ..maps import build_routing_maps
-from ..moe import fused_moe
+from ..grouped_gemm import check_interpreter_dtype
+from ..maps import build_routing_maps, maps_op
+from ..moe import moe_plan, run_experts
 from ..permute import expand_rows
 from ..routing import tokens_per_expert
 
@@ -241,14 +243,19 @@ def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
 
 
 def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-    """Each row's output of its local expert (``local_ids [R, 1]``, ``-1``: a zero row)."""
+    """Each row's output of its local expert (``local_ids [R, 1]``, ``-1``: a zero row).
+
+    ``fused_moe`` without its argument checks, as :meth:`moe_route.MoELayer.forward` runs it:
+    the rows and ids are built here, the parameters are the layer's own."""
     wdt = torch.float64 if rows.dtype == torch.float64 else torch.float32
     unit = torch.ones(rows.shape[0], 1, dtype=wdt, device=rows.device)
-    return fused_moe(
-        rows, layer.w1, layer.w2, unit, local_ids, activation=layer.activation,
-        gate_up_layout=layer.gate_up_layout, b1=layer.b1, b2=layer.b2,
-        finalize=layer.finalize, deterministic=layer.deterministic, backend=layer.backend,
-    )  # fmt: skip
+    act = layer.activation
+    plan = moe_plan(rows, layer.w1, layer.w2, 1, act, layer.gate_up_layout, layer.finalize,
+                    layer.deterministic, None, False, layer.backend)  # fmt: skip
+    check_interpreter_dtype("x", rows, plan.backend)
+    maps = maps_op(local_ids, layer.w1.shape[0], plan.maps_backend)
+    return run_experts(plan, rows, layer.w1, layer.w2, unit, maps, act, layer.gate_up_layout,
+                       layer.b1, layer.b2)  # fmt: skip
 
 
 def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backend: str):
