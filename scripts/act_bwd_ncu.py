@@ -25,7 +25,9 @@ dout_perm = torch.randn(M, H, device=dev, dtype=dt)
 z = torch.randn(M, 2 * inter, device=dev, dtype=dt)
 wh, dz = torch.empty(M, inter, device=dev, dtype=dt), torch.empty_like(z)
 for _ in range(2):
-    grouped_gemm_act_backward_triton(dout_perm, w2.transpose(1, 2), off, d2s, z, tw.to(dt), wh, dz,
-                                     plan.act_bwd, epilogue=plan.epilogue, permuted=True)  # fmt: skip
+    grouped_gemm_act_backward_triton(
+        dout_perm, w2.transpose(1, 2), off, d2s, z, tw.to(dt), wh, dz, plan.act_bwd,
+        epilogue=plan.epilogue, permuted=True,
+    )  # fmt: skip
 torch.cuda.synchronize()
 print("act_bwd config", plan.act_bwd)
