@@ -119,7 +119,9 @@ def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype, cc: i
         return WeightGradConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
         return WeightGradConfig(32, 64, 64, 4, 3)
-    if cc is None or cc < 90:  # the pointer kernel (H200 sweep of it, before TMA)
+    # Decode sizes (<= 16 rows per expert) take the pointer kernel too: the TMA route's two
+    # expands and three descriptors cost more host time than the reduction takes.
+    if cc is None or cc < 90 or rows_per_expert <= 16:  # the pointer kernel (H200 sweep)
         if rows_per_expert <= 512:
             return WeightGradConfig(32, 128, 128, 4, 4)
         return WeightGradConfig(64, 256 if n >= 8192 else 128, 128, 8, 3)
