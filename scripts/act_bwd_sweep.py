@@ -12,6 +12,7 @@ import torch
 import triton
 
 from moe_route import build_routing_maps
+from moe_route.bench.harness import Ceilings
 from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_act_backward_triton
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
@@ -42,8 +43,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
-    a0 = torch.randn(8192, 8192, device=dev, dtype=dt)
-    dense = 2 * 8192**3 / bench(lambda: a0 @ a0)
+    dense = Ceilings.measure(dev).mm_flops_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
         T, H, inter, E, K = SHAPES[name]

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from moe_route import build_routing_maps
+from moe_route.bench.harness import Ceilings
 from moe_route.kernels.triton.weight_grad import WeightGradConfig, expert_weight_grad_triton
 from moe_route.reference import topk_routing_reference
 from moe_route.tuning import weight_grad_config
@@ -55,8 +56,7 @@ def main():
     cc = torch.cuda.get_device_capability()
     cc = cc[0] * 10 + cc[1]
     configs = TMA_CONFIGS[:2] + TMA_CONFIGS[4:6] if args.quick else TMA_CONFIGS
-    a0 = torch.randn(8192, 8192, device=dev, dtype=dt)
-    dense = 2 * 8192**3 / bench(lambda: a0 @ a0)
+    dense = Ceilings.measure(dev).mm_flops_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
         T, H, inter, E, K = SHAPES[name]

@@ -78,7 +78,8 @@ def test_weight_grad_kernels_match_float64(use_tma, persistent, T, K, E, N, KD, 
 
 def test_gathered_operand_matches_permuted():
     """The pointer kernel reading token rows through the maps gives what the TMA kernel gives
-    on the permuted rows (the two routes of the backward)."""
+    on the permuted rows (the two routes of the backward); a TMA config with a gathered
+    operand takes the pointer kernel."""
     T, K, E, N, KD = 11, 2, 4, 16, 48
     maps, a, _, _ = _setup(T, K, E, N, KD, seed=3)
     _, d2s, _, off = maps
@@ -86,7 +87,7 @@ def test_gathered_operand_matches_permuted():
     x_perm = x[d2s % T]
     out = []
     for cfg, b, gather in (
-        (WeightGradConfig(8, 16, 16, 4, 2), x, True),
+        (WeightGradConfig(8, 16, 16, 4, 2, use_tma=True), x, True),
         (WeightGradConfig(8, 16, 16, 4, 2, use_tma=True), x_perm, False),
     ):
         dw = torch.empty(E, N, KD, dtype=torch.float16)

@@ -25,7 +25,7 @@ chooses every configuration; nothing here decides policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -131,7 +131,7 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
         dw2 = torch.empty_like(w2)
         db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
         expert_weight_grad_triton(
-            rows, wh, offsets, dw2, _wgrad_config(cfg.wgrad2, rows, wh), db=db2,
+            rows, wh, offsets, dw2, cfg.wgrad2, db=db2,
             dest_to_src=dest_to_src, a_gather=gathered, db_scale=topk_weights, num_rows=M,
             allow_tf32=tf32,
         )  # fmt: skip
@@ -149,7 +149,7 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
         db1 = torch.empty(w1.shape[:2], dtype=b1.dtype, device=x.device) if b1 is not None else None
         b, gather = _wgrad_operand(x, maps, M, cfg.wgrad1, dz)
         expert_weight_grad_triton(
-            dz, b, offsets, dw1, _wgrad_config(cfg.wgrad1, dz, b), db=db1,
+            dz, b, offsets, dw1, cfg.wgrad1, db=db1,
             dest_to_src=dest_to_src, b_gather=gather, num_rows=M, allow_tf32=tf32,
         )  # fmt: skip
     return dx, dw1, dw2, dtopk, db1, db2
@@ -193,7 +193,7 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
             b, b_gather = _wgrad_operand(a, (src_to_dest, dest_to_src, expert_for_src, offsets),
                                          M, wgrad_cfg, dz)  # fmt: skip
         expert_weight_grad_triton(
-            dz, b, offsets, dw, _wgrad_config(wgrad_cfg, dz, b), db=db, dest_to_src=dest_to_src,
+            dz, b, offsets, dw, wgrad_cfg, db=db, dest_to_src=dest_to_src,
             b_gather=b_gather, num_rows=M, allow_tf32=allow_tf32,
         )  # fmt: skip
     return da, dw, db
@@ -211,10 +211,3 @@ def _wgrad_operand(token_rows, maps, M, cfg: WeightGradConfig, other):
     rows = token_rows.new_empty(M, token_rows.shape[1])
     expand_rows_triton(token_rows, src_to_dest, expert_for_src, rows)
     return rows, False
-
-
-def _wgrad_config(cfg: WeightGradConfig, a, b) -> WeightGradConfig:
-    """``cfg``, or its pointer-kernel twin when an operand cannot be read through TMA."""
-    if cfg.use_tma and not tma_operands_ok(a, b):
-        return replace(cfg, use_tma=False)
-    return cfg

@@ -74,12 +74,22 @@ def _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T, stride_s
 
 
 @triton.jit
-def _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we, stride_wn,
-              stride_wk, stride_dbe, stride_dbn, HAS_DBIAS: tl.constexpr):  # fmt: skip
-    dw_ptrs = (
-        dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
-    )
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+def _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, n0, k0, pid_k, N, KD, stride_we,
+              stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS: tl.constexpr,
+              DW_DESC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The tile of ``dW[e]`` (through ``dw_desc`` with ``DW_DESC``: an asynchronous store, the
+    program moves on to its next tile meanwhile) and, from the first ``Kd`` tile, ``db[e]``."""
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    if DW_DESC:
+        dw_desc.store([e, n0, k0], acc.to(dw_desc.dtype).reshape(1, BLOCK_N, BLOCK_K))
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < KD
+        dw_ptrs = (
+            dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
+        )
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
     if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
         if pid_k == 0:
             db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
@@ -130,8 +140,9 @@ def _expert_weight_grad_kernel(
             other=0.0,
         )
         acc = _mma(tl.trans(a), b, acc, DOT_PRECISION)
-    _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we, stride_wn,
-              stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
+    _store_dw(dw_ptr, dw_ptr, db_ptr, acc, col_sum, e, pid_n * BLOCK_N, pid_k * BLOCK_K, pid_k, N,
+              KD, stride_we, stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS, False,
+              BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["E", "T"])
@@ -188,15 +199,9 @@ def _expert_weight_grad_tma_kernel(
                 col_sum = _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T,
                                           stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
             acc = tl.dot(a.T, b, acc)
-        if DW_DESC:  # an asynchronous store: the program moves on to its next tile meanwhile
-            dw_desc.store([e, n0, k0], acc.to(dw_desc.dtype).reshape(1, BLOCK_N, BLOCK_K))
-            if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
-                if pid_k == 0:
-                    db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
-                    tl.store(db_ptrs, col_sum.to(db_ptr.dtype.element_ty), mask=n_ok)
-        else:
-            _store_dw(dw_ptr, db_ptr, acc, col_sum, e, ns, ks, n_ok, k_ok, pid_k, stride_we,
-                      stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS)  # fmt: skip
+        _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, n0, k0, pid_k, N, KD, stride_we,
+                  stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS, DW_DESC, BLOCK_N,
+                  BLOCK_K)  # fmt: skip
 
 
 def tma_operands_ok(*tensors: torch.Tensor) -> bool:
@@ -227,9 +232,10 @@ def expert_weight_grad_triton(
         b: ``[M, Kd]`` permuted rows, or ``[T, Kd]`` token rows with ``b_gather``.
         offsets: ``expert_first_token_offset [E+1]``.
         dw: ``[E, N, Kd]`` output, any strides (e.g. ``torch.empty_like(weight)``).
-        config: the tiles (:func:`moe_route.tuning.weight_grad_config`). With ``use_tma``,
-            neither operand may be gathered and both must pass :func:`tma_operands_ok` (the
-            launch sequence permutes them first).
+        config: the tiles (:func:`moe_route.tuning.weight_grad_config`). ``use_tma`` takes
+            the TMA kernel where neither operand is gathered and both pass
+            :func:`tma_operands_ok` (the launch sequence permutes them first), else the pointer
+            kernel with the same tiles.
         db: optional ``[E, N]`` bias-gradient output.
         dest_to_src: ``expanded_dest_row_to_expanded_source_row``, for gathers and scaling.
         db_scale: ``topk_weights [T, K]``: ``s_d`` is the router weight of row ``d``'s slot
@@ -249,7 +255,8 @@ def expert_weight_grad_triton(
     dbt = db if db is not None else dw
     db_strides = (db.stride(0), db.stride(1)) if db is not None else (0, 0)
     scale_strides = (scale.stride(0), scale.stride(1)) if db_scale is not None else (0, 0)
-    if c.use_tma and a.shape[0] and b.shape[0]:
+    tma = c.use_tma and not (a_gather or b_gather) and a.shape[0] and b.shape[0]
+    if tma and tma_operands_ok(a, b):
         _launch_tma(a, b, offsets, dw, dbt, idx, scale, c, T, db is not None,
                     db_scale is not None, db_strides, scale_strides)  # fmt: skip
         return
