@@ -105,6 +105,9 @@ def _resolving_backend(impl: Callable) -> Callable:
 def _autograd_function(name, impl, setup_context, backward):
     def forward(ctx, *args):
         out = impl(*args)
+        # The outputs went to moe_route's own caller, not to a user of torch.ops.moe_route:
+        # a backward may consume what only it holds (fused_moe's z).
+        ctx.internal_call = True
         setup_context(ctx, args, out)
         return out
 

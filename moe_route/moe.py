@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, arch
-from ._dispatch import Op
+from ._dispatch import Op, needs_dispatcher
 from .activations import Activation, as_activation
 from .grouped_gemm import (
     bias_dtypes,
@@ -139,12 +139,18 @@ def _moe_backward_impl(
     need_dw1: bool,
     need_dw2: bool,
     need_dtopk: bool,
+    consume_z: bool,
     allow_tf32: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dw1, dw2, d_topk_weights, db1, db2)``; the ones not asked for are empty.
 
     ``need_dw1`` / ``need_dw2`` also cover ``db1`` / ``db2`` when those biases exist.
+    ``consume_z``: the Triton backend writes GEMM1's pre-activation gradient over ``z``
+    instead of into a new ``[T*K, 2I]`` buffer (the backward's largest) and bumps ``z``'s
+    version, so that any later use of the saved ``z`` raises. Only the eager autograd route
+    passes it, and only when the graph is not kept for another backward (the op's schema
+    declares no mutation: traced graphs always pass ``False``).
     """
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
     if backend == "torch":
@@ -159,8 +165,10 @@ def _moe_backward_impl(
                          "standalone", True, allow_tf32, backend)  # fmt: skip
         grads = moe_backward_triton(
             dout, x, w1, w2, topk_weights, b1, b2, z, maps, plan.configs, need_dx, need_dw1,
-            need_dw2, need_dtopk,
+            need_dw2, need_dtopk, dz_out=z if consume_z else None,
         )  # fmt: skip
+        if consume_z:
+            torch.autograd.graph.increment_version(z)
     grads = list(grads)
     for i, bias_in in ((4, b1), (5, b2)):
         if bias_in is not None and grads[i] is not None:
@@ -171,7 +179,7 @@ def _moe_backward_impl(
     return tuple(g if w else x.new_empty(0) for g, w in zip(grads, wanted, strict=True))
 
 
-def _moe_backward_fake(dout, x, w1, w2, topk_weights, b1, b2, z, o, s2d, d2s, efs, act, lay,
+def _moe_backward_fake(dout, x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, o, act, lay,
                        ndx, nw1, nw2, ntk, *_):  # fmt: skip
     like = (x, w1, w2, topk_weights, b1, b2)
     wanted = (ndx, nw1, nw2, ntk, b1 is not None and nw1, b2 is not None and nw2)
@@ -208,15 +216,21 @@ def _setup_context(ctx, inputs, output):
     ctx.config = (act, layout, tf32, be)
     ctx.bias_meta = None if bias is None else (bias.dim(), bias.dtype)
     ctx.mark_non_differentiable(output[1])
+    # z has no gradient: without this, autograd would hand the backward a zero-filled
+    # [T*K, 2I] tensor for it (448 MiB at Mixtral's T=4096), allocated and written for nothing.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dz):
+    if dout is None:  # the output took no part in what is differentiated
+        return (None,) * 18
     x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, offsets = ctx.saved_tensors
     act, layout, tf32, be = ctx.config
     need = ctx.needs_input_grad
     dx, dw1, dw2, dtopk, db1, db2 = _MOE_BACKWARD(
         dout, x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, offsets, act, layout,
-        need[0], need[1] or need[4], need[2] or need[5], need[3], tf32, be,
+        need[0], need[1] or need[4], need[2] or need[5], need[3], _may_consume(ctx, z, dout),
+        tf32, be,
     )  # fmt: skip
     dbias = None
     if need[6]:
@@ -229,6 +243,19 @@ def _backward(ctx, dout, _dz):
         + (dbias,)
         + (None,) * 11
     )
+
+
+def _may_consume(ctx, z: torch.Tensor, dout: torch.Tensor) -> bool:
+    """Whether this backward may overwrite the saved ``z`` (see ``consume_z``): a forward
+    called by moe_route itself (whose caller dropped ``z``; a user of ``torch.ops`` holds it),
+    eager, on real tensors, and the last backward through this graph (``retain_graph`` keeps
+    ``z``)."""
+    if not getattr(ctx, "internal_call", False):
+        return False
+    if torch.compiler.is_compiling() or needs_dispatcher((z, dout)):
+        return False
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is not None and not keep_graph()
 
 
 MOE = Op("moe_experts", moe_tables, _moe_fake, setup_context=_setup_context, backward=_backward)

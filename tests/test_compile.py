@@ -222,7 +222,7 @@ def _every_op_pool():
         expert_for_src=efs, offsets=off, bias=None, b1=None, b2=None, activation="swiglu",
         gate_up_layout="concat", path="standalone", gather=True, allow_tf32=False, store_z=True,
         need_dy=True, need_dw=True, need_da=True, need_db=False, need_dx=True, need_dw1=True,
-        need_dw2=True, need_dtopk=True,
+        need_dw2=True, need_dtopk=True, consume_z=False,
     )  # fmt: skip
     maps = (s2d, d2s, efs, off)
     pool["z"] = torch.ops.moe_route.moe_experts(x, w1, w2, tw, None, None, None, *maps, "swiglu",

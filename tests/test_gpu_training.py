@@ -208,6 +208,33 @@ def test_deterministic_20_runs():
             assert torch.equal(got[n], first[n]), f"d{n} differs between runs"
 
 
+# ----------------------------------------------------------------------------- memory
+def test_backward_holds_one_pre_activation():
+    """Activation memory of forward + backward (bench's ``step_memory``: gradients left out)
+    stays within GEMM1's pre-activation ``z``, ``w·h``, a few ``[T*K, H]`` rows and the output:
+    the backward writes ``dz`` over ``z`` and gets no zero-filled gradient for ``z`` (before,
+    two more ``z``-sized buffers). With ``retain_graph`` the gradients are the same bits."""
+    from moe_route.bench.profiling import step_memory
+
+    T, K, E, H, inter = 2048, 2, 8, 512, 4096
+    case = make_case(T, K, E, H, inter, biases=False, drop=0.0)
+    leaves = [case[n].clone().requires_grad_(True) for n in ("x", "w1", "w2", "topk_weights")]
+    dout = torch.randn(T, H, device=CUDA).to(torch.bfloat16)
+
+    def step(**kw):
+        out = moe_route.fused_moe(*leaves, case["topk_ids"])
+        return torch.autograd.grad(out, leaves, dout, **kw)
+
+    want = step(retain_graph=True)
+    got, mem = step_memory(step, CUDA)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    M, es = T * K, 2
+    z, wh, rows, tokens = M * 2 * inter * es, M * inter * es, M * H * es, T * H * es
+    bound = z + wh + 4 * rows + 2 * tokens
+    assert z < mem.activation <= bound, (mem.activation / 2**20, bound / 2**20)
+
+
 # ----------------------------------------------------------------------------- capture
 def _step(x, w1, w2, tw, ids):
     out = moe_route.fused_moe(x, w1, w2, tw, ids)

@@ -155,6 +155,61 @@ def test_only_requested_grads(backend, wanted):
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("activation", "layout"), [("swiglu", "concat"), ("gelu", "concat")])
+def test_backward_consumes_z_only_when_graph_is_not_kept(activation, layout):
+    """The eager backward writes dz over the saved z (its largest buffer) unless
+    ``retain_graph`` keeps the graph: two kept backwards give the bits of a last one, and that
+    last one's result equals a fresh graph's; a backward after z was consumed raises."""
+    case = _case(11, 2, 4, 16, 8, activation=activation)
+    leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+    dout = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(2))
+
+    def forward():
+        x, w1, w2, tw, b1, b2, bias = leaves
+        return moe_route.fused_moe(x, w1, w2, tw, case["topk_ids"], activation=activation,
+                                   gate_up_layout=layout, b1=b1, b2=b2, bias=bias,
+                                   backend="triton")  # fmt: skip
+
+    out = forward()
+    kept1 = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    kept2 = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    last = torch.autograd.grad(out, leaves, dout)  # consumes z
+    fresh = torch.autograd.grad(forward(), leaves, dout)
+    for name, a, b, c, d in zip(NAMES, kept1, kept2, last, fresh, strict=True):
+        for other in (b, c, d):
+            assert torch.equal(a, other), name
+    with pytest.raises(RuntimeError, match=r"second time|modified by an inplace"):
+        torch.autograd.grad(out, leaves, dout)
+
+
+@needs_interpreter
+def test_backward_consumes_z_in_place(monkeypatch):
+    """The consuming backward really reuses z (no [T*K, 2I] buffer of its own) and bumps its
+    version; with ``retain_graph`` it writes elsewhere and leaves z as the forward stored it."""
+    triton_moe = importlib.import_module("moe_route.kernels.triton.moe")
+    seen = []
+    real = triton_moe.moe_backward_triton
+
+    def spy(*args, dz_out=None, **kw):
+        z = args[7]
+        seen.append((dz_out is z, z._version, z.clone()))
+        return real(*args, dz_out=dz_out, **kw)
+
+    monkeypatch.setattr(triton_moe, "moe_backward_triton", spy)
+    case = _case(9, 2, 3, 16, 8)
+    leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+    x, w1, w2, tw, b1, b2, bias = leaves
+    out = moe_route.fused_moe(x, w1, w2, tw, case["topk_ids"], b1=b1, b2=b2, bias=bias,
+                              backend="triton")  # fmt: skip
+    dout = torch.ones_like(out)
+    torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    torch.autograd.grad(out, leaves, dout)
+    (kept_reused, v0, z0), (last_reused, v1, z1) = seen
+    assert not kept_reused and last_reused
+    assert v1 == v0 and torch.equal(z0, z1)  # the kept backward left z untouched
+
+
+@needs_interpreter
 @pytest.mark.parametrize("gather", [True, False])
 def test_gather_and_strided_weights(gather):
     case = _case(12, 2, 3, 16, 8)
@@ -200,7 +255,7 @@ def test_opcheck_training_ops(backend):
     assert z.shape == (args[8].numel(), args[1].shape[1])  # GEMM1's pre-activation, stored
     x, w1, w2, tw, b1, b2, _bias, s2d, d2s, efs, off = args[:11]
     bwd_args = (torch.ones_like(out), x, w1, w2, tw, b1, b2, z, s2d, d2s, efs, off, "swiglu",
-                "concat", True, True, True, True, False, backend)  # fmt: skip
+                "concat", True, True, True, True, False, False, backend)  # fmt: skip
     torch.library.opcheck(moe_module._MOE_BACKWARD.op, bwd_args)
 
 

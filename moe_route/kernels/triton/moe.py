@@ -81,6 +81,7 @@ def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConf
         rows, w1, offsets, h, cfg.gemm1, epilogue=cfg.epilogue, bias=b1, dest_to_src=d2s,
         num_rows=M, pre_activation=z if store_z else None, allow_tf32=cfg.allow_tf32,
     )  # fmt: skip
+    del rows  # x_perm, when there is one: not held while GEMM2 writes y
     if cfg.finalize == "fused_atomic":
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         acc = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
@@ -106,8 +107,12 @@ def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConf
 
 
 def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoEConfigs,
-                        need_dx, need_dw1, need_dw2, need_dtopk):  # fmt: skip
-    """``(dx, dw1, dw2, d_topk_weights, db1, db2)``; ``None`` for those not asked for."""
+                        need_dx, need_dw1, need_dw2, need_dtopk, dz_out=None):  # fmt: skip
+    """``(dx, dw1, dw2, d_topk_weights, db1, db2)``; ``None`` for those not asked for.
+
+    ``dz_out``: where GEMM1's pre-activation gradient goes, ``z`` itself allowed (each tile
+    of step 1 reads its ``z`` elements before it writes their ``dz``); a new tensor if None.
+    """
     src_to_dest, dest_to_src, expert_for_src, offsets = maps
     T, H = x.shape
     K = topk_weights.shape[1]
@@ -116,7 +121,7 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
     # With TMA, dout is permuted once (an expand) for this GEMM and dW2 to read through TMA.
     wh = x.new_empty(M, w2.shape[2])
-    dz = torch.empty_like(z)
+    dz = torch.empty_like(z) if dz_out is None else dz_out
     rows, gathered = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
     partial = grouped_gemm_act_backward_triton(
         rows, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, cfg.act_bwd,
