@@ -40,7 +40,7 @@ def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: 
         tuning.gemm_config(rpe, gated, dtype, cc),
         tuning.act_backward_config(rpe, n_out, dtype, cc),
         tuning.gemm_config(rpe, False, dtype, cc),
-        tuning.weight_grad_config(rpe, n_out * (2 if gated else 1), dtype, cc),
+        tuning.weight_grad_config(rpe, n_out * (2 if gated else 1), kd, dtype, cc),
     )
 
 

@@ -103,17 +103,21 @@ def act_backward_config(rows_per_expert: float, n_out: int, dtype: torch.dtype, 
     return GemmConfig(128, 128, 64, 8, 8, 4, tma)
 
 
-def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype, cc: int | None):
-    """Tiles of the weight-gradient kernels (``n``: the gradient's rows, ``dW[e]`` being
-    ``[n, Kd]``).
+def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dtype,
+                       cc: int | None) -> WeightGradConfig:  # fmt: skip
+    """Tiles of the weight-gradient kernels (``dW[e]`` being ``[n, kd]``).
 
-    NOTE: H100, bf16 (scripts/wgrad_sweep.py, 2026-11-24, against torch._grouped_mm in the same
-    run): the TMA kernel with 32-row steps won everywhere. With <= 512 rows per expert
-    (qwen3, deepseek-v3) 128x128 tiles on 4 warps, 2 persistent programs per SM: 902 / 475 us
-    (dW1 / dW2, qwen3 T=8192; _grouped_mm 861 / 443; the pointer kernel 1527 / 860). With 1024
-    rows (mixtral T=4096), one program per SM on 8 warps, 128x256 tiles (dW1 [28672 x 4096]:
-    3215 us, 599 TFLOP/s; _grouped_mm 3414) or 256x128 (dW2 [4096 x 14336]: 1873 us;
-    _grouped_mm 1593).
+    NOTE: H100, bf16 (scripts/wgrad_sweep.py, 2026-11-25, against torch._grouped_mm in the same
+    run; the TMA kernel with bounded-row descriptors): 32-row steps won everywhere.
+    - > 512 rows per expert (mixtral T=4096): 128x256 tiles on 8 warps, one program per SM,
+      consecutive tiles along the dimension with fewer tiles (the running programs then share
+      the other operand's slices in L2): dW1 [28672 x 4096] 3015 us (92 % of dense;
+      _grouped_mm 3443), dW2 [4096 x 14336] 1463 us (95 %; _grouped_mm 1575). Along Kd
+      only, dW2 took 1787 us.
+    - <= 512 rows (qwen3, deepseek-v3): 128x128 tiles on 4 warps, 2 programs per SM, tiles
+      along Kd (dW rows written in order): qwen3 dW1 / dW2 836 / 435 us (_grouped_mm 865 /
+      457); deepseek-v3 dW1 7487 us, 71 % of its bound (writing the 15 GB gradient; along N
+      8064 us; _grouped_mm 6881, 77 %), dW2 4143 us (_grouped_mm 3671).
     """
     if dtype == torch.float64:
         return WeightGradConfig(16, 32, 32, 4, 1)
@@ -127,6 +131,5 @@ def weight_grad_config(rows_per_expert: float, n: int, dtype: torch.dtype, cc: i
         return WeightGradConfig(64, 256 if n >= 8192 else 128, 128, 8, 3)
     if rows_per_expert <= 512:
         return WeightGradConfig(32, 128, 128, 4, 4, True, 2)
-    if n >= 8192:
-        return WeightGradConfig(32, 128, 256, 8, 4, True, 1)
-    return WeightGradConfig(32, 256, 128, 8, 4, True, 1)
+    k_fastest = -(-kd // 256) <= -(-n // 128)
+    return WeightGradConfig(32, 128, 256, 8, 4, True, 1, k_fastest)

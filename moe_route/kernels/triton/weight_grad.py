@@ -19,8 +19,9 @@ loaded through TMA.
 On Hopper with 16-bit operands the launch sequence permutes the gathered operand into a buffer
 first (one expand, ~1 % of the GEMM's time) and :func:`_expert_weight_grad_tma_kernel` reads
 both operands through TMA: the rows of an expert are walked in whole ``BLOCK_R`` steps through
-the descriptors (software-pipelined, the MMA reading shared memory directly) and a last partial
-step, if any, through masked loads, so no row of another expert enters a sum.
+descriptors whose bounds end at the expert's last row (:func:`bounded_rows_descriptor`), so
+the partial last step reads zeros past it and no row of another expert enters a sum; every
+step is the same software-pipelined code, the MMA reading shared memory directly.
 
 **Router-weight gradient** (:func:`router_weight_grad_triton`):
 ``d w[t,k] = <dout[t], y[d]> = Σ_j partial[d, j] + <dout[t], b2[e]>`` with ``d = dest(k*T+t)``,
@@ -57,6 +58,8 @@ class WeightGradConfig:
     use_tma: bool = False
     #: the TMA kernel only: programs per SM walking the tiles (0: one program per tile)
     persistent: int = 0
+    #: the TMA kernel only: consecutive tiles step along ``Kd`` (else along ``N``)
+    k_fastest: bool = True
 
 
 @triton.jit
@@ -145,19 +148,52 @@ def _expert_weight_grad_kernel(
               BLOCK_N, BLOCK_K)  # fmt: skip
 
 
+#: Rows per expert a bounded descriptor addresses (:func:`bounded_rows_descriptor`).
+_ROW_SPAN = 1 << 30
+
+
+def bounded_rows_descriptor(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor over the rows of ``t [M, C]`` through which :func:`_load_rows` reads a
+    row range ``[lo, lo + size)`` with the hardware's bounds check at ``lo + size``: rows past
+    it read as zeros, like rows past the end of a tensor.
+
+    How: a 4-D view ``[_, _, _ROW_SPAN, C]`` with strides ``(2^64/2^30 - s, s, s, 1)`` (``s``
+    the row stride). At coordinates ``(2^30, lo + size, 2^30 - size + i, c)`` the address is
+    ``(lo + i) * s + c`` modulo 2^64, and the third coordinate is in bounds exactly when
+    ``i < size``. (The trick is the one of ``triton.tools.ragged_tma``.)
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    s = t.stride(0)
+    big = 0x7FFF0000
+    return TensorDescriptor(t, [big, big, _ROW_SPAN, t.shape[1]], [2**34 - s, s, s, 1],
+                            [1, 1, *block])  # fmt: skip
+
+
+@triton.jit
+def _load_rows(desc, lo, size, i, c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows ``lo + i ..`` (columns ``c ..``) of a :func:`bounded_rows_descriptor`, zeros from
+    row ``lo + size`` on."""
+    span: tl.constexpr = 1 << 30
+    block = desc.load([span, lo + size, span - size + i, c])
+    return block.reshape(BLOCK_R, BLOCK_C)
+
+
 @triton.jit(do_not_specialize=["E", "T"])
 def _expert_weight_grad_tma_kernel(
-    a_desc, b_desc, dw_desc, a_ptr, b_ptr, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr,
-    scale_ptr, E, N, KD, T,
-    stride_am, stride_bm, stride_we, stride_wn, stride_wk, stride_dbe, stride_dbn, stride_st,
-    stride_sk,
+    a_desc, b_desc, dw_desc, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr, scale_ptr, E, N, KD,
+    T, stride_we, stride_wn, stride_wk, stride_dbe, stride_dbn, stride_st, stride_sk,
     A_SCALE: tl.constexpr, HAS_DBIAS: tl.constexpr, DW_DESC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_FASTEST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Tiles ``pid, pid + P, ...`` of ``E x n-tiles x k-tiles`` (``P`` programs; one tile each
-    when ``P`` is the tile count), each ``[BLOCK_N, BLOCK_K]`` of ``dW[e]``: whole ``BLOCK_R``
-    row steps of the expert through the descriptors, a partial last step through masked
-    loads. Both operands unit-stride in their columns (the launcher checks)."""
+    when ``P`` is the tile count), each ``[BLOCK_N, BLOCK_K]`` of ``dW[e]``: the expert's rows
+    in ``BLOCK_R`` steps through bounded descriptors, whose bounds check at the expert's last
+    row zero-fills the partial last step, so every step is the same software-pipelined code.
+    Consecutive tiles step along ``Kd`` (``K_FASTEST``) or along ``N`` (the tuning picks:
+    along the dimension with fewer tiles, the programs running at once share the other
+    operand's slices in L2; along ``Kd``, ``dW`` is written in order)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -165,39 +201,27 @@ def _expert_weight_grad_tma_kernel(
     per_expert = n_tiles * k_tiles
     for tile in range(pid, E * per_expert, programs):
         e = tile // per_expert
-        pid_n = (tile % per_expert) // k_tiles
-        pid_k = tile % k_tiles
+        if K_FASTEST:
+            pid_n = (tile % per_expert) // k_tiles
+            pid_k = tile % k_tiles
+        else:
+            pid_k = (tile % per_expert) // n_tiles
+            pid_n = tile % n_tiles
         # int32 rows: TMA coordinates are 32-bit (M = T*K < 2^31 rows)
         lo = tl.load(offsets_ptr + e).to(tl.int32)
-        hi = tl.load(offsets_ptr + e + 1).to(tl.int32)
+        size = tl.load(offsets_ptr + e + 1).to(tl.int32) - lo
         n0 = pid_n * BLOCK_N
         k0 = pid_k * BLOCK_K
-        ns = n0 + tl.arange(0, BLOCK_N)
-        ks = k0 + tl.arange(0, BLOCK_K)
-        n_ok = ns < N
-        k_ok = ks < KD
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-        whole_end = lo + (hi - lo) // BLOCK_R * BLOCK_R
-        for r0 in range(lo, whole_end, BLOCK_R):
-            a = a_desc.load([r0, n0])
-            b = b_desc.load([r0, k0])
+        for i in range(0, size, BLOCK_R):
+            a = _load_rows(a_desc, lo, size, i, n0, BLOCK_R, BLOCK_N)
+            b = _load_rows(b_desc, lo, size, i, k0, BLOCK_R, BLOCK_K)
             if HAS_DBIAS:
-                r = r0 + tl.arange(0, BLOCK_R)
-                col_sum = _scaled_col_sum(col_sum, a, r, r < hi, dest_to_src_ptr, scale_ptr, T,
-                                          stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
-            acc = tl.dot(a.T, b, acc)
-        if whole_end < hi:
-            r = whole_end + tl.arange(0, BLOCK_R)
-            r_ok = r < hi
-            rows = r.to(tl.int64)
-            a = tl.load(a_ptr + rows[:, None] * stride_am + ns[None, :],
-                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
-            b = tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            if HAS_DBIAS:
-                col_sum = _scaled_col_sum(col_sum, a, r, r_ok, dest_to_src_ptr, scale_ptr, T,
-                                          stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
+                r = lo + i + tl.arange(0, BLOCK_R)
+                col_sum = _scaled_col_sum(col_sum, a, r, r < lo + size, dest_to_src_ptr,
+                                          scale_ptr, T, stride_st, stride_sk, A_SCALE,
+                                          tl.float32)  # fmt: skip
             acc = tl.dot(a.T, b, acc)
         _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, n0, k0, pid_k, N, KD, stride_we,
                   stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS, DW_DESC, BLOCK_N,
@@ -302,14 +326,15 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
     _WEIGHT_GRAD_TMA.launch(
         key, (programs,),
         (
-            TensorDescriptor.from_tensor(a, [c.block_r, c.block_n]),
-            TensorDescriptor.from_tensor(b, [c.block_r, c.block_k]), dw_desc, a, b, dw, dbt,
-            offsets, idx, scale, E, N, KD, max(T, 1), a.stride(0), b.stride(0), dw.stride(0),
-            dw.stride(1), dw.stride(2), *db_strides, *scale_strides,
+            bounded_rows_descriptor(a, [c.block_r, c.block_n]),
+            bounded_rows_descriptor(b, [c.block_r, c.block_k]), dw_desc, dw, dbt, offsets, idx,
+            scale, E, N, KD, max(T, 1), dw.stride(0), dw.stride(1), dw.stride(2), *db_strides,
+            *scale_strides,
         ),
         lambda: dict(
-            A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma, BLOCK_R=c.block_r, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+            A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma, K_FASTEST=c.k_fastest,
+            BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
+            num_stages=c.num_stages,
         ),
     )  # fmt: skip
 
