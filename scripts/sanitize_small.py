@@ -1,6 +1,8 @@
 """Small fused_moe forward + backward (bf16, dropped slots, odd sizes, plain and clamped
 SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
-compute-sanitizer. ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
+compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer kernel at decode
+sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert.
+``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow)."""
 
 import sys
@@ -10,9 +12,9 @@ import torch
 import moe_route
 
 torch.manual_seed(0)
-shapes = ((37, 200, 136, 8, 2), (5, 72, 40, 4, 4))
+shapes = ((37, 200, 136, 8, 2), (300, 200, 136, 8, 2), (1000, 72, 40, 2, 1), (5, 72, 40, 4, 4))
 if "--tiny" in sys.argv:
-    shapes = shapes[1:]
+    shapes = shapes[-1:]
 clamped = moe_route.activation("swiglu", alpha=1.702, limit=0.75, up_offset=1.0)
 for T, H, inter, E, K in shapes:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
