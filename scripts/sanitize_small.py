@@ -12,7 +12,7 @@ import torch
 import moe_route
 
 torch.manual_seed(0)
-shapes = ((37, 200, 136, 8, 2), (300, 200, 136, 8, 2), (1000, 72, 40, 2, 1), (5, 72, 40, 4, 4))
+shapes = ((37, 200, 136, 8, 2), (300, 200, 136, 8, 2), (1100, 72, 40, 2, 1), (5, 72, 40, 4, 4))
 if "--tiny" in sys.argv:
     shapes = shapes[-1:]
 clamped = moe_route.activation("swiglu", alpha=1.702, limit=0.75, up_offset=1.0)
