@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks, arch
+from . import _checks, arch, tuning
 from ._dispatch import Op, needs_dispatcher
 from .activations import Activation, as_activation
 from .grouped_gemm import (
@@ -45,6 +45,9 @@ class MoEPlan:
     path: str
     #: GEMM1 reads its rows from ``x`` through the maps (no expand).
     gather: bool
+    #: the decode path's tiles where it serves (no gradient wanted; see
+    #: :mod:`moe_route.kernels.triton.decode`), else None.
+    decode: object = None
 
 
 @functools.cache
@@ -66,7 +69,8 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
         epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
     )  # fmt: skip
-    return MoEPlan("triton", maps_chosen, cfg, path, gather)
+    decode = tuning.decode_config(bucket, K, E, dtype)
+    return MoEPlan("triton", maps_chosen, cfg, path, gather, decode)
 
 
 def _plan_for(x, w1, w2, K, activation, layout, path, gather, allow_tf32, backend):
@@ -261,6 +265,33 @@ def _may_consume(ctx, z: torch.Tensor, dout: torch.Tensor) -> bool:
 MOE = Op("moe_experts", moe_tables, _moe_fake, setup_context=_setup_context, backward=_backward)
 
 
+def moe_decode_tables(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    activation: str,
+    gate_up_layout: str,
+) -> torch.Tensor:
+    """``fused_moe``'s output on the decode path (Triton; no maps, no gradient)."""
+    from .kernels.triton.decode import moe_decode_triton
+
+    cfg = tuning.decode_config(token_bucket(x.shape[0]), topk_ids.shape[1], w1.shape[0], x.dtype)
+    return moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
+                             epilogue_for(activation, gate_up_layout), cfg)  # fmt: skip
+
+
+def _decode_fake(x, *_):
+    return x.new_empty(x.shape)
+
+
+DECODE = Op("moe_decode", moe_decode_tables, _decode_fake)
+
+
 # --------------------------------------------------------------------------- public API
 def fused_moe(
     x: torch.Tensor,
@@ -347,6 +378,8 @@ def fused_moe(
     check_interpreter_dtype("x", x, plan.backend)
     if _checks.ids_value_check_wanted(ids, None):
         _checks.check_topk_id_values(ids, E)
+    if plan.decode is not None and not _wants_grad(x, w1, w2, topk_weights, b1, b2, bias):
+        return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, activation, gate_up_layout)
     maps = maps_op(ids, E, plan.maps_backend)
     return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,
                        bias, allow_tf32)  # fmt: skip

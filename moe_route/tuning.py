@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from ._env import getenv
+from .kernels.triton.decode import DecodeConfig
 from .kernels.triton.grouped_gemm import GemmConfig
 from .kernels.triton.weight_grad import WeightGradConfig
 
@@ -46,6 +47,20 @@ def persistent_override() -> int | None:
             "persistent GEMM kernel; 0 for the per-tile kernel) or nothing"
         )
     return int(value)
+
+
+def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype):
+    """The decode path's tiles (:mod:`moe_route.kernels.triton.decode`), or None where the
+    sorted path serves: more slots than 16 or than experts (then slots share experts, whose
+    weights the sorted path reads once per tile instead of once per slot).
+
+    NOTE: not swept yet; tiles sized so that T=1 with K=8 and I=1024 fills the SMs of an H100
+    with GEMM1's programs (8 slots x 32 tiles of 32 columns) and GEMM2 (16-column tiles) runs
+    128 programs at H=2048.
+    """
+    if bucket * top_k > min(16, num_experts):
+        return None
+    return DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=256, num_warps=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):

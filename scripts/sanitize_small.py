@@ -1,7 +1,8 @@
 """Small fused_moe forward + backward (bf16, dropped slots, odd sizes, plain and clamped
 SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
 compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer kernel at decode
-sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert.
+sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert; and the
+decode path (two tokens, no gradient).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow)."""
 
@@ -32,6 +33,8 @@ for T, H, inter, E, K in shapes:
                 out = moe_route.fused_moe(*leaves, ids, activation=act, finalize=fin,
                                           deterministic=det)  # fmt: skip
                 torch.autograd.grad(out.float().sum(), leaves)
+        with torch.no_grad():  # inference: the decode path where T*K <= min(16, E)
+            moe_route.fused_moe(x[:2], w1, w2, tw[:2], ids[:2], activation=act)
     layer = moe_route.MoELayer(H, inter, E, K, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     (out.output.float().sum() + out.aux_loss).backward()

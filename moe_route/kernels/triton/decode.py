@@ -1,0 +1,206 @@
+"""The decode path of ``fused_moe``: two launches, no routing maps (inference, a few tokens).
+
+At decode sizes (``T*K`` slots no more than the experts and at most 16) every routed slot has
+its own expert's weights to read and nothing to share a tile with, so sorting the slots by
+expert buys nothing and costs launches: the maps kernel, GEMM1, GEMM2 and the finalize are
+four launches and five buffers of host time, several times the device time of reading the
+touched weights. Here the slots are taken as they come from ``topk_ids``:
+
+1. :func:`_decode_up_kernel`, program ``(slot, n-tile)``: ``h[slot] = act(x[t] W1[e]^T + b1[e])``
+   over an ``I``-tile, ``e = topk_ids[t, k]`` (a dropped slot does nothing);
+2. :func:`_decode_down_kernel`, program ``(t, n-tile)``: for ``k = 0 .. K-1`` in order,
+   ``y = h[slot] W2[e]^T + b2[e]`` rounded to the output dtype (as GEMM2 stores it), then
+   ``out[t] = Σ_k w[t,k] y + bias``, rounded once: the standalone finalize's sum, term by term.
+
+Each output element has one owner and a fixed order: the same bits on every run. The products
+are matrix-vector products on the CUDA cores (one token row per program; no MMA tile to fill),
+bound by reading the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ThinKernel, aligned, cdiv
+from .activation import gated_forward, plain_forward
+from .grouped_gemm import GemmEpilogue, _gate_up_rows
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the two decode kernels (chosen by :mod:`moe_route.tuning`)."""
+
+    #: GEMM1: ``I`` columns per program and the ``H`` step
+    up_n: int
+    up_k: int
+    #: GEMM2: ``H`` columns per program and the ``I`` step
+    down_n: int
+    down_k: int
+    num_warps: int
+
+
+@triton.jit
+def _gemv(v, w_ptrs, ks, k_ok, acc):
+    """``acc + w[:, ks] * v[None, :]`` (the row sums are taken after the loop)."""
+    w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+    return acc + w.to(acc.dtype) * v[None, :]
+
+
+@triton.jit(do_not_specialize=["T"])
+def _decode_up_kernel(
+    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_it,
+    stride_ik, stride_hs, stride_hn,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]``."""
+    slot = tl.program_id(0)
+    t = slot // TOP_K
+    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    if e < 0:  # dropped: its h is never read
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
+    gate_rows = tl.where(col_ok, gate_rows, 0)
+    up_rows = tl.where(col_ok, up_rows, 0)
+    ks = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + gate_rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+    u_ptrs = w_base + up_rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + ks * stride_xh
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+    for k0 in range(0, KD, BLOCK_K):
+        k_ok = k0 + ks < KD
+        v = tl.load(x_ptrs, mask=k_ok, other=0.0).to(ACC)
+        acc_g = _gemv(v, g_ptrs, ks, k_ok, acc_g)
+        if GATED:
+            acc_u = _gemv(v, u_ptrs, ks, k_ok, acc_u)
+            u_ptrs += BLOCK_K * stride_wk
+        g_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xh
+    gate = tl.sum(acc_g, axis=1)
+    if HAS_BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        gate += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)
+    if GATED:
+        up = tl.sum(acc_u, axis=1)
+        if HAS_BIAS:
+            up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)
+        h = gated_forward(gate, up, ACT, ALPHA, LIMIT, UP_OFFSET)
+    else:
+        h = plain_forward(gate, ACT)
+    tl.store(h_ptr + slot.to(tl.int64) * stride_hs + cols * stride_hn,
+             h.to(h_ptr.dtype.element_ty), mask=col_ok)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T"])
+def _decode_down_kernel(
+    h_ptr, w_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, T, H, KD,
+    stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_b2e, stride_b2n, stride_it,
+    stride_ik, stride_wt, stride_wkk, stride_bt, stride_bh, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+    OUT_ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    safe_cols = tl.where(col_ok, cols, 0)
+    ks = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+        if e >= 0:  # a dropped slot adds nothing (its weight is never read)
+            w_base = w_ptr + e.to(tl.int64) * stride_we
+            w_ptrs = w_base + safe_cols[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+            h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + ks * stride_hn
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+            for k0 in range(0, KD, BLOCK_K):
+                k_ok = k0 + ks < KD
+                v = tl.load(h_ptrs, mask=k_ok, other=0.0).to(ACC)
+                acc = _gemv(v, w_ptrs, ks, k_ok, acc)
+                w_ptrs += BLOCK_K * stride_wk
+                h_ptrs += BLOCK_K * stride_hn
+            y = tl.sum(acc, axis=1)
+            if HAS_B2:
+                b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + cols * stride_b2n,
+                             mask=col_ok, other=0.0)  # fmt: skip
+                y += b2.to(ACC)
+            y = y.to(out_ptr.dtype.element_ty).to(OUT_ACC)  # GEMM2's output, as it is stored
+            w = tl.load(tw_ptr + t * stride_wt + k * stride_wkk).to(OUT_ACC)
+            total += w * y
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=col_ok).to(OUT_ACC)
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, total.to(out_ptr.dtype.element_ty),
+             mask=col_ok)  # fmt: skip
+
+
+def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
+                      epilogue: GemmEpilogue, cfg: DecodeConfig) -> torch.Tensor:  # fmt: skip
+    """``fused_moe``'s output ``[T, H]`` through the two decode kernels (inputs checked)."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    n_inter = w2.shape[2]
+    out = x.new_empty(T, H)
+    if T == 0 or H == 0:
+        return out
+    h = x.new_empty(T * K, n_inter)
+    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+    out_acc = tl.float64 if torch.float64 in (x.dtype, topk_weights.dtype) else tl.float32
+    epi = epilogue
+    b1_arg, sb1 = (b1, b1.stride()) if b1 is not None else (w1, (0, 0))
+    b2_arg, sb2 = (b2, b2.stride()) if b2 is not None else (w2, (0, 0))
+    if bias is None:
+        bias_arg, sbias = out, (0, 0)
+    else:
+        bias_arg, sbias = bias, (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
+    _UP.launch(
+        (
+            cfg, epi, x.dtype, w1.dtype, b1_arg.dtype, topk_ids.dtype, x.stride(), w1.stride(),
+            sb1, topk_ids.stride(), K, n_inter, H, b1 is not None,
+            aligned(x, w1, b1_arg, topk_ids, h),
+        ),
+        (T * K, cdiv(n_inter, cfg.up_n)),
+        (
+            x, w1, b1_arg, topk_ids, h, T, n_inter, H, x.stride(0), x.stride(1), w1.stride(0),
+            w1.stride(1), w1.stride(2), *sb1, topk_ids.stride(0), topk_ids.stride(1),
+            h.stride(0), h.stride(1),
+        ),
+        lambda: dict(
+            TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
+            UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
+            ACC=acc, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
+        ),
+    )  # fmt: skip
+    _DOWN.launch(
+        (
+            cfg, x.dtype, w2.dtype, b2_arg.dtype, topk_weights.dtype, bias_arg.dtype,
+            topk_ids.dtype, w2.stride(), sb2, topk_ids.stride(), topk_weights.stride(), sbias,
+            K, H, n_inter, b2 is not None, bias is not None,
+            aligned(h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out),
+        ),
+        (T, cdiv(H, cfg.down_n)),
+        (
+            h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out, T, H, n_inter, h.stride(0),
+            h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), *sb2, topk_ids.stride(0),
+            topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), *sbias,
+            out.stride(0), out.stride(1),
+        ),
+        lambda: dict(
+            TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
+            BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, num_warps=cfg.num_warps,
+        ),
+    )  # fmt: skip
+    return out
+
+
+_UP = ThinKernel(_decode_up_kernel)
+_DOWN = ThinKernel(_decode_down_kernel)

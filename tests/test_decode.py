@@ -1,0 +1,163 @@
+"""The decode path of fused_moe (moe_route/kernels/triton/decode.py: two launches, no routing
+maps) on the CPU through the interpreter, against the float64 reference and against the sorted
+path (maps → GEMM1 → GEMM2 → finalize) on the same inputs: activations and layouts, biases,
+dropped slots (NaN router weights, never read), K = E, zero tokens, strided weights. Also which
+calls take it (no gradient wanted, few slots), opcheck of its op, and that it launches neither
+the maps nor the sorted GEMMs. bf16 runs on CUDA (tests/test_gpu_moe.py); the kernels use no
+``tl.dot``, but the reference comparison's tolerance is the dtype's either way.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from moe_cases import ACT_IDS, ACT_LAYOUTS, TOL, assert_matches, make_ids, needs_interpreter
+from moe_cases import moe_case as make_moe
+from moe_cases import moe_expected as expected
+from moe_cases import run_moe as run
+
+import moe_route
+from moe_route import tuning
+
+moe_module = importlib.import_module("moe_route.moe")
+decode_module = importlib.import_module("moe_route.kernels.triton.decode")
+maps_module = importlib.import_module("moe_route.maps")
+
+pytestmark = needs_interpreter
+
+
+@pytest.fixture
+def sorted_path(monkeypatch):
+    """Run fused_moe with the decode path turned off (every plan rebuilt)."""
+
+    def turn_off():
+        monkeypatch.setattr(tuning, "decode_config", lambda *a, **k: None)
+        moe_module._plan.cache_clear()
+
+    yield turn_off
+    moe_module._plan.cache_clear()
+
+
+class Launches:
+    def __init__(self, monkeypatch):
+        self.decode = self.maps = 0
+        real_decode = decode_module.moe_decode_triton
+        real_maps = maps_module.routing_maps_tables
+
+        def decode(*a, **k):
+            self.decode += 1
+            return real_decode(*a, **k)
+
+        def maps(*a, **k):
+            self.maps += 1
+            return real_maps(*a, **k)
+
+        monkeypatch.setattr(decode_module, "moe_decode_triton", decode)
+        monkeypatch.setattr(maps_module, "routing_maps_tables", maps)
+
+
+def _both(case, sorted_path, **kw):
+    moe_module._plan.cache_clear()
+    fast = run(case, **kw)
+    sorted_path()
+    slow = run(case, **kw)
+    return fast, slow
+
+
+@pytest.mark.parametrize(("activation", "layout"), ACT_LAYOUTS, ids=ACT_IDS)
+def test_activations_match_reference_and_sorted_path(monkeypatch, sorted_path, activation,
+                                                      layout):  # fmt: skip
+    case = make_moe(1, 4, 6, 40, 24, activation=activation, b1=True, b2=True, bias="TH",
+                    drop=0.25, seed=3)  # fmt: skip
+    spy = Launches(monkeypatch)
+    fast, slow = _both(case, sorted_path, activation=activation, layout=layout)
+    assert spy.decode == 1 and spy.maps == 1  # the decode call built no maps
+    want = expected(case, activation=activation, layout=layout)
+    assert_matches(fast, want, TOL[torch.float32])
+    assert_matches(fast, slow, TOL[torch.float32], what="decode vs sorted")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("T", "K", "E", "bias"),
+    [(1, 2, 2, None), (2, 8, 16, "H"), (1, 8, 8, "TH"), (4, 4, 64, None)],
+    ids=["K=E=2", "T=2 K=8", "K=E=8", "T=4"],
+)  # fmt: skip
+def test_sizes_and_dtypes(sorted_path, dtype, T, K, E, bias):
+    # odd H and I: no tile divides them
+    case = make_moe(T, K, E, 37, 19, dtype=dtype, b2=True, bias=bias, drop=0.2, seed=T + K)
+    fast, slow = _both(case, sorted_path)
+    assert not fast.isnan().any()
+    assert_matches(fast, expected(case), TOL[dtype])
+    assert_matches(fast, slow, TOL[dtype], what="decode vs sorted")
+
+
+def test_every_slot_dropped_and_zero_tokens():
+    moe_module._plan.cache_clear()
+    ids = torch.full((1, 4), -1, dtype=torch.int32)
+    case = make_moe(1, 4, 8, 16, 8, ids=ids, bias="H", seed=1)
+    out = run(case)
+    assert torch.equal(out, case["bias"].expand(1, 16).to(out.dtype))  # the bias alone
+    empty = run(make_moe(0, 4, 8, 16, 8, seed=2))
+    assert empty.shape == (0, 16)
+
+
+def test_strided_weights_and_tokens(sorted_path):
+    case = make_moe(2, 2, 5, 32, 16, b1=True, seed=4)
+    case["w1"] = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)  # k-major W1
+    case["w2"] = case["w2"][:, :, :].transpose(1, 2).contiguous().transpose(1, 2)
+    case["x"] = torch.cat([case["x"], case["x"]], dim=1)[:, ::2]  # column stride 2
+    fast, slow = _both(case, sorted_path)
+    assert_matches(fast, expected(case), TOL[torch.float32])
+    assert_matches(fast, slow, TOL[torch.float32], what="decode vs sorted")
+
+
+def test_which_calls_take_it(monkeypatch):
+    """No gradient wanted and T*K <= min(16, E): the decode path; otherwise the sorted one."""
+    moe_module._plan.cache_clear()
+    spy = Launches(monkeypatch)
+    small = make_moe(2, 4, 8, 16, 8, seed=5)
+    run(small)
+    assert (spy.decode, spy.maps) == (1, 0)
+    run(make_moe(8, 4, 64, 16, 8, seed=6))  # 32 slots
+    run(make_moe(2, 4, 4, 16, 8, seed=7))  # 8 slots over 4 experts
+    assert (spy.decode, spy.maps) == (1, 2)
+    grad = dict(small, x=small["x"].clone().requires_grad_(True))
+    run(grad).sum().backward()  # training: the sorted path, which saves z
+    assert (spy.decode, spy.maps) == (1, 3)
+    with torch.no_grad():
+        run(grad)
+    assert (spy.decode, spy.maps) == (2, 3)
+
+
+def test_deterministic_bitwise():
+    moe_module._plan.cache_clear()
+    case = make_moe(2, 4, 8, 24, 12, b1=True, b2=True, bias="TH", seed=8)
+    first = run(case)
+    for _ in range(2):
+        assert torch.equal(run(case), first)
+
+
+def test_opcheck():
+    case = make_moe(2, 4, 8, 16, 8, b1=True, b2=True, bias="H", seed=9)
+    args = (case["x"], case["w1"], case["w2"], case["topk_weights"], case["topk_ids"], case["b1"],
+            case["b2"], case["bias"], "swiglu", "concat")  # fmt: skip
+    torch.library.opcheck(torch.ops.moe_route.moe_decode.default, args)
+
+
+def test_compile_fullgraph():
+    torch._dynamo.reset()
+    moe_module._plan.cache_clear()
+    case = make_moe(1, 4, 8, 16, 8, b2=True, seed=10)
+    ids = make_ids(1, 4, 8, drop=0.0, seed=10)
+    case["topk_ids"] = ids
+    case["topk_weights"] = torch.rand(1, 4)
+
+    def f(x, w1, w2, tw):
+        return moe_route.fused_moe(x, w1, w2, tw, ids, b2=case["b2"], backend="triton")
+
+    args = (case["x"], case["w1"], case["w2"], case["topk_weights"])
+    got = torch.compile(f, fullgraph=True)(*args)
+    assert torch.equal(got, f(*args))

@@ -1,0 +1,131 @@
+"""fused_moe's decode path (moe_route/kernels/triton/decode.py) on a CUDA device: against the
+float64 reference and the sorted path (maps → GEMM1 → GEMM2 → finalize) on the same inputs, in
+bf16 / fp16 / fp32, at odd and model sizes, with dropped slots, K = E and strided weights;
+bitwise determinism over 20 runs, no host sync, CUDA-graph replay on new tokens and routing,
+``torch.compile(fullgraph=True)``.
+
+Tolerances: the dtype's (moe_cases.TOL) against float64. Against the sorted path the same
+tolerance: both round ``h`` and ``y`` to the dtype, but sum the products in other orders.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import moe_cases
+import pytest
+import torch
+from helpers import capture_cuda_graph
+from moe_cases import ARG_ORDER, TOL, assert_matches, moe_expected, run_moe
+
+import moe_route
+from moe_route import tuning
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+moe_module = importlib.import_module("moe_route.moe")
+CUDA = "cuda"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPE_IDS = ["bf16", "fp16", "fp32"]
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=CUDA) * scale).to(dtype)
+
+
+moe_case = functools.partial(moe_cases.moe_case, dtype=torch.bfloat16, device=CUDA, rand=rand)
+
+
+def _sorted(case, monkeypatch, **kw):
+    """The same call with the decode path turned off."""
+    with monkeypatch.context() as m:
+        m.setattr(tuning, "decode_config", lambda *a, **k: None)
+        moe_module._plan.cache_clear()
+        out = run_moe(case, **kw)
+    moe_module._plan.cache_clear()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    ("T", "K", "E", "H", "inter"),
+    [(1, 8, 64, 2048, 1024), (2, 8, 128, 2048, 768), (1, 8, 32, 7168, 2048), (1, 2, 8, 4096, 1792),
+     (3, 5, 16, 200, 136), (1, 4, 4, 72, 40)],
+    ids=["qwen-ish T=1", "qwen3 T=2", "deepseek-ish T=1", "mixtral-ish T=1", "odd", "K=E"],
+)  # fmt: skip
+def test_matches_reference_and_sorted_path(monkeypatch, dtype, T, K, E, H, inter):
+    case = moe_case(T, K, E, H, inter, dtype=dtype, b1=True, b2=True, bias="TH", drop=0.2,
+                    seed=T + E)  # fmt: skip
+    moe_module._plan.cache_clear()
+    fast = run_moe(case)
+    assert not fast.isnan().any()
+    assert_matches(fast, moe_expected(case), TOL[dtype], device=CUDA)
+    assert_matches(fast, _sorted(case, monkeypatch), TOL[dtype], what="decode vs sorted")
+
+
+@pytest.mark.parametrize(("activation", "layout"), moe_cases.ACT_LAYOUTS, ids=moe_cases.ACT_IDS)
+def test_activations(activation, layout):
+    case = moe_case(2, 4, 16, 256, 96, activation=activation, b1=True, seed=3)
+    out = run_moe(case, activation=activation, layout=layout)
+    want = moe_expected(case, activation=activation, layout=layout)
+    assert_matches(out, want, TOL[torch.bfloat16], device=CUDA)
+
+
+def test_strided_weights_and_every_slot_dropped():
+    case = moe_case(2, 4, 16, 256, 128, b2=True, bias="H", seed=4)
+    case["w1"] = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    case["w2"] = case["w2"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert_matches(run_moe(case), moe_expected(case), TOL[torch.bfloat16], device=CUDA)
+    case["topk_ids"] = torch.full_like(case["topk_ids"], -1)
+    out = run_moe(case)
+    assert torch.equal(out, case["bias"].expand(out.shape))
+
+
+def test_deterministic_20_runs():
+    case = moe_case(2, 8, 64, 2048, 768, b1=True, b2=True, bias="TH", seed=5)
+    first = run_moe(case)
+    for _ in range(19):
+        assert torch.equal(run_moe(case), first)
+
+
+def test_no_host_sync():
+    case = moe_case(1, 8, 64, 512, 256, seed=6)
+    run_moe(case)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_moe(case)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
+def test_cuda_graph():
+    T, K, E, H, inter = 2, 4, 16, 256, 128
+    static = moe_case(T, K, E, H, inter, b2=True, bias="TH", seed=7)
+    graph, static_out = capture_cuda_graph(lambda: run_moe(static), warmup=2)
+    for seed in (8, 9):
+        fresh = moe_case(T, K, E, H, inter, b2=True, bias="TH", drop=0.3, seed=seed)
+        for key, value in fresh.items():
+            if value is not None:
+                static[key].copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, run_moe(fresh))
+
+
+def test_compile_fullgraph():
+    def layer(x, w1, w2, tw, ids, b2):
+        return moe_route.fused_moe(x, w1, w2, tw, ids, b2=b2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    for seed in (10, 11):
+        case = moe_case(1, 8, 64, 256, 128, b2=True, seed=seed)
+        args = [case[k] for k in (*ARG_ORDER, "b2")]
+        assert torch.equal(compiled(*args), layer(*args))
