@@ -58,9 +58,9 @@ def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype)
     with GEMM1's programs (8 slots x 32 tiles of 32 columns) and GEMM2 (16-column tiles) runs
     128 programs at H=2048.
     """
-    if bucket * top_k > min(16, num_experts):
+    if bucket * top_k > min(16, num_experts) or dtype == torch.float64:
         return None
-    return DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=256, num_warps=4)
+    return DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):

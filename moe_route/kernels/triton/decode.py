@@ -12,9 +12,11 @@ touched weights. Here the slots are taken as they come from ``topk_ids``:
    ``y = h[slot] W2[e]^T + b2[e]`` rounded to the output dtype (as GEMM2 stores it), then
    ``out[t] = Σ_k w[t,k] y + bias``, rounded once: the standalone finalize's sum, term by term.
 
-Each output element has one owner and a fixed order: the same bits on every run. The products
-are matrix-vector products on the CUDA cores (one token row per program; no MMA tile to fill),
-bound by reading the weights.
+Each output element has one owner and a fixed order: the same bits on every run. Each product
+is one row times a weight tile, computed as an MMA with the row in the first of ``BLOCK_M``
+rows (the others zero): the MMA's operands are what Triton software-pipelines, so the weight
+loads of several steps are in flight at once, which the kernels (bound by reading the touched
+weights) need more than the arithmetic the padding wastes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import triton.language as tl
 
 from . import ThinKernel, aligned, cdiv
 from .activation import gated_forward, plain_forward
-from .grouped_gemm import GemmEpilogue, _gate_up_rows
+from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
+
+#: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
+_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -41,13 +46,23 @@ class DecodeConfig:
     down_n: int
     down_k: int
     num_warps: int
+    num_stages: int
 
 
 @triton.jit
-def _gemv(v, w_ptrs, ks, k_ok, acc):
-    """``acc + w[:, ks] * v[None, :]`` (the row sums are taken after the loop)."""
-    w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-    return acc + w.to(acc.dtype) * v[None, :]
+def _row_times(v_ptrs, w_ptrs, k_ok, acc, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc + [v; 0; ...] @ w``: the row ``v`` (``[BLOCK_K]``) in the first of ``BLOCK_M``
+    rows, times a ``[BLOCK_K, BLOCK_N]`` weight tile."""
+    v = tl.load(v_ptrs, mask=k_ok, other=0.0)
+    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    first = tl.arange(0, BLOCK_M)[:, None] == 0
+    a = tl.where(first, v[None, :], tl.zeros_like(v)[None, :])
+    return _mma(a, w, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _first_row(acc, BLOCK_M: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, acc, 0.0), axis=0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -57,7 +72,8 @@ def _decode_up_kernel(
     stride_ik, stride_hs, stride_hn,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]``."""
     slot = tl.program_id(0)
@@ -72,26 +88,25 @@ def _decode_up_kernel(
     up_rows = tl.where(col_ok, up_rows, 0)
     ks = tl.arange(0, BLOCK_K)
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    g_ptrs = w_base + gate_rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
-    u_ptrs = w_base + up_rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+    g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + ks * stride_xh
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
-        v = tl.load(x_ptrs, mask=k_ok, other=0.0).to(ACC)
-        acc_g = _gemv(v, g_ptrs, ks, k_ok, acc_g)
+        acc_g = _row_times(x_ptrs, g_ptrs, k_ok, acc_g, DOT_PRECISION, BLOCK_M)
         if GATED:
-            acc_u = _gemv(v, u_ptrs, ks, k_ok, acc_u)
+            acc_u = _row_times(x_ptrs, u_ptrs, k_ok, acc_u, DOT_PRECISION, BLOCK_M)
             u_ptrs += BLOCK_K * stride_wk
         g_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xh
-    gate = tl.sum(acc_g, axis=1)
+    gate = _first_row(acc_g, BLOCK_M)
     if HAS_BIAS:
         b_base = b_ptr + e.to(tl.int64) * stride_be
         gate += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)
     if GATED:
-        up = tl.sum(acc_u, axis=1)
+        up = _first_row(acc_u, BLOCK_M)
         if HAS_BIAS:
             up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)
         h = gated_forward(gate, up, ACT, ALPHA, LIMIT, UP_OFFSET)
@@ -107,7 +122,8 @@ def _decode_down_kernel(
     stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_b2e, stride_b2n, stride_it,
     stride_ik, stride_wt, stride_wkk, stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-    OUT_ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order."""
     t = tl.program_id(0).to(tl.int64)
@@ -120,16 +136,14 @@ def _decode_down_kernel(
         e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
         if e >= 0:  # a dropped slot adds nothing (its weight is never read)
             w_base = w_ptr + e.to(tl.int64) * stride_we
-            w_ptrs = w_base + safe_cols[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+            w_ptrs = w_base + safe_cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
             h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + ks * stride_hn
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=ACC)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             for k0 in range(0, KD, BLOCK_K):
-                k_ok = k0 + ks < KD
-                v = tl.load(h_ptrs, mask=k_ok, other=0.0).to(ACC)
-                acc = _gemv(v, w_ptrs, ks, k_ok, acc)
+                acc = _row_times(h_ptrs, w_ptrs, k0 + ks < KD, acc, DOT_PRECISION, BLOCK_M)
                 w_ptrs += BLOCK_K * stride_wk
                 h_ptrs += BLOCK_K * stride_hn
-            y = tl.sum(acc, axis=1)
+            y = _first_row(acc, BLOCK_M)
             if HAS_B2:
                 b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + cols * stride_b2n,
                              mask=col_ok, other=0.0)  # fmt: skip
@@ -154,6 +168,7 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
         return out
     h = x.new_empty(T * K, n_inter)
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+    precision = _precision(x.dtype, False)
     out_acc = tl.float64 if torch.float64 in (x.dtype, topk_weights.dtype) else tl.float32
     epi = epilogue
     b1_arg, sb1 = (b1, b1.stride()) if b1 is not None else (w1, (0, 0))
@@ -177,7 +192,8 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
         lambda: dict(
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
             UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
-            ACC=acc, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
+            ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
     _DOWN.launch(
@@ -196,7 +212,8 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
         ),
         lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
-            BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, num_warps=cfg.num_warps,
+            DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
     return out
