@@ -378,7 +378,7 @@ def fused_moe(
     check_interpreter_dtype("x", x, plan.backend)
     if _checks.ids_value_check_wanted(ids, None):
         _checks.check_topk_id_values(ids, E)
-    if plan.decode is not None and not _wants_grad(x, w1, w2, topk_weights, b1, b2, bias):
+    if plan.decode is not None and _decode_now(x, w1, w2, topk_weights, b1, b2, bias):
         return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, activation, gate_up_layout)
     maps = maps_op(ids, E, plan.maps_backend)
     return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,
@@ -410,6 +410,20 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
         plan.path, plan.gather, allow_tf32, plan.backend, store_z,
     )  # fmt: skip
     return out
+
+
+def _decode_now(x, *params) -> bool:
+    """Whether a call with a decode plan takes the decode path: eager inference only.
+
+    NOTE: H100, bf16 (bench host + forward stages, 2026-11-25): at qwen3 T=1 the decode path
+    cut the host time of an eager call from ~160 to 70 us (two launches, no maps), but its
+    device time is 60 us against the sorted path's 41 (GEMM2's programs walk the K slots one
+    after the other); at deepseek-v3 T=1 both take 281 us. So CUDA-graph capture and
+    torch.compile, where host time is not paid per call, keep the sorted path.
+    """
+    if _wants_grad(x, *params) or torch.compiler.is_compiling():
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
