@@ -45,9 +45,9 @@ class MoEPlan:
     path: str
     #: GEMM1 reads its rows from ``x`` through the maps (no expand).
     gather: bool
-    #: the decode path's tiles where it serves (no gradient wanted; see
-    #: :mod:`moe_route.kernels.triton.decode`), else None.
-    decode: object = None
+    #: eager calls that want no gradient take the decode path
+    #: (:mod:`moe_route.kernels.triton.decode`; its tiles: :func:`moe_route.tuning.decode_config`).
+    decode: bool = False
 
 
 @functools.cache
@@ -69,7 +69,7 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
         epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
     )  # fmt: skip
-    decode = tuning.decode_config(bucket, K, E, dtype)
+    decode = tuning.decode_config(bucket, K, E, dtype) is not None
     return MoEPlan("triton", maps_chosen, cfg, path, gather, decode)
 
 
@@ -378,7 +378,7 @@ def fused_moe(
     check_interpreter_dtype("x", x, plan.backend)
     if _checks.ids_value_check_wanted(ids, None):
         _checks.check_topk_id_values(ids, E)
-    if plan.decode is not None and _decode_now(x, w1, w2, topk_weights, b1, b2, bias):
+    if plan.decode and _decode_now(x, w1, w2, topk_weights, b1, b2, bias):
         return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, activation, gate_up_layout)
     maps = maps_op(ids, E, plan.maps_backend)
     return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,

@@ -60,7 +60,10 @@ def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype)
     """
     if bucket * top_k > min(16, num_experts) or dtype == torch.float64:
         return None
-    return DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
+    return _DECODE
+
+
+_DECODE = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
@@ -146,5 +149,6 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         return WeightGradConfig(64, 256 if n >= 8192 else 128, 128, 8, 3)
     if rows_per_expert <= 512:
         return WeightGradConfig(32, 128, 128, 4, 4, True, 2)
-    k_fastest = -(-kd // 256) <= -(-n // 128)
-    return WeightGradConfig(32, 128, 256, 8, 4, True, 1, k_fastest)
+    cfg = WeightGradConfig(32, 128, 256, 8, 4, True, 1)
+    along_kd = -(-kd // cfg.block_k) <= -(-n // cfg.block_n)  # fewer tiles along Kd
+    return dataclasses.replace(cfg, k_fastest=along_kd)
