@@ -2,12 +2,14 @@
 random weights, bf16) run eagerly with each experts implementation: prefill of 2048 tokens and
 decode steps with a KV cache (issue 11's comparison). CUDA only.
 
-    python bench/bench_hf.py [--layers 4] [--prefill 2048] [--decode 32]
+    python bench/bench_hf.py [--layers 4] [--prefill 2048] [--decode 32] [--rounds 3]
                              [--impls eager grouped_mm moe_route]
 
 Times are CUDA-event medians over repeats after warm-up (prefill: whole forward; decode: one
 token per step with the cache, averaged over the steps), same model, same inputs, same
-process; the table gives each implementation's time and its speed relative to ``grouped_mm``.
+process; the implementations take turns for ``--rounds`` rounds and each figure is the median
+over the rounds; the table gives each implementation's time and its speed relative to
+``grouped_mm``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--impls", nargs="+", default=["eager", "grouped_mm", "moe_route"])
     args = p.parse_args(argv)
 
@@ -57,30 +60,39 @@ def main(argv=None) -> int:
     model = build(args.layers, vocab=1024)
     g = torch.Generator(device="cuda").manual_seed(1)
     prompt = torch.randint(0, 1024, (1, args.prefill), device="cuda", generator=g)
-    rows = {}
+
+    def prefill():
+        return model(prompt, use_cache=True)
+
+    def decode(out):
+        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(args.decode):
+            step = model(tok, past_key_values=cache, use_cache=True)
+            cache, tok = step.past_key_values, step.logits[:, -1:].argmax(-1)
+
+    def measure(impl: str, warm: bool) -> tuple[float, float]:
+        model.set_experts_implementation(impl)
+        if warm:  # compiles
+            for _ in range(2):
+                decode(prefill())
+        prefill_ms = time_ms(prefill, args.repeats)
+        both_ms = time_ms(lambda: decode(prefill()), max(2, args.repeats // 3))
+        return prefill_ms, (both_ms - prefill_ms) / args.decode
+
+    # The implementations take turns, round after round, so that a drift of the machine (clocks,
+    # other processes) spreads over all of them; each figure is the median over the rounds.
+    runs: dict[str, list[tuple[float, float]]] = {impl: [] for impl in args.impls}
     with torch.no_grad():
-        for impl in args.impls:
-            model.set_experts_implementation(impl)
-
-            def prefill():
-                return model(prompt, use_cache=True)
-
-            for _ in range(2):  # warm-up (compiles)
-                out = prefill()
-            prefill_ms = time_ms(prefill, args.repeats)
-
-            def decode(out=out):
-                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                for _ in range(args.decode):
-                    step = model(tok, past_key_values=cache, use_cache=True)
-                    cache, tok = step.past_key_values, step.logits[:, -1:].argmax(-1)
-
-            decode()  # warm-up
-            decode_ms = time_ms(lambda: decode(prefill()), max(2, args.repeats // 3))
-            decode_ms = (decode_ms - prefill_ms) / args.decode
-            rows[impl] = (prefill_ms, decode_ms)
-            us = decode_ms * 1e3
-            print(f"{impl:12} prefill {prefill_ms:8.2f} ms   decode {us:8.1f} us/token")
+        for r in range(args.rounds):
+            for impl in args.impls:
+                runs[impl].append(measure(impl, warm=r == 0))
+    rows = {}
+    for impl, got in runs.items():
+        pf, dc = (statistics.median(v) for v in zip(*got, strict=True))
+        rows[impl] = (pf, dc)
+        spread = max(g[0] for g in got) / min(g[0] for g in got)
+        print(f"{impl:12} prefill {pf:8.2f} ms (max/min {spread:4.2f})   "
+              f"decode {dc * 1e3:8.1f} us/token")  # fmt: skip
     base = rows.get("grouped_mm")
     if base:
         print("\nrelative to grouped_mm (higher is faster):")

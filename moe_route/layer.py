@@ -22,7 +22,7 @@ from .activations import Activation, as_activation
 from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
 from .maps import maps_op
-from .moe import moe_plan, run_experts
+from .moe import DECODE, decode_now, moe_plan, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
 from .reference import GATE_UP_LAYOUTS, activation_reference
@@ -463,21 +463,25 @@ class MoELayer(nn.Module):
 
         # The router made the ids and the parameters are the layer's own (shapes fixed at
         # construction, load_state_dict checks them): none of fused_moe's argument checks,
-        # one plan, and the maps' offsets give the counts (one op instead of eight).
-        act = self.activation
-        plan = moe_plan(x2, self.w1, self.w2, self.top_k, act, self.gate_up_layout,
-                        self.finalize, self.deterministic, None, False, self.backend)  # fmt: skip
+        # one plan, and the counts come with the experts' launches (the maps' offsets, or the
+        # decode path's second kernel): one op instead of eight.
+        act, layout = self.activation, self.gate_up_layout
+        plan = moe_plan(x2, self.w1, self.w2, self.top_k, act, layout, self.finalize,
+                        self.deterministic, None, False, self.backend)  # fmt: skip
         check_interpreter_dtype("x", x2, plan.backend)
-        maps = maps_op(ids, E, plan.maps_backend)
-        out = run_experts(
-            plan, x2, self.w1, self.w2, weights, maps, act, self.gate_up_layout, self.b1,
-            self.b2, self.shared_expert(x2),
-        )  # fmt: skip
+        shared = self.shared_expert(x2)
+        w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
+        if decode_now(plan, x2, w1, w2, weights, b1, b2, shared):
+            out, counts = DECODE(x2, w1, w2, weights, ids, b1, b2, shared, act, layout, True)
+        else:
+            maps = maps_op(ids, E, plan.maps_backend)
+            out = run_experts(plan, x2, w1, w2, weights, maps, act, layout, b1, b2, shared)
+            counts = maps.tokens_per_expert()
         return MoEOutput(
             output=out.view(x.shape),
             aux_loss=aux,
             router_logits=logits,
-            tokens_per_expert=maps.tokens_per_expert(),
+            tokens_per_expert=counts,
             topk_ids=ids,
             topk_weights=weights,
             load_balancing_loss=lb,

@@ -276,17 +276,26 @@ def moe_decode_tables(
     bias: torch.Tensor | None,
     activation: str,
     gate_up_layout: str,
-) -> torch.Tensor:
-    """``fused_moe``'s output on the decode path (Triton; no maps, no gradient)."""
+    want_counts: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, counts)`` on the decode path (Triton; no maps, no gradient): ``fused_moe``'s
+    output, and with ``want_counts`` the routed slots per expert (``[E] int64``, else empty),
+    which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``."""
     from .kernels.triton.decode import moe_decode_triton
 
-    cfg = tuning.decode_config(token_bucket(x.shape[0]), topk_ids.shape[1], w1.shape[0], x.dtype)
-    return moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
-                             epilogue_for(activation, gate_up_layout), cfg)  # fmt: skip
+    E, K = w1.shape[0], topk_ids.shape[1]
+    counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
+    cfg = tuning.decode_config(token_bucket(x.shape[0]), K, E, x.dtype)
+    out = moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
+                            epilogue_for(activation, gate_up_layout), cfg,
+                            counts if want_counts else None)  # fmt: skip
+    return out, counts
 
 
-def _decode_fake(x, *_):
-    return x.new_empty(x.shape)
+def _decode_fake(x, w1, w2, topk_weights, topk_ids, *rest):
+    want_counts = rest[-1]
+    return x.new_empty(x.shape), topk_ids.new_empty(w1.shape[0] if want_counts else 0,
+                                                    dtype=torch.int64)  # fmt: skip
 
 
 DECODE = Op("moe_decode", moe_decode_tables, _decode_fake)
@@ -378,8 +387,10 @@ def fused_moe(
     check_interpreter_dtype("x", x, plan.backend)
     if _checks.ids_value_check_wanted(ids, None):
         _checks.check_topk_id_values(ids, E)
-    if plan.decode and _decode_now(x, w1, w2, topk_weights, b1, b2, bias):
-        return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, activation, gate_up_layout)
+    if decode_now(plan, x, w1, w2, topk_weights, b1, b2, bias):
+        out, _ = DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, activation, gate_up_layout,
+                        False)  # fmt: skip
+        return out
     maps = maps_op(ids, E, plan.maps_backend)
     return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,
                        bias, allow_tf32)  # fmt: skip
@@ -412,8 +423,8 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
     return out
 
 
-def _decode_now(x, *params) -> bool:
-    """Whether a call with a decode plan takes the decode path: eager inference only.
+def decode_now(plan: MoEPlan, x, *params) -> bool:
+    """Whether a call takes the decode path (:data:`DECODE`): a decode plan, eager inference.
 
     NOTE: H100, bf16 (bench host + forward stages, 2026-11-25): at qwen3 T=1 the decode path
     cut the host time of an eager call from ~160 to 70 us (two launches, no maps), but its
@@ -421,7 +432,7 @@ def _decode_now(x, *params) -> bool:
     after the other); at deepseek-v3 T=1 both take 281 us. So CUDA-graph capture and
     torch.compile, where host time is not paid per call, keep the sorted path.
     """
-    if _wants_grad(x, *params) or torch.compiler.is_compiling():
+    if not plan.decode or _wants_grad(x, *params) or torch.compiler.is_compiling():
         return False
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from ._env import getenv
-from .kernels.triton.decode import DecodeConfig
+from .kernels.triton.decode import MAX_SLOTS, DecodeConfig
 from .kernels.triton.grouped_gemm import GemmConfig
 from .kernels.triton.weight_grad import WeightGradConfig
 
@@ -56,9 +56,9 @@ def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype)
 
     NOTE: not swept yet; tiles sized so that T=1 with K=8 and I=1024 fills the SMs of an H100
     with GEMM1's programs (8 slots x 32 tiles of 32 columns) and GEMM2 (16-column tiles) runs
-    128 programs at H=2048. Only eager calls take the path (:func:`moe_route.moe._decode_now`).
+    128 programs at H=2048. Only eager calls take the path (:func:`moe_route.moe.decode_now`).
     """
-    if bucket * top_k > min(16, num_experts) or dtype == torch.float64:
+    if bucket * top_k > min(MAX_SLOTS, num_experts) or dtype == torch.float64:
         return None
     return _DECODE
 

@@ -1,28 +1,99 @@
-"""cProfile of eager fused_moe calls at a decode size (where the host time goes)."""
+"""cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
+sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), fused_moe forward + backward at
+T=1, and an inference MoELayer at T=1. Prints each call's host µs (no profiler; best of 3
+loops of 200 calls without synchronising) and the top functions by own time.
 
+    python scripts/host_profile.py [fwd1 fwd8 train1 layer1] [--top N]
+"""
+
+import argparse
 import cProfile
+import io
 import pstats
+import time
 
 import torch
-import triton
 
 import moe_route
 from moe_route import reference as R
 
-T, H, inter, E, K = 1, 2048, 1024, 64, 8
-x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+H, inter, E, K = 2048, 768, 128, 8
 w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02
 w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * 0.02
-tw, ids = R.topk_routing_reference(torch.randn(T, E, device="cuda"), K, renormalize=True)
-for _ in range(20):
-    moe_route.fused_moe(x, w1, w2, tw, ids)
-torch.cuda.synchronize()
-rt = triton.knobs.runtime
-print("hooks:", rt.launch_enter_hook, getattr(rt.launch_enter_hook, "calls", None))
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(200):
-    moe_route.fused_moe(x, w1, w2, tw, ids)
-prof.disable()
-torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def inputs(T, grad=False):
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    tw, ids = R.topk_routing_reference(torch.randn(T, E, device="cuda"), K, renormalize=True)
+    return x, tw.requires_grad_(grad), ids
+
+
+def fwd(T):
+    x, tw, ids = inputs(T)
+    return lambda: moe_route.fused_moe(x, w1, w2, tw, ids)
+
+
+def train(T):
+    x, tw, ids = inputs(T, grad=True)
+    w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+
+    def step():
+        out = moe_route.fused_moe(x, w1g, w2g, tw, ids)
+        out.sum().backward()
+
+    return step
+
+
+def layer(T):
+    m = moe_route.MoELayer(H, inter, E, K, device="cuda", dtype=torch.bfloat16).eval()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        with torch.no_grad():
+            return m(x)
+
+    return call
+
+
+CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "train1": lambda: train(1),
+         "layer1": lambda: layer(1)}  # fmt: skip
+
+
+def per_call(fn, n=200):
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("cases", nargs="*", default=list(CASES))
+    p.add_argument("--top", type=int, default=22)
+    args = p.parse_args()
+    idx = torch.arange(8, device="cuda")
+    xs = torch.randn(8, H, device="cuda")
+    print(f"index_select: {per_call(lambda: xs.index_select(0, idx)):.1f} us")
+    for name in args.cases:
+        fn = CASES[name]()
+        for _ in range(20):
+            fn()
+        print(f"{name}: {per_call(fn):.1f} us host per call")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+        print("\n".join(s.getvalue().splitlines()[6:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -144,7 +144,8 @@ def test_opcheck():
     case = make_moe(2, 4, 8, 16, 8, b1=True, b2=True, bias="H", seed=9)
     args = (case["x"], case["w1"], case["w2"], case["topk_weights"], case["topk_ids"], case["b1"],
             case["b2"], case["bias"], "swiglu", "concat")  # fmt: skip
-    torch.library.opcheck(torch.ops.moe_route.moe_decode.default, args)
+    for want_counts in (False, True):
+        torch.library.opcheck(torch.ops.moe_route.moe_decode.default, (*args, want_counts))
 
 
 def test_compile_keeps_the_sorted_path(sorted_path):
@@ -164,3 +165,46 @@ def test_compile_keeps_the_sorted_path(sorted_path):
     got = torch.compile(f, fullgraph=True)(*args)
     sorted_path()
     assert torch.equal(got, f(*args))
+
+
+# --------------------------------------------------------------------------- MoELayer
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"capacity_factor": 0.5}, {"num_shared_experts": 1, "shared_expert_gate": True}],
+    ids=["plain", "capacity-drops", "shared-expert"],
+)
+def test_layer_inference_takes_it_with_counts(monkeypatch, sorted_path, kw):
+    """An inference MoELayer at a decode size runs the decode path (no maps) and returns the
+    sorted path's output and the exact slots per expert, dropped slots not counted."""
+    moe_module._plan.cache_clear()
+    torch.manual_seed(11)
+    layer = moe_route.MoELayer(32, 24, 8, 4, dtype=torch.float32, backend="triton", **kw).eval()
+    x = torch.randn(2, 32)
+    spy = Launches(monkeypatch)
+    with torch.no_grad():
+        fast = layer(x)
+        # capacity drops rank the slots through maps of their own, before the experts
+        assert spy.decode == 1 and spy.maps == (1 if "capacity_factor" in kw else 0)
+        sorted_path()
+        slow = layer(x)
+    assert torch.equal(fast.topk_ids, slow.topk_ids)
+    assert torch.equal(fast.tokens_per_expert, moe_route.tokens_per_expert(fast.topk_ids, 8))
+    assert torch.equal(fast.tokens_per_expert, slow.tokens_per_expert)
+    assert fast.tokens_per_expert.dtype == torch.int64
+    if "capacity_factor" in kw:
+        assert int(fast.tokens_per_expert.sum()) < 8  # some slots dropped
+    assert_matches(fast.output, slow.output, TOL[torch.float32], what="decode vs sorted")
+
+
+def test_layer_training_and_zero_tokens(monkeypatch):
+    """With a gradient wanted the layer keeps the sorted path; zero tokens count nothing."""
+    moe_module._plan.cache_clear()
+    layer = moe_route.MoELayer(32, 24, 8, 2, dtype=torch.float32, backend="triton")
+    spy = Launches(monkeypatch)
+    layer(torch.randn(3, 32)).output.sum().backward()
+    assert spy.decode == 0 and spy.maps == 1
+    with torch.no_grad():
+        empty = layer(torch.randn(0, 32))
+    assert spy.decode == 1
+    assert empty.output.shape == (0, 32)
+    assert torch.equal(empty.tokens_per_expert, torch.zeros(8, dtype=torch.int64))

@@ -132,3 +132,31 @@ def test_compile_keeps_the_sorted_path(monkeypatch):
         case = moe_case(1, 8, 64, 256, 128, b2=True, seed=seed)
         args = [case[k] for k in (*ARG_ORDER, "b2")]
         assert torch.equal(compiled(*args), _sorted(case, monkeypatch))
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_layer_inference(monkeypatch, T):
+    """An inference MoELayer at qwen3's sizes takes the decode path: the sorted path's output
+    (to the dtype's tolerance), the exact slots per expert, no host sync, the same bits twice."""
+    torch.manual_seed(12)
+    layer = moe_route.MoELayer(2048, 768, 128, 8, device=CUDA, dtype=torch.bfloat16,
+                               num_shared_experts=1).eval()  # fmt: skip
+    x = rand(T, 2048, dtype=torch.bfloat16, seed=13)
+    with torch.no_grad():
+        moe_module._plan.cache_clear()
+        fast = layer(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with monkeypatch.context() as m:
+            m.setattr(tuning, "decode_config", lambda *a, **k: None)
+            moe_module._plan.cache_clear()
+            slow = layer(x)
+        moe_module._plan.cache_clear()
+    assert torch.equal(again.output, fast.output)
+    assert torch.equal(fast.tokens_per_expert, moe_route.tokens_per_expert(fast.topk_ids, 128))
+    assert torch.equal(fast.tokens_per_expert, slow.tokens_per_expert)
+    assert_matches(fast.output, slow.output, TOL[torch.bfloat16], what="decode vs sorted")

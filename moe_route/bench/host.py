@@ -16,7 +16,8 @@ one row (``impl`` = the op) with:
 * ``extra["device_bound"]``: the graph latency is at least 80 % of the host time, so the host
   loop may have waited for a full launch queue: the host figure is then an upper bound.
 
-And one row ``fused_moe new T``: after calls at ``T``, the first call at each of up to three
+And one row ``fused_moe new T``: after calls at ``T`` (the last one synchronised on its own),
+the first call at each of up to three
 token counts of ``T``'s power-of-two bucket (``(2^(b-1), 2^b]``, below ``T``) not used before in
 this process, device drained before and after (``median_us`` = the median first call); the
 same calls repeated give ``extra["repeat_us"]``, and ``extra["first_over_repeat"]`` is the worst
@@ -158,6 +159,11 @@ def _first_calls(shape: Shape, ctx: Context) -> None:
     def call(t):
         return lambda: moe_route.fused_moe(x[:t], w1, w2, tw[:t], ids[:t], backend=ctx.backend)
 
+    # NOTE: H100 (scripts/new_t_probe.py, 2026-11-26): right after a loop of unsynchronised
+    # calls, the next synchronised call of any T, a seen one too, took 1.3-2x a repeated one
+    # (990 against 745 us at qwen3 T=64). One call at the seen T settles that first, so the
+    # row measures what a new T costs.
+    time_once(call(shape.T), ctx.device)
     first = [time_once(call(t), ctx.device) for t in counts]
     repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3 if ctx.cuda else 1)]
     repeat_us = statistics.median(repeat) * 1e6

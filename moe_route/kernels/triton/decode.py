@@ -12,6 +12,9 @@ touched weights. Here the slots are taken as they come from ``topk_ids``:
    ``y = h[slot] W2[e]^T + b2[e]`` rounded to the output dtype (as GEMM2 stores it), then
    ``out[t] = Σ_k w[t,k] y + bias``, rounded once: the standalone finalize's sum, term by term.
 
+With ``counts``, program ``(0, 0)`` of the second launch also writes the routed slots per
+expert (``MoELayer``'s ``tokens_per_expert``): integer sums, no extra launch.
+
 Each output element has one owner and a fixed order: the same bits on every run. Each product
 is one row times a weight tile, computed as an MMA with the row in the first of ``BLOCK_M``
 rows (the others zero): the MMA's operands are what Triton software-pipelines, so the weight
@@ -33,6 +36,8 @@ from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
+#: the most slots (``T*K``) a decode call has (:func:`moe_route.tuning.decode_config`)
+MAX_SLOTS = 16
 
 
 @dataclass(frozen=True)
@@ -116,16 +121,34 @@ def _decode_up_kernel(
              h.to(h_ptr.dtype.element_ty), mask=col_ok)  # fmt: skip
 
 
+@triton.jit
+def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.constexpr,
+                   SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """``counts[e]`` = slots of the ``T*K <= SLOTS`` routed to expert ``e`` (dropped and
+    out-of-range ids counted nowhere)."""
+    slots = tl.arange(0, SLOTS)
+    ids = tl.load(ids_ptr + (slots // TOP_K) * stride_it + (slots % TOP_K) * stride_ik,
+                  mask=slots < T * TOP_K, other=-1)  # fmt: skip
+    for e0 in range(0, E, BLOCK_E):
+        experts = e0 + tl.arange(0, BLOCK_E)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int64)
+        tl.store(counts_ptr + experts, tl.sum(hits, axis=0), mask=experts < E)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _decode_down_kernel(
-    h_ptr, w_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, T, H, KD,
+    h_ptr, w_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H, KD, E,
     stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_b2e, stride_b2n, stride_it,
     stride_ik, stride_wt, stride_wkk, stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order."""
+    """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
+    ``COUNTS``, program ``(0, 0)`` the slots per expert)."""
+    if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -157,14 +180,17 @@ def _decode_down_kernel(
              mask=col_ok)  # fmt: skip
 
 
-def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
-                      epilogue: GemmEpilogue, cfg: DecodeConfig) -> torch.Tensor:  # fmt: skip
-    """``fused_moe``'s output ``[T, H]`` through the two decode kernels (inputs checked)."""
+def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue: GemmEpilogue,
+                      cfg: DecodeConfig, counts: torch.Tensor | None = None):  # fmt: skip
+    """``fused_moe``'s output ``[T, H]`` through the two decode kernels (inputs checked);
+    ``counts`` (``[E] int64``, ``T*K <= 16``), if given, gets the routed slots per expert."""
     T, H = x.shape
     K = topk_ids.shape[1]
-    n_inter = w2.shape[2]
+    E, n_inter = w1.shape[0], w2.shape[2]
     out = x.new_empty(T, H)
-    if T == 0 or H == 0:
+    if T == 0 or H == 0:  # (counts are asked for by MoELayer only, whose H >= 1)
+        if counts is not None:
+            counts.zero_()
         return out
     h = x.new_empty(T * K, n_inter)
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
@@ -173,6 +199,7 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
     epi = epilogue
     b1_arg, sb1 = (b1, b1.stride()) if b1 is not None else (w1, (0, 0))
     b2_arg, sb2 = (b2, b2.stride()) if b2 is not None else (w2, (0, 0))
+    counts_arg = out if counts is None else counts
     if bias is None:
         bias_arg, sbias = out, (0, 0)
     else:
@@ -200,12 +227,13 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
         (
             cfg, x.dtype, w2.dtype, b2_arg.dtype, topk_weights.dtype, bias_arg.dtype,
             topk_ids.dtype, w2.stride(), sb2, topk_ids.stride(), topk_weights.stride(), sbias,
-            K, H, n_inter, b2 is not None, bias is not None,
-            aligned(h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out),
+            K, H, n_inter, b2 is not None, bias is not None, counts is not None,
+            aligned(h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out, counts_arg),
         ),
         (T, cdiv(H, cfg.down_n)),
         (
-            h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out, T, H, n_inter, h.stride(0),
+            h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out, counts_arg, T, H, n_inter, E,
+            h.stride(0),
             h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), *sb2, topk_ids.stride(0),
             topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1), *sbias,
             out.stride(0), out.stride(1),
@@ -213,7 +241,8 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
         lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            COUNTS=counts is not None, SLOTS=MAX_SLOTS, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
     return out

@@ -1,0 +1,70 @@
+"""Why the first fused_moe call at a token count not seen before (same bucket, nothing to
+compile) costs more than a repeated one: times, cudaMalloc counts, and a cProfile of a first
+call against a repeated call."""
+
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import moe_route
+from moe_route import reference as R
+
+H, inter, E, K, T0 = 2048, 768, 128, 8, 64
+x = torch.randn(T0, H, device="cuda", dtype=torch.bfloat16)
+w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02
+w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+tw, ids = R.topk_routing_reference(torch.randn(T0, E, device="cuda"), K, renormalize=True)
+
+
+def call(t):
+    return moe_route.fused_moe(x[:t], w1, w2, tw[:t], ids[:t])
+
+
+def once(t):
+    torch.cuda.synchronize()
+    n0 = torch.cuda.memory_stats().get("num_device_alloc", -1)
+    s = time.perf_counter()
+    call(t)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - s) * 1e6
+    n1 = torch.cuda.memory_stats().get("num_device_alloc", -1)
+    return dt, n1 - n0
+
+
+for _ in range(10):
+    call(T0)
+for t in (63, 50, 40, 63, 50, 40):
+    dt, mallocs = once(t)
+    print(f"T={t}: {dt:8.1f} us, cudaMalloc calls {mallocs}")
+
+
+def profiled(t):
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    call(t)
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+    return s.getvalue()
+
+
+def loop(t, n=300):
+    for _ in range(n):
+        call(t)
+
+
+loop(T0)
+print("after a 300-call loop: seen T=64 %.1f us (%d mallocs)" % once(T0))
+loop(T0)
+print("after a 300-call loop: new T=62 %.1f us (%d mallocs)" % once(62))
+loop(T0)
+print("after a 300-call loop: new T=61 %.1f us (%d mallocs)" % once(61))
+print("then seen T=64 %.1f us, T=61 %.1f us" % (once(T0)[0], once(61)[0]))
+
+print("===== first call at T=45\n", profiled(45))
+print("===== repeated call at T=45\n", profiled(45))
