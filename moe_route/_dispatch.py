@@ -69,13 +69,20 @@ def needs_dispatcher(args) -> bool:
     if torch._C._len_torch_dispatch_stack():
         return True
     for a in args:
+        # NOTE: H100 host (scripts/host_profile.py layer1): reading the dispatch keys of every
+        # weight cost an inference MoELayer call more than its decode launches; plain tensors
+        # and plain Parameters (the type itself, not a subclass) never dispatch in Python.
+        kind = type(a)
         if (
-            isinstance(a, torch.Tensor)
-            and type(a) is not torch.Tensor  # plain tensors pay one check; Parameters two
+            kind not in _PLAIN
+            and isinstance(a, torch.Tensor)
             and torch._C._dispatch_keys(a).has(_PYTHON_KEY)
         ):
             return True
     return False
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str)
 
 
 def _resolving_backend(impl: Callable) -> Callable:

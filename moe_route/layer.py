@@ -444,7 +444,10 @@ class MoELayer(nn.Module):
             return MoEOutput(out.view(x.shape), *rest)
         T, E = x2.shape[0], self.num_experts
         rdt = x.dtype if self.router_dtype is None else self.router_dtype
-        logits = F.linear(x2.to(rdt), self.gate.weight.to(rdt))
+        x_r, gate_w = x2, self.gate.weight
+        if x_r.dtype != rdt or gate_w.dtype != rdt:  # (a no-op .to still costs host time)
+            x_r, gate_w = x_r.to(rdt), gate_w.to(rdt)
+        logits = F.linear(x_r, gate_w)
         weights, ids = self.route(logits)
 
         # float32 losses, float64 for a float64 router (gradcheck)
