@@ -155,25 +155,35 @@ def _decode_down_kernel(
     safe_cols = tl.where(col_ok, cols, 0)
     ks = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
-    for k in tl.static_range(TOP_K):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    # One loop over (slot, I-step) pairs rather than a loop per slot: the weight loads stay
+    # in flight across the slots' boundaries (a loop per slot drains its pipeline K times).
+    steps = tl.cdiv(KD, BLOCK_K)
+    for i in tl.range(0, TOP_K * steps):
+        k = i // steps
+        k0 = (i - k * steps) * BLOCK_K
         e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
-        if e >= 0:  # a dropped slot adds nothing (its weight is never read)
-            w_base = w_ptr + e.to(tl.int64) * stride_we
-            w_ptrs = w_base + safe_cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-            h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + ks * stride_hn
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            for k0 in range(0, KD, BLOCK_K):
-                acc = _row_times(h_ptrs, w_ptrs, k0 + ks < KD, acc, DOT_PRECISION, BLOCK_M)
-                w_ptrs += BLOCK_K * stride_wk
-                h_ptrs += BLOCK_K * stride_hn
+        routed = e >= 0  # a dropped slot adds nothing (its weight is never read)
+        k_ok = (k0 + ks < KD) & routed
+        w_ptrs = (
+            w_ptr
+            + tl.maximum(e, 0).to(tl.int64) * stride_we
+            + safe_cols[None, :].to(tl.int64) * stride_wn
+            + (k0 + ks)[:, None] * stride_wk
+        )
+        h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + (k0 + ks) * stride_hn
+        acc = _row_times(h_ptrs, w_ptrs, k_ok, acc, DOT_PRECISION, BLOCK_M)
+        if k0 + BLOCK_K >= KD:  # the slot's last step: its term of the finalize's sum
             y = _first_row(acc, BLOCK_M)
-            if HAS_B2:
-                b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + cols * stride_b2n,
-                             mask=col_ok, other=0.0)  # fmt: skip
-                y += b2.to(ACC)
-            y = y.to(out_ptr.dtype.element_ty).to(OUT_ACC)  # GEMM2's output, as it is stored
-            w = tl.load(tw_ptr + t * stride_wt + k * stride_wkk).to(OUT_ACC)
-            total += w * y
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+            if routed:
+                if HAS_B2:
+                    b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + cols * stride_b2n,
+                                 mask=col_ok, other=0.0)  # fmt: skip
+                    y += b2.to(ACC)
+                y = y.to(out_ptr.dtype.element_ty).to(OUT_ACC)  # GEMM2's output, as stored
+                w = tl.load(tw_ptr + t * stride_wt + k * stride_wkk).to(OUT_ACC)
+                total += w * y
     if HAS_BIAS:
         total += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=col_ok).to(OUT_ACC)
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, total.to(out_ptr.dtype.element_ty),

@@ -1,0 +1,121 @@
+"""Device time of the decode path's two kernels (moe_route/kernels/triton/decode.py) per tile
+configuration, against the sorted path (maps, GEMM1, GEMM2, finalize) on the same inputs, at
+decode sizes. Each figure is a CUDA graph of 16 calls on 16 different routings (the touched
+experts change from call to call, so their weights come from HBM, not L2), per call; errors
+against the sorted path's output.
+
+    python scripts/decode_sweep.py [--quick]
+"""
+
+import argparse
+import dataclasses
+import itertools
+
+import torch
+
+import moe_route
+from moe_route import tuning
+from moe_route.grouped_gemm import epilogue_for
+from moe_route.kernels.triton.decode import moe_decode_triton
+
+SHAPES = {  # T, H, I, E, K
+    "qwen3 T=1": (1, 2048, 768, 128, 8),
+    "qwen3 T=2": (2, 2048, 768, 128, 8),
+    "custom T=1": (1, 2048, 1024, 64, 8),
+    "deepseek T=1": (1, 7168, 2048, 256, 8),
+}
+CALLS = 16
+
+
+def graph_us(fns) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    base = tuning._DECODE
+    grid = {
+        "up_n": [16, 32, 64],
+        "up_k": [128, 256],
+        "down_n": [16, 32],
+        "down_k": [128, 256],
+        "num_warps": [4],
+        "num_stages": [3, 4],
+    }
+    if args.quick:
+        grid = {"up_n": [16, 32], "up_k": [128], "down_n": [16, 32], "down_k": [128],
+                "num_warps": [4], "num_stages": [4]}  # fmt: skip
+    configs = [base] + [
+        dataclasses.replace(base, **dict(zip(grid, v, strict=True)))
+        for v in itertools.product(*grid.values())
+    ]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, dims in SHAPES.items():
+        sweep_shape(name, dims, configs, base, g)
+
+
+def sweep_shape(name, dims, configs, base, g):
+    T, H, inter, E, K = dims
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    routings = []
+    for _ in range(CALLS):
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        tw, ids = torch.softmax(logits, -1).topk(K, -1)
+        routings.append((tw / tw.sum(-1, keepdim=True), ids.to(torch.int32)))
+    epi = epilogue_for("swiglu", "concat")
+    with torch.no_grad():
+        want = moe_route.fused_moe(x, w1, w2, *routings[0])
+        # (a captured call takes the sorted path)
+        sorted_us = graph_us([lambda r=r: moe_route.fused_moe(x, w1, w2, *r) for r in routings])
+    touched = K * T * (3 * H * inter) * 2
+    print(f"== {name}: sorted path {sorted_us:.1f} us; touched weights {touched / 1e6:.0f} MB"
+          f" (~{touched / 3.0e12 * 1e6:.0f} us at 3 TB/s)")  # fmt: skip
+    rows = []
+    for cfg in configs:
+
+        def call(r, cfg=cfg):
+            return moe_decode_triton(x, w1, w2, r[0], r[1], None, None, None, epi, cfg)
+
+        try:
+            got = call(routings[0])
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            us = graph_us([lambda r=r, c=call: c(r) for r in routings])
+        except Exception as exc:  # a config that does not compile
+            print(f"   {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+            continue
+        rows.append((us, err, cfg))
+    rows.sort(key=lambda r: r[0])
+    current = next((r[0] for r in rows if r[2] == base), float("nan"))
+    print(f"   current {current:.1f} us")
+    for us, err, c in rows[:6]:
+        print(f"   {us:7.1f} us  err {err:.1e}  up {c.up_n}x{c.up_k} down {c.down_n}x{c.down_k}"
+              f" w{c.num_warps} s{c.num_stages}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
