@@ -4,7 +4,7 @@ decode sizes. Each figure is a CUDA graph of 16 calls on 16 different routings (
 experts change from call to call, so their weights come from HBM, not L2), per call; errors
 against the sorted path's output.
 
-    python scripts/decode_sweep.py [--quick]
+    python scripts/decode_sweep.py [--quick | --near]
 """
 
 import argparse
@@ -55,6 +55,7 @@ def graph_us(fns) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--near", action="store_true", help="the tiles near the best of a sweep")
     args = p.parse_args()
     base = tuning._DECODE
     grid = {
@@ -65,6 +66,9 @@ def main():
         "num_warps": [4],
         "num_stages": [3, 4],
     }
+    if args.near:
+        grid = {"up_n": [32, 64], "up_k": [256], "down_n": [16, 32], "down_k": [256],
+                "num_warps": [4], "num_stages": [3, 4]}  # fmt: skip
     if args.quick:
         grid = {"up_n": [16, 32], "up_k": [128], "down_n": [16, 32], "down_k": [128],
                 "num_warps": [4], "num_stages": [4]}  # fmt: skip

@@ -9,10 +9,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import bench_hf  # noqa: E402
+import bench_hf
 
-import moe_route  # noqa: E402
-import moe_route.integrations.hf as moe_hf  # noqa: E402
+import moe_route
+import moe_route.integrations.hf as moe_hf
 
 moe_hf.register()
 model = bench_hf.build(4, vocab=1024)
@@ -43,7 +43,8 @@ with torch.no_grad():
     from triton.testing import do_bench
 
     def call():
-        return moe_route.fused_moe(x, w1, w2, tw, ids, activation=plan.activation,
-                                   gate_up_layout=plan.gate_up_layout)
+        return moe_route.fused_moe(
+            x, w1, w2, tw, ids, activation=plan.activation, gate_up_layout=plan.gate_up_layout
+        )
 
     print(f"fused_moe alone T={T}: {do_bench(call, warmup=50, rep=300) * 1e3:.1f} us")

@@ -59,12 +59,15 @@ def loop(t, n=300):
 
 
 loop(T0)
-print("after a 300-call loop: seen T=64 %.1f us (%d mallocs)" % once(T0))
+us, mallocs = once(T0)
+print(f"after a 300-call loop: seen T=64 {us:.1f} us ({mallocs} mallocs)")
 loop(T0)
-print("after a 300-call loop: new T=62 %.1f us (%d mallocs)" % once(62))
+us, mallocs = once(62)
+print(f"after a 300-call loop: new T=62 {us:.1f} us ({mallocs} mallocs)")
 loop(T0)
-print("after a 300-call loop: new T=61 %.1f us (%d mallocs)" % once(61))
-print("then seen T=64 %.1f us, T=61 %.1f us" % (once(T0)[0], once(61)[0]))
+us, mallocs = once(61)
+print(f"after a 300-call loop: new T=61 {us:.1f} us ({mallocs} mallocs)")
+print(f"then seen T=64 {once(T0)[0]:.1f} us, T=61 {once(61)[0]:.1f} us")
 
 print("===== first call at T=45\n", profiled(45))
 print("===== repeated call at T=45\n", profiled(45))

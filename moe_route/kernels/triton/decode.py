@@ -56,12 +56,15 @@ class DecodeConfig:
 
 @triton.jit
 def _row_times(v_ptrs, w_ptrs, k_ok, acc, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``acc + [v; 0; ...] @ w``: the row ``v`` (``[BLOCK_K]``) in the first of ``BLOCK_M``
-    rows, times a ``[BLOCK_K, BLOCK_N]`` weight tile."""
-    v = tl.load(v_ptrs, mask=k_ok, other=0.0)
-    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    """``acc + [v; 0; ...] @ w``: the row ``v`` (``[BLOCK_K]`` pointers) in the first of
+    ``BLOCK_M`` rows, times a ``[BLOCK_K, BLOCK_N]`` weight tile."""
+    # NOTE: H100 (scripts/decode_sweep.py): one masked [BLOCK_M, BLOCK_K] load (the other rows
+    # never touch memory) goes through the pipelined shared-memory path like the weight tile;
+    # a [BLOCK_K] load spread over the rows with tl.where was rebuilt in registers every step.
     first = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.where(first, v[None, :], tl.zeros_like(v)[None, :])
+    a = tl.load(v_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
+                mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
     return _mma(a, w, acc, DOT_PRECISION)
 
 
