@@ -426,10 +426,10 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
 def decode_now(plan: MoEPlan, x, *params) -> bool:
     """Whether a call takes the decode path (:data:`DECODE`): a decode plan, eager inference.
 
-    NOTE: H100, bf16 (bench host + forward stages, 2026-11-25): at qwen3 T=1 the decode path
-    cut the host time of an eager call from ~160 to 70 us (two launches, no maps), but its
-    device time is 60 us against the sorted path's 41 (GEMM2's programs walk the K slots one
-    after the other); at deepseek-v3 T=1 both take 281 us. So CUDA-graph capture and
+    NOTE: H100, bf16 (bench host stage, scripts/decode_sweep.py, 2026-11-26): at qwen3 T=1
+    the decode path cut the host time of an eager call from ~160 to 67-73 us (two launches,
+    no maps), but its device time is 46 us against the sorted path's 41 (at deepseek-v3 T=1
+    245 against 268; see :func:`moe_route.tuning.decode_config`). So CUDA-graph capture and
     torch.compile, where host time is not paid per call, keep the sorted path.
     """
     if not plan.decode or _wants_grad(x, *params) or torch.compiler.is_compiling():
