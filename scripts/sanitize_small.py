@@ -2,7 +2,7 @@
 SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
 compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer kernel at decode
 sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert; and the
-decode path (two tokens, no gradient).
+decode path (two tokens, no gradient; one token through an inference MoELayer).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow)."""
 
@@ -38,5 +38,7 @@ for T, H, inter, E, K in shapes:
     layer = moe_route.MoELayer(H, inter, E, K, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     (out.output.float().sum() + out.aux_loss).backward()
+    with torch.no_grad():  # an inference layer call: the decode path with its counts
+        layer.eval()(x[:1])
 torch.cuda.synchronize()
 print("sanitize_small done")
