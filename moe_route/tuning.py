@@ -65,10 +65,12 @@ def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype)
     """
     if bucket * top_k > min(MAX_SLOTS, num_experts) or dtype == torch.float64:
         return None
-    return _DECODE
+    # float32 tiles take twice the shared memory: 3 stages of the 16-bit tiles would not fit
+    return _DECODE_FP32 if dtype == torch.float32 else _DECODE
 
 
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
+_DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
