@@ -208,3 +208,30 @@ def test_layer_training_and_zero_tokens(monkeypatch):
     assert spy.decode == 1
     assert empty.output.shape == (0, 32)
     assert torch.equal(empty.tokens_per_expert, torch.zeros(8, dtype=torch.int64))
+
+
+def test_ids_past_the_experts_read_nothing():
+    """Unchecked ids past the experts (a GPU caller skips the value check) act as dropped
+    slots, as in the sorted path's kernels: never an out-of-bounds weight read."""
+    torch.manual_seed(14)
+    T, H, inter, E, K = 2, 16, 8, 8, 4
+    x, w1, w2 = torch.randn(T, H), torch.randn(E, 2 * inter, H), torch.randn(E, H, inter)
+    tw, b2 = torch.rand(T, K), torch.randn(E, H)
+    ids = torch.randint(0, E, (T, K), dtype=torch.int32)
+    bad, dropped = ids.clone(), ids.clone()
+    bad[0, 1], bad[1, 2] = E + 3, 1000
+    dropped[0, 1], dropped[1, 2] = -1, -1
+    op = torch.ops.moe_route.moe_decode.default
+    got = op(x, w1, w2, tw, bad, None, b2, None, "swiglu", "concat", True)
+    want = op(x, w1, w2, tw, dropped, None, b2, None, "swiglu", "concat", True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(got[1].sum()) == T * K - 2
+
+
+def test_zero_intermediate_size_adds_b2(sorted_path):
+    """I = 0: no GEMM1 launch; each routed slot still adds its weight times ``b2[e]``."""
+    case = make_moe(2, 4, 8, 16, 4, b2=True, seed=15)
+    case["w1"], case["w2"] = case["w1"][:, :0], case["w2"][..., :0]
+    fast, slow = _both(case, sorted_path)
+    assert fast.abs().max() > 0
+    assert torch.equal(fast, slow)

@@ -75,7 +75,7 @@ def _first_row(acc, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _decode_up_kernel(
-    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD,
+    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_it,
     stride_ik, stride_hs, stride_hn,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
@@ -87,7 +87,7 @@ def _decode_up_kernel(
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
-    if e < 0:  # dropped: its h is never read
+    if (e < 0) | (e >= E):  # dropped (or an unchecked id past the experts): h never read
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
@@ -161,12 +161,13 @@ def _decode_down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     # One loop over (slot, I-step) pairs rather than a loop per slot: the weight loads stay
     # in flight across the slots' boundaries (a loop per slot drains its pipeline K times).
-    steps = tl.cdiv(KD, BLOCK_K)
+    steps = tl.maximum(tl.cdiv(KD, BLOCK_K), 1)  # (I = 0: one step, for b2)
     for i in tl.range(0, TOP_K * steps):
         k = i // steps
         k0 = (i - k * steps) * BLOCK_K
         e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
-        routed = e >= 0  # a dropped slot adds nothing (its weight is never read)
+        # a dropped slot (or an unchecked id past the experts) adds nothing, reads nothing
+        routed = (e >= 0) & (e < E)
         k_ok = (k0 + ks < KD) & routed
         w_ptrs = (
             w_ptr
@@ -217,25 +218,26 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue:
         bias_arg, sbias = out, (0, 0)
     else:
         bias_arg, sbias = bias, (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
-    _UP.launch(
-        (
+    if n_inter:  # (I = 0: no h to compute; GEMM2 still adds b2)
+        up_key = (
             cfg, epi, x.dtype, w1.dtype, b1_arg.dtype, topk_ids.dtype, x.stride(), w1.stride(),
             sb1, topk_ids.stride(), K, n_inter, H, b1 is not None,
             aligned(x, w1, b1_arg, topk_ids, h),
-        ),
-        (T * K, cdiv(n_inter, cfg.up_n)),
-        (
-            x, w1, b1_arg, topk_ids, h, T, n_inter, H, x.stride(0), x.stride(1), w1.stride(0),
-            w1.stride(1), w1.stride(2), *sb1, topk_ids.stride(0), topk_ids.stride(1),
-            h.stride(0), h.stride(1),
-        ),
-        lambda: dict(
-            TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
-            UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
-            ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ),
-    )  # fmt: skip
+        )  # fmt: skip
+        up_args = (
+            x, w1, b1_arg, topk_ids, h, T, n_inter, H, E, x.stride(0), x.stride(1),
+            w1.stride(0), w1.stride(1), w1.stride(2), *sb1, topk_ids.stride(0),
+            topk_ids.stride(1), h.stride(0), h.stride(1),
+        )  # fmt: skip
+        _UP.launch(
+            up_key, (T * K, cdiv(n_inter, cfg.up_n)), up_args,
+            lambda: dict(
+                TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
+                UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
+                ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n,
+                BLOCK_K=cfg.up_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ),
+        )  # fmt: skip
     _DOWN.launch(
         (
             cfg, x.dtype, w2.dtype, b2_arg.dtype, topk_weights.dtype, bias_arg.dtype,
