@@ -1,6 +1,6 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
 sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), fused_moe forward + backward at
-T=1, and an inference MoELayer at T=1. Prints each call's host µs (no profiler; best of 3
+T=1, and an inference MoELayer at T=1. Prints each call's host µs (no profiler; median of 3
 loops of 200 calls without synchronising) and the top functions by own time.
 
     python scripts/host_profile.py [fwd1 fwd8 train1 layer1] [--top N]
@@ -10,12 +10,12 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 import moe_route
 from moe_route import reference as R
+from moe_route.bench.harness import time_host
 
 H, inter, E, K = 2048, 768, 128, 8
 w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -60,15 +60,8 @@ CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "train1": lambda: train
 
 
 def per_call(fn, n=200):
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
+    """Host µs per call (the bench suite's host loop: median of 3 loops of ``n`` calls)."""
+    return time_host(fn, "cuda", calls=n, warmup=30).median_s * 1e6
 
 
 def main():

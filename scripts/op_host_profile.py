@@ -3,12 +3,12 @@
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 import moe_route
 from moe_route import reference as R
+from moe_route.bench.harness import time_host
 
 T, H, E, K = 64, 2048, 128, 8
 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -26,17 +26,8 @@ calls = {
 
 
 def per_call(fn, n=300):
-    for _ in range(30):
-        fn()
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    torch.cuda.synchronize()
-    return best
+    """Host µs per call (the bench suite's host loop: median of 3 loops of ``n`` calls)."""
+    return time_host(fn, "cuda", calls=n, warmup=30).median_s * 1e6
 
 
 for name, fn in calls.items():
