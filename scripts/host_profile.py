@@ -1,9 +1,11 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
 sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), fused_moe forward + backward at
-T=1, and an inference MoELayer at T=1. Prints each call's host µs (no profiler; median of 3
-loops of 200 calls without synchronising) and the top functions by own time.
+T=1, an inference MoELayer at T=1, and (on request) the single-launch ops at T=64: maps,
+expand, finalize, and one torch.empty for scale. Prints each call's host µs (no profiler;
+median of 3 loops of 200 calls without synchronising) and the top functions by own time.
 
-    python scripts/host_profile.py [fwd1 fwd8 train1 layer1] [--top N]
+    python scripts/host_profile.py [fwd1 fwd8 train1 layer1 maps64 expand64 finalize64 empty64]
+                                   [--top N]
 """
 
 import argparse
@@ -55,8 +57,24 @@ def layer(T):
     return call
 
 
+def small_op(name, T=64):
+    """One of the single-launch public ops at ``T`` tokens."""
+    x, tw, ids = inputs(T)
+    maps = moe_route.build_routing_maps(ids, E)
+    y = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
+    return {
+        "maps": lambda: moe_route.build_routing_maps(ids, E),
+        "expand": lambda: moe_route.expand_rows(x, maps),
+        "finalize": lambda: moe_route.finalize_moe_routing(y, tw, maps),
+        "empty": lambda: torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
+    }[name]
+
+
 CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "train1": lambda: train(1),
-         "layer1": lambda: layer(1)}  # fmt: skip
+         "layer1": lambda: layer(1), "maps64": lambda: small_op("maps"),
+         "expand64": lambda: small_op("expand"), "finalize64": lambda: small_op("finalize"),
+         "empty64": lambda: small_op("empty")}  # fmt: skip
+DEFAULT = ("fwd1", "fwd8", "train1", "layer1")
 
 
 def per_call(fn, n=200):
@@ -66,7 +84,7 @@ def per_call(fn, n=200):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("cases", nargs="*", default=list(CASES))
+    p.add_argument("cases", nargs="*", default=list(DEFAULT), choices=list(CASES))
     p.add_argument("--top", type=int, default=22)
     args = p.parse_args()
     idx = torch.arange(8, device="cuda")
