@@ -34,13 +34,15 @@ def check_tensor(name: str, t: object, *, ndim: int | None = None, dtypes=None) 
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
-    present = {k: v for k, v in tensors.items() if v is not None}
-    devices = {k: v.device for k, v in present.items()}
-    first_name, first = next(iter(devices.items()))
-    for name, dev in devices.items():
-        if dev != first:
+    first_name = first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first_name, first = name, t.device
+        elif t.device != first:
             raise ValueError(
-                f"{name} is on {dev} but {first_name} is on {first}: expected one device"
+                f"{name} is on {t.device} but {first_name} is on {first}: expected one device"
             )
     return first
 

@@ -29,3 +29,13 @@ def getenv(name: str, default: str = "") -> str:
 def flag(name: str) -> bool:
     """A boolean switch: set and not ``""`` / ``"0"``."""
     return getenv(name, "0") not in ("", "0")
+
+
+def reader(names: tuple[str, ...]):
+    """A function returning the values of ``names`` as one hashable tuple, for cache keys (raw:
+    bytes or ``None`` on POSIX, read in one C-level pass over the mapping; ``str`` or ``None``
+    elsewhere)."""
+    if _BYTES_KEYS:
+        keys, get = tuple(name.encode() for name in names), _DATA.get
+        return lambda: tuple(map(get, keys))
+    return lambda: tuple(map(os.environ.get, names))

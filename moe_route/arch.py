@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._env import flag, getenv
+from ._env import flag, getenv, reader
 from .kernels.cupy import cupy_install_hint, import_cupy  # noqa: F401  (re-exported)
 
 BACKENDS = ("triton", "cupy", "torch")
@@ -328,15 +328,20 @@ def cached_finalize_path(device: torch.device, requested: str, deterministic: bo
     return finalize_path_for(device, requested, deterministic).value
 
 
-def env_key() -> tuple[str, str, str, str, str]:
-    """The environment overrides a plan depends on (part of every plan cache key)."""
-    return (
-        getenv("MOE_ROUTE_BACKEND"),
-        getenv("MOE_ROUTE_FINALIZE"),
-        getenv("MOE_ROUTE_ARCH"),
-        getenv("TRITON_INTERPRET"),
-        getenv("MOE_ROUTE_PERSISTENT"),
-    )
+#: The environment overrides a plan depends on.
+ENV_OVERRIDES = (
+    "MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "TRITON_INTERPRET",
+    "MOE_ROUTE_PERSISTENT",
+)  # fmt: skip
+
+
+_read_overrides = reader(ENV_OVERRIDES)
+
+
+def env_key() -> tuple:
+    """The values of :data:`ENV_OVERRIDES` (part of every plan cache key; raw, see
+    :func:`moe_route._env.reader`)."""
+    return _read_overrides()
 
 
 def describe(device: torch.device | str) -> dict[str, str]:

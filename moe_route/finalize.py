@@ -12,6 +12,7 @@ import torch
 from . import _checks, _interop, arch
 from ._dispatch import Op
 from .kernels import torch_impl
+from .kernels.triton.finalize import finalize_backward_triton, finalize_triton
 from .maps import RoutingMaps, check_maps
 
 
@@ -29,7 +30,7 @@ def finalize_tables(
     if backend == "cupy":
         from .kernels.cupy.finalize import finalize_cupy as launch
     else:
-        from .kernels.triton.finalize import finalize_triton as launch
+        launch = finalize_triton
     out = y_perm.new_empty(topk_weights.shape[0], y_perm.shape[1])
     launch(y_perm, topk_weights, src_to_dest, expert_for_src, bias, out)
     return out
@@ -56,8 +57,6 @@ def _finalize_backward_impl(
             need_dw=need_dw,
         )  # fmt: skip
     else:  # the Triton kernel (also for backend="cupy": the CuPy backend is forward-only)
-        from .kernels.triton.finalize import finalize_backward_triton
-
         # Rows no slot owns stay zero; dy is contiguous whatever y_perm's strides.
         dy = (
             torch.zeros(y_perm.shape, dtype=y_perm.dtype, device=y_perm.device) if need_dy else None

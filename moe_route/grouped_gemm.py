@@ -10,7 +10,8 @@ from . import _checks, arch, tuning
 from ._dispatch import Op
 from .activations import Activation, as_activation
 from .kernels import torch_impl
-from .kernels.triton.grouped_gemm import MAX_EXPERTS, GemmEpilogue
+from .kernels.triton.grouped_gemm import MAX_EXPERTS, GemmEpilogue, grouped_gemm_triton
+from .kernels.triton.moe import grouped_gemm_backward_triton
 from .maps import RoutingMaps, check_maps
 from .reference import GATE_UP_LAYOUTS
 
@@ -70,8 +71,6 @@ def gemm_tables(
         return torch_impl.grouped_gemm_torch(
             a, w, offsets, bias, activation, gate_up_layout, dest_to_src if gather else None
         )
-    from .kernels.triton.grouped_gemm import grouped_gemm_triton
-
     M = dest_to_src.numel()
     epi = epilogue_for(activation, gate_up_layout)
     out = a.new_empty(M, w.shape[1] // 2 if epi.gated else w.shape[1])
@@ -113,8 +112,6 @@ def _gemm_backward_impl(
             need_db=need_db and bias is not None,
         )  # fmt: skip
     else:
-        from .kernels.triton.moe import grouped_gemm_backward_triton
-
         epi = epilogue_for(activation, gate_up_layout)
         fwd, _, dx_cfg, wgrad = _configs(a, w, dest_to_src.numel(), epi.gated)
         da, dw, db = grouped_gemm_backward_triton(

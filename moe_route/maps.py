@@ -16,6 +16,8 @@ from . import _checks, _interop, arch
 from ._dispatch import Op, needs_dispatcher
 from ._env import flag
 from .kernels import torch_impl
+from .kernels.triton.routing_maps import routing_maps_triton
+from .tuning import token_bucket
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def routing_maps_tables(topk_ids: torch.Tensor, num_experts: int, backend: str):
     if backend == "cupy":
         from .kernels.cupy.routing_maps import routing_maps_cupy as launch
     else:
-        from .kernels.triton.routing_maps import routing_maps_triton as launch
+        launch = routing_maps_triton
     n = topk_ids.numel()
     # One allocation for the three int32 tables (views), one for the offsets.
     tables = topk_ids.new_empty(3, n, dtype=torch.int32)
@@ -200,7 +202,6 @@ def maps_backend(device: torch.device, backend: str, T: int, K: int, num_experts
     slots decide). Where ``"auto"`` picked the CuPy kernels for speed but ``E`` is past what
     they hold, the GEMMs' backend (Triton) builds them; an explicit ``"cupy"`` (argument or
     ``MOE_ROUTE_BACKEND``) stays, and :func:`check_kernel_limits` raises."""
-    from .tuning import token_bucket
 
     chosen = arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
     if chosen == "cupy":
@@ -263,7 +264,6 @@ def build_routing_maps(
 
 
 def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: int) -> str:
-    from .tuning import token_bucket
 
     return _bucket_maps_backend(device, backend, token_bucket(T), K, E)
 

@@ -27,6 +27,8 @@ from .grouped_gemm import (
     gemm_configs,
 )
 from .kernels import torch_impl
+from .kernels.triton.decode import moe_decode_triton
+from .kernels.triton.moe import MoEConfigs, moe_backward_triton, moe_forward_triton
 from .maps import check_kernel_limits, maps_backend, maps_op
 from .tuning import token_bucket, token_buckets
 
@@ -53,8 +55,6 @@ class MoEPlan:
 @functools.cache
 def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, path, gather,
           allow_tf32, backend, env):  # fmt: skip
-    from .kernels.triton.moe import MoEConfigs
-
     chosen = arch.backend_for(device, backend).value
     maps_chosen = maps_backend(device, backend, bucket, K, E)
     check_kernel_limits(maps_chosen, E, K, device)
@@ -111,8 +111,6 @@ def moe_tables(
             keep_z=store_z,
         )  # fmt: skip
         return out, z if store_z else x.new_empty(0)
-    from .kernels.triton.moe import moe_forward_triton
-
     plan = _plan_for(x, w1, w2, topk_weights.shape[1], activation, gate_up_layout, path, gather,
                      allow_tf32, backend)  # fmt: skip
     return moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, plan.configs, store_z)
@@ -163,8 +161,6 @@ def _moe_backward_impl(
             need_dx=need_dx, need_dw1=need_dw1, need_dw2=need_dw2, need_dtopk=need_dtopk,
         )  # fmt: skip
     else:
-        from .kernels.triton.moe import moe_backward_triton
-
         plan = _plan_for(x, w1, w2, topk_weights.shape[1], activation, gate_up_layout,
                          "standalone", True, allow_tf32, backend)  # fmt: skip
         grads = moe_backward_triton(
@@ -281,8 +277,6 @@ def moe_decode_tables(
     """``(out, counts)`` on the decode path (Triton; no maps, no gradient): ``fused_moe``'s
     output, and with ``want_counts`` the routed slots per expert (``[E] int64``, else empty),
     which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``."""
-    from .kernels.triton.decode import moe_decode_triton
-
     E, K = w1.shape[0], topk_ids.shape[1]
     counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
     cfg = tuning.decode_config(token_bucket(x.shape[0]), K, E, x.dtype)

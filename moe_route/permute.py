@@ -8,6 +8,7 @@ from . import _checks, _interop, arch
 from ._dispatch import Op
 from .finalize import FINALIZE
 from .kernels import torch_impl
+from .kernels.triton.expand import expand_rows_triton
 from .maps import RoutingMaps, check_maps
 
 
@@ -25,7 +26,7 @@ def expand_tables(
     if backend == "cupy":
         from .kernels.cupy.expand import expand_rows_cupy as launch
     else:
-        from .kernels.triton.expand import expand_rows_triton as launch
+        launch = expand_rows_triton
     out = x.new_empty(src_to_dest.numel(), x.shape[1])
     launch(x, src_to_dest, expert_for_src, out)
     return out

@@ -36,6 +36,12 @@ import torch
 from . import _checks, arch
 from ._dispatch import Op
 from ._env import getenv
+from .kernels.triton.router import (
+    sigmoid_grouped_topk_triton,
+    sigmoid_topk_backward_triton,
+    softmax_topk_backward_triton,
+    softmax_topk_triton,
+)
 from .maps import build_routing_maps
 
 ROUTERS = ("softmax", "sigmoid_grouped")
@@ -146,8 +152,6 @@ def router_backend(device: torch.device, backend: str, num_experts: int) -> str:
 def _softmax_topk_impl(
     logits: torch.Tensor, k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels.triton.router import softmax_topk_triton
-
     weights, ids = _router_outputs(logits, k)
     softmax_topk_triton(logits, k, renormalize, weights, ids)
     return weights, ids
@@ -173,8 +177,6 @@ def _softmax_topk_backward_impl(
     logits: torch.Tensor,
     renormalize: bool,
 ) -> torch.Tensor:
-    from .kernels.triton.router import softmax_topk_backward_triton
-
     dlogits = _softmax_topk_backward_fake(grad, weights, ids, logits, renormalize)
     softmax_topk_backward_triton(grad, weights, ids, logits, renormalize, dlogits)
     return dlogits
@@ -367,8 +369,6 @@ def _sigmoid_grouped_impl(
     renormalize: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels.triton.router import sigmoid_grouped_topk_triton
-
     weights, ids = _router_outputs(logits, k)
     sigmoid_grouped_topk_triton(logits, expert_bias, k, n_group, topk_group, renormalize,
                                 routed_scaling_factor, weights, ids)  # fmt: skip
@@ -386,8 +386,6 @@ def _sigmoid_grouped_backward_impl(
     renormalize: bool,
     routed_scaling_factor: float,
 ) -> torch.Tensor:
-    from .kernels.triton.router import sigmoid_topk_backward_triton
-
     dlogits = logits.new_empty(logits.shape)
     sigmoid_topk_backward_triton(grad, ids, logits, renormalize, routed_scaling_factor, dlogits)
     return dlogits

@@ -1,10 +1,12 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
 sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), fused_moe forward + backward at
 T=1, an inference MoELayer at T=1, and (on request) the single-launch ops at T=64: maps,
-expand, finalize, and one torch.empty for scale. Prints each call's host µs (no profiler;
-median of 3 loops of 200 calls without synchronising) and the top functions by own time.
+expand, finalize, the two grouped GEMMs, and one torch.empty for scale. Prints each call's
+host µs (no profiler; median of 3 loops of 200 calls without synchronising) and the top
+functions by own time.
 
-    python scripts/host_profile.py [fwd1 fwd8 train1 layer1 maps64 expand64 finalize64 empty64]
+    python scripts/host_profile.py [fwd1 fwd8 train1 layer1 maps64 expand64 finalize64 empty64
+                                    gemm1_64 gemm2_64]
                                    [--top N]
 """
 
@@ -62,7 +64,10 @@ def small_op(name, T=64):
     x, tw, ids = inputs(T)
     maps = moe_route.build_routing_maps(ids, E)
     y = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(T * K, inter, device="cuda", dtype=torch.bfloat16)
     return {
+        "gemm1": lambda: moe_route.grouped_gemm(x, w1, maps, activation="swiglu", gather=True),
+        "gemm2": lambda: moe_route.grouped_gemm(h, w2, maps),
         "maps": lambda: moe_route.build_routing_maps(ids, E),
         "expand": lambda: moe_route.expand_rows(x, maps),
         "finalize": lambda: moe_route.finalize_moe_routing(y, tw, maps),
@@ -73,7 +78,8 @@ def small_op(name, T=64):
 CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "train1": lambda: train(1),
          "layer1": lambda: layer(1), "maps64": lambda: small_op("maps"),
          "expand64": lambda: small_op("expand"), "finalize64": lambda: small_op("finalize"),
-         "empty64": lambda: small_op("empty")}  # fmt: skip
+         "empty64": lambda: small_op("empty"), "gemm1_64": lambda: small_op("gemm1"),
+         "gemm2_64": lambda: small_op("gemm2")}  # fmt: skip
 DEFAULT = ("fwd1", "fwd8", "train1", "layer1")
 
 

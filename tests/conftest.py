@@ -22,6 +22,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# On a GPU every thin launch checks that its launch key picked the variant Triton would
+# (moe_route.kernels.triton.CHECK_LAUNCHES); read at import, so set before it.
+os.environ.setdefault("MOE_ROUTE_CHECK_LAUNCHES", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # The flag is read when a kernel is decorated (``@triton.jit`` picks the interpreted

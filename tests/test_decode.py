@@ -22,7 +22,6 @@ import moe_route
 from moe_route import tuning
 
 moe_module = importlib.import_module("moe_route.moe")
-decode_module = importlib.import_module("moe_route.kernels.triton.decode")
 maps_module = importlib.import_module("moe_route.maps")
 
 pytestmark = needs_interpreter
@@ -43,7 +42,7 @@ def sorted_path(monkeypatch):
 class Launches:
     def __init__(self, monkeypatch):
         self.decode = self.maps = 0
-        real_decode = decode_module.moe_decode_triton
+        real_decode = moe_module.moe_decode_triton
         real_maps = maps_module.routing_maps_tables
 
         def decode(*a, **k):
@@ -54,7 +53,7 @@ class Launches:
             self.maps += 1
             return real_maps(*a, **k)
 
-        monkeypatch.setattr(decode_module, "moe_decode_triton", decode)
+        monkeypatch.setattr(moe_module, "moe_decode_triton", decode)
         monkeypatch.setattr(maps_module, "routing_maps_tables", maps)
 
 

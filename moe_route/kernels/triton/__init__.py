@@ -4,12 +4,13 @@ A launcher computes the grid and the constexpr flags and launches; it trusts its
 public functions in :mod:`moe_route` validate them, once per call). A kernel only computes.
 
 :class:`ThinKernel` is how every launcher launches. Triton's ``kernel[grid](...)`` binds and
-specialises every argument on every call (33 µs of host time for an 18-argument kernel on an
-H100 host, ``scripts/host_probe.py``), where calling the compiled kernel directly costs 11 µs.
-A launcher knows which of its arguments can change the compiled variant (dtypes, strides,
-alignment, constexprs — the *launch key*), so after the first launch with a key it calls the
-compiled kernel straight away. Arguments that vary with the token count are marked
-``do_not_specialize`` in the kernels, so a new ``T`` never compiles a new variant.
+specialises every argument on every call (26 µs of host time for a 20-argument kernel on an
+H100 host), where calling the compiled kernel's launcher directly with the tensors' addresses
+costs 6 µs (``scripts/op_layers.py``). A launcher knows which of its arguments can change the
+compiled variant (dtypes, strides, constexprs — the *launch key*; :class:`ThinKernel` adds the
+alignment), so after the first launch with a key it calls the compiled kernel straight away.
+Arguments that vary with the token count are marked ``do_not_specialize`` in the kernels, so a
+new ``T`` never compiles a new variant.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+#: ``MOE_ROUTE_CHECK_LAUNCHES=1`` (read at import; the GPU tests set it): every thin launch
+#: also asks Triton which variant its own launch would pick, and raises if that is not the one
+#: launched. Slow (Triton's argument binding on every launch); for tests.
+CHECK_LAUNCHES = os.environ.get("MOE_ROUTE_CHECK_LAUNCHES", "0") not in ("", "0")
+
 #: every :class:`ThinKernel` made (for :func:`launch_keys`)
 KERNELS: list[ThinKernel] = []
 
@@ -50,14 +56,23 @@ class ThinKernel:
     arguments in order; ``constexprs`` a callable returning its ``tl.constexpr`` parameters and
     launch options (``num_warps``, ``num_stages``) as a dict, called only when ``key`` is
     launched for the first time (building ~25 keyword arguments on every launch cost more than
-    the lookup). ``key`` must determine everything Triton specialises on (argument dtypes,
-    16-byte alignment of pointers, integers equal to 1 or divisible by 16 unless marked
-    ``do_not_specialize``, the constexprs); ``None`` takes Triton's own path.
+    the lookup). ``key`` must determine everything Triton specialises on except the alignment
+    of the tensors (argument dtypes, integers equal to 1 or divisible by 16 unless marked
+    ``do_not_specialize``, the constexprs, which arguments are tensors); ``None`` takes
+    Triton's own path.
+
+    After a key's first launch (through Triton, which compiles or finds the variant), later
+    launches with that key call the compiled kernel's C launcher directly, with the tensors'
+    addresses as integers: the C launcher then neither calls ``data_ptr()`` nor asks the
+    driver whether each address is device memory (the public functions checked the devices).
+    The same addresses give the alignment the variant was specialised on (16 bytes), part of
+    the cache key, so an unaligned view gets its own variant.
     """
 
     def __init__(self, fn):
         self.fn = fn
-        self._compiled: dict = {}
+        self._compiled: dict = {}  # (device, key, alignment) -> launch function
+        self._packers: dict = {}  # key -> pack(args) -> (args with addresses, alignment)
         KERNELS.append(self)
         params = getattr(fn, "params", None)
         if params is None:  # the interpreter wraps the function differently
@@ -68,39 +83,105 @@ class ThinKernel:
         if key is None or INTERPRETING:
             self.fn[grid](*args, **constexprs())
             return
-        device = torch.cuda.current_device()
-        hit = self._compiled.get((device, key))
-        if hit is None or _hooks_set():
-            cx = constexprs()
-            compiled = self.fn[grid](*args, **cx)  # compiles (or finds) and launches
-            values = tuple(cx[name] for name in self._constexpr_names)
-            self._compiled[(device, key)] = (compiled, values)
-            return
-        compiled, values = hit
-        g = (*grid, 1, 1)
-        compiled.run(
-            g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-            compiled.packed_metadata, None, None, None, *args, *values,
-        )  # fmt: skip
+        pack = self._packers.get(key)
+        if pack is not None and not _hooks_set():
+            packed, alignment = pack(args)
+            device = _current_device()
+            run = self._compiled.get((device, key, alignment))
+            if run is not None:
+                if CHECK_LAUNCHES:
+                    self._check_variant(run, key, args, constexprs)
+                g = (*grid, 1, 1)
+                run(g[0], g[1], g[2], _current_stream(device), packed)
+                return
+        self._first_launch(key, grid, args, constexprs)
+
+    def _first_launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
+        """Triton's own launch (compiles or finds the variant); remembered for the next one."""
+        cx = constexprs()
+        compiled = self.fn[grid](*args, **cx)
+        pack = self._packers.get(key)
+        if pack is None:
+            pack = self._packers[key] = _packer(args)
+        values = tuple(cx[name] for name in self._constexpr_names)
+        self._compiled[(_current_device(), key, pack(args)[1])] = _direct_launch(compiled, values)
+
+    def _check_variant(self, run, key, args: tuple, constexprs) -> None:
+        """Raise unless Triton's own launch would run the variant the thin launch runs (the key
+        missed something Triton specialises on: an integer equal to 1, say)."""
+        from triton.runtime.jit import compute_cache_key
+
+        cx = constexprs()
+        cx["debug"] = cx.get("debug", self.fn.debug) or triton.knobs.runtime.debug
+        kernel_cache, key_cache, _, _, binder = self.fn.device_caches[_current_device()]
+        _, specialization, options = binder(*args, **cx)
+        chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+        if chosen is not run.compiled:
+            raise AssertionError(
+                f"{self.fn.__name__}: launch key {key!r} maps to a variant compiled for other "
+                f"arguments than these (Triton's specialisation: {specialization})"
+            )
+
+
+def _packer(args: tuple):
+    """``pack(args) -> (args', alignment)``: ``args`` with every tensor (at the positions where
+    ``args`` has one) replaced by its address, and each address modulo 16. Generated once per
+    launch key, so that a launch runs one straight-line function (a loop over the arguments
+    cost a microsecond more per launch)."""
+    where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    reads = "".join(f"    p{i} = a[{i}].data_ptr()\n" for i in where)
+    items = ", ".join(f"p{i}" if i in where else f"a[{i}]" for i in range(len(args)))
+    mods = ", ".join(f"p{i} & 15" for i in where)
+    source = f"def pack(a):\n{reads}    return ({items},), ({mods},)\n"
+    scope: dict = {}
+    exec(compile(source, "<moe_route thin launch>", "exec"), scope)
+    return scope["pack"]
+
+
+def _direct_launch(compiled, values: tuple):
+    """``run(gx, gy, gz, stream, args)`` for one compiled variant: its C launcher called
+    directly when the variant needs no scratch memory (Triton's Python wrapper around it only
+    allocates that), else its ``run``."""
+    run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
+    launch = getattr(run, "launch", None)
+    scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
+    if launch is not None and scratch == (0, 0):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+        def direct(gx, gy, gz, stream, args):
+            launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None,
+                   *args, *values)  # fmt: skip
+
+        direct.compiled = compiled
+        return direct
+
+    def through_run(gx, gy, gz, stream, args):
+        run(gx, gy, gz, stream, function, meta, None, None, None, *args, *values)
+
+    through_run.compiled = compiled
+    return through_run
+
+
+# torch.cuda.current_device() in Python around them costs 0.5 µs per launch (CPU builds lack
+# them; the interpreter never launches through here).
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def launch_keys() -> int:
-    """How many (device, launch key) variants all thin kernels have launched: a new one means a
-    compile or, at best, Triton's own cache lookup (the tests count them across token counts)."""
+    """How many (device, launch key, alignment) variants all thin kernels have launched: a new
+    one means a compile or, at best, Triton's own cache lookup (the tests count them across
+    token counts)."""
     return sum(len(k._compiled) for k in KERNELS)
+
+
+_RUNTIME = triton.knobs.runtime
 
 
 def _hooks_set() -> bool:
     """A profiler (e.g. proton) hooks launches: take Triton's path, which calls the hooks."""
-    runtime = triton.knobs.runtime
-    return any(
-        getattr(h, "calls", h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    )
-
-
-def aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
-    """16-byte alignment of each tensor's data pointer (what Triton specialises pointers on)."""
-    return tuple(t is not None and t.data_ptr() % 16 == 0 for t in tensors)
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 def int_key(*values: int) -> tuple[tuple[bool, bool], ...]:

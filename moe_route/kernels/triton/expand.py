@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2
 
 # NOTE: 2 KiB of columns per program beat 4/8/16 KiB on an H200 for both gather and scatter
 # forms at the mixtral and deepseek shapes (bench/bench_routing.py --sweep).
@@ -65,19 +65,13 @@ def expand_rows_triton(
     K = out.shape[0] // T
     if block_h is None:
         block_h = min(next_pow2(H), BYTES_PER_PROGRAM // x.element_size())
-    grid = (T, cdiv(H, block_h))
-    key = (
-        K, H, block_h, x.dtype, out.dtype, x.stride(), out.stride(),
-        aligned(x, out, src_to_dest, expert_for_src),
-    )  # fmt: skip
+    sx, so = x.stride(), out.stride()
     _EXPAND.launch(
-        key, grid,
-        (
-            x, out, src_to_dest, expert_for_src, T, H, x.stride(0), x.stride(1), out.stride(0),
-            out.stride(1),
-        ),
+        (K, H, block_h, x.dtype, out.dtype, sx, so),
+        (T, cdiv(H, block_h)),
+        (x, out, src_to_dest, expert_for_src, T, H, *sx, *so),
         lambda: dict(K=K, BLOCK_H=block_h, num_warps=4),
-    )  # fmt: skip
+    )
 
 
 _EXPAND = ThinKernel(_expand_rows_kernel)

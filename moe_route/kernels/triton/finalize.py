@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2
 
 # NOTE: on an H200, 2-4 KiB of columns per program reached 91-98% of the copy bandwidth at
 # the mixtral and deepseek shapes, 8 KiB 83-84% (bench/bench_routing.py --sweep).
@@ -87,20 +87,14 @@ def finalize_triton(
         bias_arg, sbt, sbh = bias, 0, bias.stride(0)
     else:
         bias_arg, sbt, sbh = bias, bias.stride(0), bias.stride(1)
-    grid = (T, cdiv(H, block_h))
     acc = tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32
-    key = (
-        K, H, block_h, acc, bias is not None, y_perm.dtype, topk_weights.dtype, bias_arg.dtype,
-        out.dtype, y_perm.stride(), topk_weights.stride(), (sbt, sbh), out.stride(),
-        aligned(y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out),
-    )  # fmt: skip
+    sy, sw, so = y_perm.stride(), topk_weights.stride(), out.stride()
     _FINALIZE.launch(
-        key, grid,
-        (
-            y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H,
-            y_perm.stride(0), y_perm.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-            sbt, sbh, out.stride(0), out.stride(1),
-        ),
+        (K, H, block_h, acc, bias is not None, y_perm.dtype, topk_weights.dtype, bias_arg.dtype,
+         out.dtype, sy, sw, sbt, sbh, so),
+        (T, cdiv(H, block_h)),
+        (y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H, *sy, *sw, sbt,
+         sbh, *so),
         lambda: dict(K=K, HAS_BIAS=bias is not None, ACC=acc, BLOCK_H=block_h, num_warps=4),
     )  # fmt: skip
 
@@ -193,7 +187,6 @@ def finalize_backward_triton(
         dout.dtype, y_perm.dtype, topk_weights.dtype, dy_arg.dtype, dw_arg.dtype, dout.stride(),
         y_perm.stride(), topk_weights.stride(), dy_arg.stride(), dw_arg.stride(), K, H,
         dy is not None, dw is not None, block_h,
-        aligned(dout, y_perm, topk_weights, src_to_dest, expert_for_src, dy_arg, dw_arg),
     )  # fmt: skip
     _FINALIZE_BACKWARD.launch(
         key, (T,),

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 
 #: Rows per step of the ordered fused finalize's reduction.
@@ -795,7 +795,6 @@ def grouped_gemm_triton(
         cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, a.stride(), w.stride(), out.stride(),
         z.stride(0), b.stride() if bias is not None else None, gather, pre_activation is not None,
         a_desc is not None, w_desc is not None, w_kmajor, one_dot, allow_tf32, E, n_out, kd,
-        aligned(a, w, out, b, z, offsets, dest_to_src),
     )  # fmt: skip
 
     def constexprs():
@@ -868,7 +867,6 @@ def grouped_gemm_act_backward_triton(
         cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, dout.stride(),
         w2t.stride(), wh.stride(), z.stride(0), topk_weights.stride(), w_desc is not None,
         w_kmajor, allow_tf32, E, n_out, kd, permuted, a_desc is not None,
-        aligned(dout, w2t, wh, z, dz, topk_weights, offsets, dest_to_src),
     )  # fmt: skip
     _ACT_BWD.launch(
         key, (m_tiles * cdiv(n_out, bn),),
@@ -941,7 +939,6 @@ def grouped_gemm_finalize_triton(
         h.stride(), w2.stride(), out.stride(), b.stride() if b2 is not None else None,
         (sfbt, sfbh), topk_weights.stride(), a_desc is not None, w_desc is not None, w_kmajor,
         allow_tf32, E, n_out, kd, K,
-        aligned(h, w2, out, b, fb, topk_weights, offsets, dest_to_src, src_to_dest, expert_for_src),
     )  # fmt: skip
     _FINALIZE.launch(
         key, (m_tiles * cdiv(n_out, bn),),

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import INTERPRETING, ThinKernel, aligned, cdiv, int_key, next_pow2
+from . import INTERPRETING, ThinKernel, cdiv, int_key, next_pow2
 
 #: Most experts one program holds (``BLOCK_E``, registers: a few ``[BLOCK_E]`` tiles over up to
 #: 16 warps; the grouped sigmoid kernel's padded tile is at most twice as wide). Wider rows
@@ -204,8 +204,7 @@ def softmax_topk_triton(
     block_t, block_e, num_warps = _blocks(E)
     st, se = logits.stride()
     acc = _acc(logits.dtype)
-    key = (logits.dtype, k, renormalize, block_t, block_e, int_key(E, st, se),
-           aligned(logits, weights, ids))  # fmt: skip
+    key = (logits.dtype, k, renormalize, block_t, block_e, int_key(E, st, se))  # fmt: skip
     _FORWARD.launch(
         key, (cdiv(T, block_t),), (logits, weights, ids, T, E, st, se),
         lambda: dict(
@@ -292,7 +291,7 @@ def softmax_topk_backward_triton(
     st, se = logits.stride()
     acc = _acc(logits.dtype)
     key = (logits.dtype, grad.dtype, k, renormalize, block_t, block_e,
-           int_key(E, sgt, sgk, st, se), aligned(grad, weights, ids, logits, dlogits))  # fmt: skip
+           int_key(E, sgt, sgk, st, se))  # fmt: skip
     _BACKWARD.launch(
         key, (cdiv(T, block_t),), (grad, weights, ids, logits, dlogits, T, E, sgt, sgk, st, se),
         lambda: dict(
@@ -443,8 +442,7 @@ def sigmoid_grouped_topk_triton(
     sb = expert_bias.stride(0) if has_bias else 0
     acc = _acc(logits.dtype)
     key = (logits.dtype, bias.dtype, k, topk_group, has_bias, renormalize, scale, block_t,
-           ng_pow2, g_pow2, int_key(n_group, G, st, se, sb),
-           aligned(logits, bias, weights, ids))  # fmt: skip
+           ng_pow2, g_pow2, int_key(n_group, G, st, se, sb))  # fmt: skip
     _SIGMOID_FORWARD.launch(
         key, (cdiv(T, block_t),), (logits, bias, weights, ids, T, n_group, G, st, se, sb),
         lambda: dict(
@@ -532,7 +530,7 @@ def sigmoid_topk_backward_triton(
     st, se = logits.stride()
     acc = _acc(logits.dtype)
     key = (logits.dtype, grad.dtype, k, renormalize, scale, block_t, block_e,
-           int_key(E, sgt, sgk, st, se), aligned(grad, ids, logits, dlogits))  # fmt: skip
+           int_key(E, sgt, sgk, st, se))  # fmt: skip
     _SIGMOID_BACKWARD.launch(
         key, (cdiv(T, block_t),), (grad, ids, logits, dlogits, T, E, sgt, sgk, st, se),
         lambda: dict(

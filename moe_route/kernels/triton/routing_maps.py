@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2
 
 #: Triton's cap on the elements of one tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``), on
 #: a GPU and under the interpreter alike. A program holds one counter per *bin* — E experts, K
@@ -254,8 +254,7 @@ def routing_maps_triton(
     if tile is None:
         tile = next_pow2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
     tile = max(tile, 16)
-    key = (tile, K, E, topk_ids.dtype, st, sk, aligned(topk_ids, src_to_dest, dest_to_src,
-           expert_for_src, offsets))  # fmt: skip
+    key = (tile, K, E, topk_ids.dtype, st, sk)
     if tile >= N:
         _ONE_TILE.launch(
             key, (1,),
@@ -283,12 +282,12 @@ def routing_maps_triton(
     )  # fmt: skip
     scan_bins = min(num_bins, 32)
     _SCAN.launch(
-        (num_bins, aligned(tile_counts, tiles_before, totals)), (num_bins // scan_bins,),
+        num_bins, (num_bins // scan_bins,),
         (tile_counts, tiles_before, totals, num_tiles),
         lambda: dict(NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4),
     )  # fmt: skip
     _PLACE.launch(
-        (*key, aligned(tile_counts, tiles_before, totals)), (num_tiles,),
+        key, (num_tiles,),
         (
             topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets, T, K,
             E, st, sk,

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, aligned, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2
 from .grouped_gemm import _mma, _tma_ok, num_sms
 
 
@@ -291,7 +291,7 @@ def expert_weight_grad_triton(
     key = (
         c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
         dw.stride(), dbt.stride(), scale.stride(), a_gather, b_gather, db_scale is not None,
-        db is not None, allow_tf32, N, KD, aligned(a, b, dw, dbt, offsets, idx, scale),
+        db is not None, allow_tf32, N, KD,
     )  # fmt: skip
     _WEIGHT_GRAD.launch(
         key, (cdiv(N, c.block_n) * cdiv(KD, c.block_k), E),
@@ -320,7 +320,6 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
     key = (
         c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
         dw.stride(), dbt.stride(), scale.stride(), has_db, a_scale, N, KD, dw_tma,
-        aligned(a, b, dw, dbt, offsets, idx, scale),
     )  # fmt: skip
     dw_desc = TensorDescriptor.from_tensor(dw, [1, c.block_n, c.block_k]) if dw_tma else dw
     _WEIGHT_GRAD_TMA.launch(
@@ -413,7 +412,6 @@ def router_weight_grad_triton(
     key = (
         K, nt, partial.dtype, dout.dtype, bt.dtype, dw.dtype, partial.stride(), dout.stride(),
         bt.stride(), dw.stride(), b2 is not None,
-        aligned(partial, dout, bt, src_to_dest, expert_for_src, dw),
     )  # fmt: skip
     _ROUTER_GRAD.launch(
         key, (cdiv(T * K, block_s),),
