@@ -33,9 +33,11 @@ def flag(name: str) -> bool:
 
 def reader(names: tuple[str, ...]):
     """A function returning the values of ``names`` as one hashable tuple, for cache keys (raw:
-    bytes or ``None`` on POSIX, read in one C-level pass over the mapping; ``str`` or ``None``
-    elsewhere)."""
+    bytes or ``None`` on POSIX, read from the mapping without encoding or decoding; ``str`` or
+    ``None`` elsewhere)."""
+    # (A comprehension calling the mapping's get, not map() over the bound method: Dynamo
+    # traces the one and not the other.)
     if _BYTES_KEYS:
-        keys, get = tuple(name.encode() for name in names), _DATA.get
-        return lambda: tuple(map(get, keys))
-    return lambda: tuple(map(os.environ.get, names))
+        keys, data = tuple(name.encode() for name in names), _DATA
+        return lambda: tuple([data.get(key) for key in keys])
+    return lambda: tuple([os.environ.get(name) for name in names])

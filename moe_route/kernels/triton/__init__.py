@@ -111,11 +111,15 @@ class ThinKernel:
         missed something Triton specialises on: an integer equal to 1, say)."""
         from triton.runtime.jit import compute_cache_key
 
-        cx = constexprs()
+        cx = constexprs()  # with the options JITFunction.run adds (Triton 3.5, 3.6)
         cx["debug"] = cx.get("debug", self.fn.debug) or triton.knobs.runtime.debug
+        if hasattr(triton.knobs.compilation, "instrumentation_mode"):
+            cx["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
         kernel_cache, key_cache, _, _, binder = self.fn.device_caches[_current_device()]
         _, specialization, options = binder(*args, **cx)
         chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+        if hasattr(chosen, "result"):  # an asynchronous compile's future
+            chosen = chosen.result()
         if chosen is not run.compiled:
             raise AssertionError(
                 f"{self.fn.__name__}: launch key {key!r} maps to a variant compiled for other "
