@@ -322,12 +322,6 @@ def _cached_backend(device: torch.device, requested: str) -> str:
     return backend_for(device, requested).value
 
 
-@env_cached
-def cached_finalize_path(device: torch.device, requested: str, deterministic: bool) -> str:
-    """:func:`finalize_path_for`'s answer (the value), cached like :func:`cached_backend`."""
-    return finalize_path_for(device, requested, deterministic).value
-
-
 #: The environment overrides a plan depends on.
 ENV_OVERRIDES = (
     "MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "TRITON_INTERPRET",

@@ -22,7 +22,7 @@ from .activations import Activation, as_activation
 from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
 from .maps import maps_op
-from .moe import DECODE, decode_now, moe_plan, run_experts
+from .moe import decode_now, moe_plan, run_decode, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
 from .reference import GATE_UP_LAYOUTS, activation_reference
@@ -475,7 +475,8 @@ class MoELayer(nn.Module):
         shared = self.shared_expert(x2)
         w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
         if decode_now(plan, x2, w1, w2, weights, b1, b2, shared):
-            out, counts = DECODE(x2, w1, w2, weights, ids, b1, b2, shared, act, layout, True)
+            out, counts = run_decode(plan, x2, w1, w2, weights, ids, b1, b2, shared, act, layout,
+                                     True)  # fmt: skip
         else:
             maps = maps_op(ids, E, plan.maps_backend)
             out = run_experts(plan, x2, w1, w2, weights, maps, act, layout, b1, b2, shared)

@@ -27,7 +27,7 @@ from .grouped_gemm import (
     gemm_configs,
 )
 from .kernels import torch_impl
-from .kernels.triton.decode import moe_decode_triton
+from .kernels.triton.decode import DecodeConfig, moe_decode_triton
 from .kernels.triton.moe import MoEConfigs, moe_backward_triton, moe_forward_triton
 from .maps import check_kernel_limits, maps_backend, maps_op
 from .tuning import token_bucket, token_buckets
@@ -47,9 +47,10 @@ class MoEPlan:
     path: str
     #: GEMM1 reads its rows from ``x`` through the maps (no expand).
     gather: bool
-    #: eager calls that want no gradient take the decode path
-    #: (:mod:`moe_route.kernels.triton.decode`; its tiles: :func:`moe_route.tuning.decode_config`).
-    decode: bool = False
+    #: the decode path's tiles where eager calls that want no gradient take it
+    #: (:mod:`moe_route.kernels.triton.decode`, :func:`moe_route.tuning.decode_config`), else
+    #: None.
+    decode: DecodeConfig | None = None
 
 
 @functools.cache
@@ -69,8 +70,9 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
         epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
     )  # fmt: skip
-    decode = tuning.decode_config(bucket, K, E, dtype) is not None
-    return MoEPlan("triton", maps_chosen, cfg, path, gather, decode)
+    return MoEPlan(
+        "triton", maps_chosen, cfg, path, gather, tuning.decode_config(bucket, K, E, dtype)
+    )
 
 
 def _plan_for(x, w1, w2, K, activation, layout, path, gather, allow_tf32, backend):
@@ -276,10 +278,11 @@ def moe_decode_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, counts)`` on the decode path (Triton; no maps, no gradient): ``fused_moe``'s
     output, and with ``want_counts`` the routed slots per expert (``[E] int64``, else empty),
-    which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``."""
+    which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``. The op's
+    implementation; eager calls reach :func:`run_decode` without it."""
     E, K = w1.shape[0], topk_ids.shape[1]
-    counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
     cfg = tuning.decode_config(token_bucket(x.shape[0]), K, E, x.dtype)
+    counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
     out = moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
                             epilogue_for(activation, gate_up_layout), cfg,
                             counts if want_counts else None)  # fmt: skip
@@ -382,9 +385,8 @@ def fused_moe(
     if _checks.ids_value_check_wanted(ids, None):
         _checks.check_topk_id_values(ids, E)
     if decode_now(plan, x, w1, w2, topk_weights, b1, b2, bias):
-        out, _ = DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, activation, gate_up_layout,
-                        False)  # fmt: skip
-        return out
+        return run_decode(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
+                          gate_up_layout, False)[0]  # fmt: skip
     maps = maps_op(ids, E, plan.maps_backend)
     return run_experts(plan, x, w1, w2, topk_weights, maps, activation, gate_up_layout, b1, b2,
                        bias, allow_tf32)  # fmt: skip
@@ -394,14 +396,35 @@ def fused_moe(
 def moe_plan(x, w1, w2, K, activation: str, gate_up_layout: str, finalize: str,
              deterministic: bool, gather: bool | None, allow_tf32: bool,
              backend: str) -> MoEPlan:  # fmt: skip
-    """The plan of a call (arguments already checked; ``activation`` canonical)."""
-    path = arch.cached_finalize_path(x.device, finalize, deterministic)
-    if gather is None:
-        # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6% at
-        # mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and deepseek-v3
-        # (I=2048) the expand cost more than it saved (bench/bench_moe.py --sweep).
-        gather = w2.shape[2] < 4096
-    return _plan_for(x, w1, w2, K, activation, gate_up_layout, path, gather, allow_tf32, backend)
+    """The plan of a call (arguments already checked; ``activation`` canonical): one lookup
+    keyed on the call's arguments as they come (the finalize request, ``gather=None``),
+    resolved on a miss through :func:`_plan`."""
+    key = (x.device, x.dtype, w1.shape, w2.shape, K, token_bucket(x.shape[0]), activation,
+           gate_up_layout, finalize, deterministic, gather, allow_tf32, backend,
+           arch.env_key())  # fmt: skip
+    plan = _CALL_PLANS.get(key)
+    if plan is None:
+        path = arch.finalize_path_for(x.device, finalize, deterministic).value
+        if gather is None:
+            # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6%
+            # at mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and
+            # deepseek-v3 (I=2048) the expand cost more than it saved (bench/bench_moe.py
+            # --sweep).
+            gather = w2.shape[2] < 4096
+        plan = _CALL_PLANS[key] = _plan_for(x, w1, w2, K, activation, gate_up_layout, path,
+                                            gather, allow_tf32, backend)  # fmt: skip
+    return plan
+
+
+#: :func:`moe_plan`'s answers by call arguments (bounded by the configurations a process
+#: runs: weights' shapes, dtypes, flags, token buckets).
+_CALL_PLANS: dict = {}
+
+
+def clear_plans() -> None:
+    """Forget every plan (tests that change what a plan is decided from, e.g. a tuning table)."""
+    _CALL_PLANS.clear()
+    _plan.cache_clear()
 
 
 def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
@@ -426,9 +449,22 @@ def decode_now(plan: MoEPlan, x, *params) -> bool:
     245 against 268; see :func:`moe_route.tuning.decode_config`). So CUDA-graph capture and
     torch.compile, where host time is not paid per call, keep the sorted path.
     """
-    if not plan.decode or _wants_grad(x, *params) or torch.compiler.is_compiling():
+    if plan.decode is None or _wants_grad(x, *params) or torch.compiler.is_compiling():
         return False
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
+
+
+def run_decode(plan: MoEPlan, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, activation: str,
+               gate_up_layout: str, want_counts: bool):  # fmt: skip
+    """``(out, counts or None)`` on the decode path, for a call :func:`decode_now` sent there:
+    the launcher with the plan's tiles and epilogue, or the custom op where the tensors need
+    the dispatcher (fake tensors, subclasses)."""
+    args = (x, w1, w2, topk_weights, topk_ids, b1, b2, bias)
+    if needs_dispatcher(args):
+        return DECODE(*args, activation, gate_up_layout, want_counts)
+    counts = topk_ids.new_empty(w1.shape[0], dtype=torch.int64) if want_counts else None
+    out = moe_decode_triton(*args, plan.configs.epilogue, plan.decode, counts)
+    return out, counts
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:

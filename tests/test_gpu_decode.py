@@ -45,9 +45,9 @@ def _sorted(case, monkeypatch, **kw):
     """The same call with the decode path turned off."""
     with monkeypatch.context() as m:
         m.setattr(tuning, "decode_config", lambda *a, **k: None)
-        moe_module._plan.cache_clear()
+        moe_module.clear_plans()
         out = run_moe(case, **kw)
-    moe_module._plan.cache_clear()
+    moe_module.clear_plans()
     return out
 
 
@@ -61,7 +61,7 @@ def _sorted(case, monkeypatch, **kw):
 def test_matches_reference_and_sorted_path(monkeypatch, dtype, T, K, E, H, inter):
     case = moe_case(T, K, E, H, inter, dtype=dtype, b1=True, b2=True, bias="TH", drop=0.2,
                     seed=T + E)  # fmt: skip
-    moe_module._plan.cache_clear()
+    moe_module.clear_plans()
     fast = run_moe(case)
     assert not fast.isnan().any()
     assert_matches(fast, moe_expected(case), TOL[dtype], device=CUDA)
@@ -143,7 +143,7 @@ def test_layer_inference(monkeypatch, T):
                                num_shared_experts=1).eval()  # fmt: skip
     x = rand(T, 2048, dtype=torch.bfloat16, seed=13)
     with torch.no_grad():
-        moe_module._plan.cache_clear()
+        moe_module.clear_plans()
         fast = layer(x)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -153,9 +153,9 @@ def test_layer_inference(monkeypatch, T):
             torch.cuda.set_sync_debug_mode("default")
         with monkeypatch.context() as m:
             m.setattr(tuning, "decode_config", lambda *a, **k: None)
-            moe_module._plan.cache_clear()
+            moe_module.clear_plans()
             slow = layer(x)
-        moe_module._plan.cache_clear()
+        moe_module.clear_plans()
     assert torch.equal(again.output, fast.output)
     assert torch.equal(fast.tokens_per_expert, moe_route.tokens_per_expert(fast.topk_ids, 128))
     assert torch.equal(fast.tokens_per_expert, slow.tokens_per_expert)
