@@ -63,3 +63,29 @@ def test_warmup_then_any_token_count_compiles_nothing_forward_and_backward():
     assert kt.launch_keys() == keys
     assert triton_compiles() == binaries
     assert w1.grad is None
+
+
+def test_unaligned_views_get_their_own_variant_and_right_values():
+    """The thin launch keys the variant on each address modulo 16: an expand and a finalize
+    over views 2 bytes off alignment, between calls over aligned tensors, give the reference's
+    values (conftest's MOE_ROUTE_CHECK_LAUNCHES also checks each launch against Triton's own
+    choice of variant)."""
+    from moe_route import reference as R
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, H = 37, 256
+    base = torch.randn(T, H + 8, device="cuda", dtype=torch.bfloat16, generator=g)
+    tw, ids = torch.randn(T, E, device="cuda", generator=g).softmax(-1).topk(K, dim=-1)
+    maps = moe_route.build_routing_maps(ids.to(torch.int32), E)
+    s2d, d2s, efs, off = (t.cpu() for t in maps.tensors())
+    for shift in (0, 1, 0, 1):
+        x = base[:, shift : shift + H]
+        assert x.data_ptr() % 16 == 2 * shift
+        got = moe_route.expand_rows(x, maps)
+        want = R.expand_rows_reference(x.cpu(), d2s, off)
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+        y = got[:, shift:]
+        assert y.data_ptr() % 16 == 2 * shift
+        out = moe_route.finalize_moe_routing(y, tw, maps)
+        want_out = R.finalize_moe_routing_reference(y.cpu(), tw.cpu(), s2d, efs)
+        torch.testing.assert_close(out.cpu(), want_out, rtol=2**-7, atol=2**-7)

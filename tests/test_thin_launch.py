@@ -1,0 +1,121 @@
+"""The thin launch (moe_route.kernels.triton.ThinKernel) on stand-ins for Triton's objects: the
+first launch of a key goes through Triton and is remembered, later ones call the compiled
+kernel's C launcher with the tensors' addresses, a new alignment or a profiler hook goes back
+through Triton. On a GPU, every thin launch of the GPU tests is also checked against Triton's
+own choice of variant (``MOE_ROUTE_CHECK_LAUNCHES``, set in conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_route.kernels import triton as kt
+
+
+class FakeLauncher:
+    """What ``compiled.run`` is (a ``CudaLauncher``): the C ``launch`` and its attributes."""
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = False
+        self.c_calls, self.py_calls = [], []
+        self.launch = lambda *a: self.c_calls.append(a)
+
+    def __call__(self, *a):
+        self.py_calls.append(a)
+
+
+class FakeCompiled:
+    def __init__(self, scratch=0):
+        self.run = FakeLauncher(scratch)
+        self.function, self.packed_metadata = 1234, ("meta",)
+
+
+class FakeJit:
+    """A ``@triton.jit`` function: ``fn[grid](*args, **constexprs)`` launches and returns the
+    compiled kernel (one per call here, so a test sees which launch compiled)."""
+
+    def __init__(self, scratch=0):
+        self.params = [type("P", (), {"name": n, "is_constexpr": c})()
+                       for n, c in (("x", False), ("n", False), ("BLOCK", True))]  # fmt: skip
+        self.triton_launches, self.compiled, self.scratch = [], [], scratch
+
+    def __getitem__(self, grid):
+        def launch(*args, **cx):
+            self.triton_launches.append((grid, args, cx))
+            self.compiled.append(FakeCompiled(self.scratch))
+            return self.compiled[-1]
+
+        return launch
+
+
+@pytest.fixture
+def thin(monkeypatch):
+    monkeypatch.setattr(kt, "INTERPRETING", False)
+    monkeypatch.setattr(kt, "CHECK_LAUNCHES", False)
+    monkeypatch.setattr(kt, "_current_device", lambda: 0)
+    monkeypatch.setattr(kt, "_current_stream", lambda device: 77)
+    fn = FakeJit()
+    kernel = kt.ThinKernel(fn)
+    yield fn, kernel
+    kt.KERNELS.remove(kernel)
+
+
+def test_packer_replaces_tensors_by_addresses_and_reports_their_alignment():
+    t = torch.zeros(64, dtype=torch.float16)
+    odd = t[1:]  # 2 bytes past an aligned address
+    pack = kt._packer((t, 5, odd, None, 2.5))
+    args, alignment = pack((t, 5, odd, None, 2.5))
+    assert args == (t.data_ptr(), 5, odd.data_ptr(), None, 2.5)
+    assert alignment == (t.data_ptr() % 16, odd.data_ptr() % 16)
+    assert alignment[1] == (alignment[0] + 2) % 16
+
+
+def test_second_launch_calls_the_c_launcher_with_addresses(thin):
+    fn, kernel = thin
+    x = torch.zeros(32)
+    cx = {"BLOCK": 16, "num_warps": 4}
+    kernel.launch(("key",), (3,), (x, 7), lambda: dict(cx))
+    assert len(fn.triton_launches) == 1 and fn.triton_launches[0][2] == cx
+    compiled = fn.compiled[0]
+    kernel.launch(("key",), (3,), (x, 8), lambda: pytest.fail("constexprs built again"))
+    assert len(fn.triton_launches) == 1  # no second Triton launch
+    (call,) = compiled.run.c_calls
+    # grid, stream, function, cooperative, pdl, two scratch buffers, metadata, launch
+    # metadata, two hooks, then the arguments with the address, then the constexpr values
+    assert call == (3, 1, 1, 77, 1234, False, False, None, None, ("meta",), None, None, None,
+                    x.data_ptr(), 8, 16)  # fmt: skip
+    assert kt.launch_keys() >= 1
+
+
+def test_new_alignment_or_key_goes_through_triton_again(thin):
+    fn, kernel = thin
+    base = torch.zeros(64, dtype=torch.float16)
+    aligned = base[8:]  # 16 bytes in
+    shifted = base[1:]
+    constexprs = lambda: {"BLOCK": 16}
+    kernel.launch(("k",), (1,), (aligned, 1), constexprs)
+    kernel.launch(("k",), (1,), (shifted, 1), constexprs)  # another alignment: Triton's path
+    kernel.launch(("other",), (1,), (aligned, 1), constexprs)  # another key
+    assert len(fn.triton_launches) == 3
+    kernel.launch(("k",), (1,), (shifted, 1), constexprs)  # remembered now
+    kernel.launch(("k",), (1,), (aligned, 1), constexprs)
+    assert len(fn.triton_launches) == 3
+    assert len(fn.compiled[1].run.c_calls) == 1 and len(fn.compiled[0].run.c_calls) == 1
+
+
+def test_scratch_memory_or_profiler_hooks_take_the_wrappers(thin, monkeypatch):
+    _, kernel = thin
+    fn = FakeJit(scratch=128)  # needs scratch: Triton's Python wrapper allocates it
+    kernel.fn = fn
+    x = torch.zeros(4)
+    kernel.launch(("s",), (2,), (x, 3), lambda: {"BLOCK": 8})
+    kernel.launch(("s",), (2,), (x, 3), lambda: {"BLOCK": 8})
+    run = fn.compiled[0].run
+    assert not run.c_calls and len(run.py_calls) == 1
+    assert run.py_calls[0][:9] == (2, 1, 1, 77, 1234, ("meta",), None, None, None)
+    monkeypatch.setattr(kt, "_hooks_set", lambda: True)  # a profiler hooks launches
+    kernel.launch(("s",), (2,), (x, 3), lambda: {"BLOCK": 8})
+    assert len(fn.triton_launches) == 2
