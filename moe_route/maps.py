@@ -202,7 +202,6 @@ def maps_backend(device: torch.device, backend: str, T: int, K: int, num_experts
     slots decide). Where ``"auto"`` picked the CuPy kernels for speed but ``E`` is past what
     they hold, the GEMMs' backend (Triton) builds them; an explicit ``"cupy"`` (argument or
     ``MOE_ROUTE_BACKEND``) stays, and :func:`check_kernel_limits` raises."""
-
     chosen = arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
     if chosen == "cupy":
         general = arch.backend_for(device, backend).value
@@ -264,7 +263,6 @@ def build_routing_maps(
 
 
 def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: int) -> str:
-
     return _bucket_maps_backend(device, backend, token_bucket(T), K, E)
 
 

@@ -441,7 +441,8 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
 
 
 def decode_now(plan: MoEPlan, x, *params) -> bool:
-    """Whether a call takes the decode path (:data:`DECODE`): a decode plan, eager inference.
+    """Whether a call takes the decode path (:func:`run_decode`): a decode plan, eager
+    inference.
 
     NOTE: H100, bf16 (bench host stage, scripts/decode_sweep.py, 2026-11-26): at qwen3 T=1
     the decode path cut the host time of an eager call from ~160 to 67-73 us (two launches,

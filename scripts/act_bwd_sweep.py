@@ -13,15 +13,17 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
+from moe_route.bench.stages import MODELS, model_shape
 from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_act_backward_triton
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
 
-SHAPES = {  # T, H, I, E, K
-    "mixtral": (4096, 4096, 14336, 8, 2),
-    "qwen3": (8192, 2048, 768, 128, 8),
-    "deepseek": (4096, 7168, 2048, 256, 8),
-}
+# the training shapes of the bench suite: each model at its first prefill size
+SHAPES = {
+    name: model_shape(model, MODELS[model]["prefill"][0])
+    for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
+                        ("deepseek", "deepseek-v3"))
+}  # fmt: skip
 CONFIGS = [  # block_m, block_n, block_k, group_m, warps, stages
     (128, 128, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4),
@@ -46,7 +48,8 @@ def main():
     dense = Ceilings.measure(dev).mm_flops_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
-        T, H, inter, E, K = SHAPES[name]
+        s = SHAPES[name]
+        T, H, inter, E, K = s.T, s.H, s.I, s.E, s.K
         M = T * K
         tw, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)
         tw = tw.to(dt)

@@ -15,14 +15,15 @@ import torch
 
 import moe_route
 from moe_route import tuning
+from moe_route.bench.stages import model_shape
 from moe_route.grouped_gemm import epilogue_for
 from moe_route.kernels.triton.decode import moe_decode_triton
 
-SHAPES = {  # T, H, I, E, K
-    "qwen3 T=1": (1, 2048, 768, 128, 8),
-    "qwen3 T=2": (2, 2048, 768, 128, 8),
-    "custom T=1": (1, 2048, 1024, 64, 8),
-    "deepseek T=1": (1, 7168, 2048, 256, 8),
+SHAPES = {
+    "qwen3 T=1": model_shape("qwen3-30b-a3b", 1),
+    "qwen3 T=2": model_shape("qwen3-30b-a3b", 2),
+    "custom T=1": model_shape("olmoe-1b-7b", 1),  # H=2048, I=1024, E=64, K=8
+    "deepseek T=1": model_shape("deepseek-v3", 1),
 }
 CALLS = 16
 
@@ -82,7 +83,7 @@ def main():
 
 
 def sweep_shape(name, dims, configs, base, g):
-    T, H, inter, E, K = dims
+    T, H, inter, E, K = dims.T, dims.H, dims.I, dims.E, dims.K
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
     w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02

@@ -15,15 +15,17 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
+from moe_route.bench.stages import MODELS, model_shape
 from moe_route.kernels.triton.weight_grad import WeightGradConfig, expert_weight_grad_triton
 from moe_route.reference import topk_routing_reference
 from moe_route.tuning import weight_grad_config
 
-SHAPES = {  # T, H, I, E, K
-    "mixtral": (4096, 4096, 14336, 8, 2),
-    "qwen3": (8192, 2048, 768, 128, 8),
-    "deepseek": (4096, 7168, 2048, 256, 8),
-}
+# the training shapes of the bench suite: each model at its first prefill size
+SHAPES = {
+    name: model_shape(model, MODELS[model]["prefill"][0])
+    for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
+                        ("deepseek", "deepseek-v3"))
+}  # fmt: skip
 # block_r, block_n, block_k, warps, stages, persistent programs per SM
 TMA_CONFIGS = [
     (32, 256, 128, 8, 4, 1),
@@ -58,7 +60,8 @@ def main():
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s, "
           f"copy {copy / 1e12:.2f} TB/s")  # fmt: skip
     for name in args.shapes:
-        T, H, inter, E, K = SHAPES[name]
+        s = SHAPES[name]
+        T, H, inter, E, K = s.T, s.H, s.I, s.E, s.K
         M = T * K
         _, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)
         maps = build_routing_maps(ids, E)

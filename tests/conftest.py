@@ -39,8 +39,8 @@ if not torch.cuda.is_available():
 
 import moe_route.kernels.triton
 
-# Decorate moe_route's kernels now too (their modules are imported lazily by the ops), for the
-# same reason.
+# Decorate every kernel module of moe_route now too, for the same reason (importing moe_route
+# imports the ones the ops launch; this also covers any imported only on demand).
 for _mod in pkgutil.iter_modules(moe_route.kernels.triton.__path__):
     importlib.import_module(f"moe_route.kernels.triton.{_mod.name}")
 
