@@ -132,17 +132,19 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
                        cc: int | None) -> WeightGradConfig:  # fmt: skip
     """Tiles of the weight-gradient kernels (``dW[e]`` being ``[n, kd]``).
 
-    NOTE: H100, bf16 (scripts/wgrad_sweep.py, 2026-11-25, against torch._grouped_mm in the same
-    run; the TMA kernel with bounded-row descriptors): 32-row steps won everywhere.
-    - > 512 rows per expert (mixtral T=4096): 128x256 tiles on 8 warps, one program per SM,
-      consecutive tiles along the dimension with fewer tiles (the running programs then share
-      the other operand's slices in L2): dW1 [28672 x 4096] 3015 us (92 % of dense;
-      _grouped_mm 3443), dW2 [4096 x 14336] 1463 us (95 %; _grouped_mm 1575). Along Kd
-      only, dW2 took 1787 us.
-    - <= 512 rows (qwen3, deepseek-v3): 128x128 tiles on 4 warps, 2 programs per SM, tiles
-      along Kd (dW rows written in order): qwen3 dW1 / dW2 836 / 435 us (_grouped_mm 865 /
-      457); deepseek-v3 dW1 7487 us, 71 % of its bound (writing the 15 GB gradient; along N
-      8064 us; _grouped_mm 6881, 77 %), dW2 4143 us (_grouped_mm 3671).
+    NOTE: H100, bf16 (scripts/wgrad_sweep.py, 2026-11-24, against torch._grouped_mm in the same
+    run; the TMA kernel with bounded-row descriptors):
+    - > 512 rows per expert (mixtral T=4096): a loop per tile, 32-row steps, 128x256 tiles on
+      8 warps, one program per SM, consecutive tiles along the dimension with fewer tiles
+      (the running programs then share the other operand's slices in L2): dW1 [28672 x 4096]
+      3170 us (85 % of dense; _grouped_mm 3538), dW2 [4096 x 14336] 1583 us (86 %;
+      _grouped_mm 1650). The flat loop's best there: 3525 / 1837 us.
+    - <= 512 rows: the flat loop (the next tile's loads under the current tile's last
+      steps). qwen3 T=8192 (512 rows): 64-row steps, 128x256 tiles on 8 warps, one program
+      per SM: dW1 / dW2 767 / 435 us (_grouped_mm 818 / 415; a loop per tile at its best
+      825 / 437). deepseek-v3 T=4096 (128 rows, writing a 15 / 7.5 GB gradient): 64-row
+      steps, 128x128 tiles on 4 warps, 2 programs per SM: dW1 / dW2 6741 / 3638 us, 79 / 76 %
+      of their bound (_grouped_mm 6735 / 3837; a loop per tile 7504 / 4095).
     """
     if dtype == torch.float64:
         return WeightGradConfig(16, 32, 32, 4, 1)
@@ -154,8 +156,10 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         if rows_per_expert <= 512:
             return WeightGradConfig(32, 128, 128, 4, 4)
         return WeightGradConfig(64, 256 if n >= 8192 else 128, 128, 8, 3)
+    if rows_per_expert <= 128:
+        return WeightGradConfig(64, 128, 128, 4, 4, True, 2, flat=True)
     if rows_per_expert <= 512:
-        return WeightGradConfig(32, 128, 128, 4, 4, True, 2)
+        return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)
     cfg = WeightGradConfig(32, 128, 256, 8, 4, True, 1)
     along_kd = -(-kd // cfg.block_k) <= -(-n // cfg.block_n)  # fewer tiles along Kd
     return dataclasses.replace(cfg, k_fastest=along_kd)

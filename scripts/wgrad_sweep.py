@@ -26,15 +26,18 @@ SHAPES = {
     for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
                         ("deepseek", "deepseek-v3"))
 }  # fmt: skip
-# block_r, block_n, block_k, warps, stages, persistent programs per SM
+# block_r, block_n, block_k, warps, stages, persistent programs per SM, flat loop
 TMA_CONFIGS = [
-    (32, 256, 128, 8, 4, 1),
-    (32, 128, 256, 8, 4, 1),
-    (32, 128, 128, 4, 4, 2),
-    (64, 256, 128, 8, 3, 1),
-    (64, 128, 256, 8, 3, 1),
-    (32, 256, 128, 8, 3, 1),
-    (64, 128, 128, 8, 4, 1),
+    (32, 128, 256, 8, 4, 1, False),
+    (32, 256, 128, 8, 4, 1, False),
+    (32, 128, 128, 4, 4, 2, False),
+    (64, 128, 256, 8, 3, 1, False),
+    (64, 128, 256, 8, 3, 1, True),
+    (64, 256, 128, 8, 3, 1, True),
+    (64, 128, 128, 4, 4, 2, True),
+    (64, 128, 128, 4, 3, 2, True),
+    (32, 128, 128, 4, 4, 2, True),
+    (32, 128, 256, 8, 4, 1, True),
 ]
 
 
@@ -108,7 +111,7 @@ def main():
             except Exception as exc:
                 print(f"  _grouped_mm failed: {type(exc).__name__}: {exc}")
             variants = [plan_cfg, dataclasses.replace(plan_cfg, k_fastest=not plan_cfg.k_fastest)]
-            variants += [WeightGradConfig(*c[:5], True, *c[5:]) for c in configs]
+            variants += [WeightGradConfig(*c[:5], True, c[5], flat=c[6]) for c in configs]
             for c in variants:
                 try:
                     dw.fill_(float("nan"))
@@ -120,7 +123,8 @@ def main():
                     err = rel(dw[:8], ref)
                     order = "along Kd" if c.k_fastest else "along N"
                     label = (f"tma {c.block_r}x{c.block_n}x{c.block_k} w{c.num_warps} "
-                             f"s{c.num_stages} p{c.persistent} {order}")  # fmt: skip
+                             f"s{c.num_stages} p{c.persistent} {order}"
+                             f"{' flat' if c.flat else ''}")  # fmt: skip
                     if c == plan_cfg:
                         label = "plan: " + label
                     results.append((label, bench(run), err))

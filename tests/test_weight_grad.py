@@ -2,7 +2,8 @@
 per-expert ``A^T B``: the pointer kernel (operands gathered through the maps or not) and the
 TMA kernel (both operands permuted, every row step through descriptors bounded at the
 expert's last row; one tile per program or persistent, tiles ordered along either
-dimension), with bias gradients
+dimension, a loop per tile or one flat loop over a program's tiles' row steps), with bias
+gradients
 scaled by the router weights, experts without rows, NaN rows past the last expert (dropped
 slots: never read) and odd sizes. CPU runs use the interpreter in float16
 (its bf16 ``tl.dot`` is wrong); tests/test_gpu_training.py covers bf16 on the GPU.
@@ -53,23 +54,26 @@ def _rel(got, want):
 
 
 @pytest.mark.parametrize(
-    ("use_tma", "persistent", "k_fastest"),
-    [(False, 0, True), (True, 0, True), (True, 1, True), (True, 2, False)],
-    ids=["pointers", "tma", "tma-persistent", "tma-persistent-along-n"],
+    ("use_tma", "persistent", "k_fastest", "flat"),
+    [(False, 0, True, False), (True, 0, True, False), (True, 1, True, False),
+     (True, 2, False, False), (True, 0, True, True), (True, 1, True, True),
+     (True, 3, False, True)],
+    ids=["pointers", "tma", "tma-persistent", "tma-persistent-along-n", "flat",
+         "flat-persistent", "flat-persistent-along-n"],
 )  # fmt: skip
 @pytest.mark.parametrize(
     ("T", "K", "E", "N", "KD", "drop"),
     [(13, 2, 5, 48, 80, 0.0), (9, 3, 7, 16, 32, 0.2), (20, 1, 2, 80, 48, 0.0)],
     ids=["odd", "dropped+empty", "long-experts"],
 )
-def test_weight_grad_kernels_match_float64(use_tma, persistent, k_fastest, T, K, E, N, KD,
-                                           drop):  # fmt: skip
+def test_weight_grad_kernels_match_float64(use_tma, persistent, k_fastest, flat, T, K, E, N,
+                                           KD, drop):  # fmt: skip
     # sizes: multiples of 16 elements (the interpreter's descriptors want 16-element strides),
     # not of the 32-wide tiles; rows per expert not a multiple of the 8-row step
     maps, a, b, w = _setup(T, K, E, N, KD, seed=T + E, drop=drop)
     _, d2s, _, off = maps
     cfg = WeightGradConfig(8, 32, 32, 4, 2, use_tma=use_tma, persistent=persistent,
-                           k_fastest=k_fastest)  # fmt: skip
+                           k_fastest=k_fastest, flat=flat)  # fmt: skip
     routed = int(off[-1])
     a[routed:] = float("nan")  # the dropped slots' rows: no kernel may read them
     b[routed:] = float("nan")

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2
+from . import INTERPRETING, ThinKernel, cdiv, next_pow2
 from .grouped_gemm import _mma, _tma_ok, num_sms
 
 
@@ -60,6 +60,9 @@ class WeightGradConfig:
     persistent: int = 0
     #: the TMA kernel only: consecutive tiles step along ``Kd`` (else along ``N``)
     k_fastest: bool = True
+    #: the TMA kernel only: one loop over all (tile, row step) pairs of a program, the next
+    #: tile's loads overlapping the current tile's last steps (else a loop per tile)
+    flat: bool = False
 
 
 @triton.jit
@@ -179,18 +182,109 @@ def _load_rows(desc, lo, size, i, c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexp
     return block.reshape(BLOCK_R, BLOCK_C)
 
 
+@triton.jit
+def _tiles_of(end, pid, programs):
+    """How many of the tiles ``pid, pid + P, ...`` lie below ``end`` (``P = programs``)."""
+    return tl.cdiv(tl.maximum(end - pid, 0), programs)
+
+
+@triton.jit
+def _program_steps(offsets_ptr, pid, programs, E, per_expert, BLOCK_R: tl.constexpr,
+                   BLOCK_E: tl.constexpr):  # fmt: skip
+    """Row steps of every tile program ``pid`` owns: an expert's tiles take
+    ``cdiv(rows, BLOCK_R)`` steps each, one at least (an empty expert's tiles store zeros)."""
+    total = 0
+    for e0 in range(0, E, BLOCK_E):
+        es = e0 + tl.arange(0, BLOCK_E)
+        ok = es < E
+        lo = tl.load(offsets_ptr + es, mask=ok, other=0)
+        hi = tl.load(offsets_ptr + es + 1, mask=ok, other=0)
+        steps = tl.maximum(tl.cdiv(hi - lo, BLOCK_R), 1).to(tl.int32)
+        first = es * per_expert
+        mine = _tiles_of(first + per_expert, pid, programs) - _tiles_of(first, pid, programs)
+        total += tl.sum(tl.where(ok, mine * steps, 0))
+    return total
+
+
+@triton.jit
+def _read_offset(ptr, ASM: tl.constexpr):
+    """``*ptr`` (an int64 offset). ``ASM``: through inline PTX, which the software pipeliner
+    does not see as a load; with a ``tl.load`` there, Triton 3.5 and 3.6 leave the flat loop
+    below unpipelined (sm_90 TTGIR: each TMA load waited on in its own iteration)."""
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr],
+                                         dtype=tl.int64, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
+def _tile_of(tile, per_expert, n_tiles, k_tiles, K_FASTEST: tl.constexpr):
+    """``(e, n-tile, k-tile)`` of tile ``tile``: consecutive tiles step along ``Kd``
+    (``K_FASTEST``) or along ``N``."""
+    e = tile // per_expert
+    if K_FASTEST:
+        pid_n = (tile % per_expert) // k_tiles
+        pid_k = tile % k_tiles
+    else:
+        pid_k = (tile % per_expert) // n_tiles
+        pid_n = tile % n_tiles
+    return e, pid_n, pid_k
+
+
+@triton.jit
+def _row_step(a_desc, b_desc, acc, col_sum, lo, size, i, n0, k0, dest_to_src_ptr, scale_ptr, T,
+              stride_st, stride_sk, A_SCALE: tl.constexpr, HAS_DBIAS: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``acc += A^T B`` (and the bias gradient's column sum) over rows ``lo + i ..`` of the
+    expert's rows ``[lo, lo + size)``."""
+    a = _load_rows(a_desc, lo, size, i, n0, BLOCK_R, BLOCK_N)
+    b = _load_rows(b_desc, lo, size, i, k0, BLOCK_R, BLOCK_K)
+    if HAS_DBIAS:
+        r = lo + i + tl.arange(0, BLOCK_R)
+        col_sum = _scaled_col_sum(col_sum, a, r, r < lo + size, dest_to_src_ptr, scale_ptr, T,
+                                  stride_st, stride_sk, A_SCALE, tl.float32)  # fmt: skip
+    return tl.dot(a.T, b, acc), col_sum
+
+
+@triton.jit
+def _read_offset(ptr, ASM: tl.constexpr):
+    """``*ptr`` (an int64 offset). ``ASM``: through inline PTX, which the software pipeliner
+    does not take for a load; with a ``tl.load`` there, Triton 3.5 and 3.6 leave the flat loop
+    unpipelined (sm_90 TTGIR: each TMA load waited on in its own iteration)."""
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr],
+                                         dtype=tl.int64, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return tl.load(ptr)
+
+
 @triton.jit(do_not_specialize=["E", "T"])
 def _expert_weight_grad_tma_kernel(
     a_desc, b_desc, dw_desc, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr, scale_ptr, E, N, KD,
     T, stride_we, stride_wn, stride_wk, stride_dbe, stride_dbn, stride_st, stride_sk,
     A_SCALE: tl.constexpr, HAS_DBIAS: tl.constexpr, DW_DESC: tl.constexpr,
-    K_FASTEST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    K_FASTEST: tl.constexpr, FLAT: tl.constexpr, ASM_OFFSETS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Tiles ``pid, pid + P, ...`` of ``E x n-tiles x k-tiles`` (``P`` programs; one tile each
     when ``P`` is the tile count), each ``[BLOCK_N, BLOCK_K]`` of ``dW[e]``: the expert's rows
     in ``BLOCK_R`` steps through bounded descriptors, whose bounds check at the expert's last
     row zero-fills the partial last step, so every step is the same software-pipelined code.
+
+    Two loop shapes (``FLAT``):
+
+    - a loop over the tiles, each running a loop over its row steps: every tile starts with
+      an empty pipeline, which long reductions (Mixtral's ~1024 rows per expert) amortise;
+    - one flat loop over every (tile, row step) pair of the program, the tile's store inside
+      it after its last step, so the pipeline loads the next tile's first steps while the
+      current tile's last ones multiply (short reductions: 128-512 rows per expert). The step
+      count comes first (:func:`_program_steps`). The loop's state advances at the top of the
+      body, the offsets are read through :func:`_read_offset`, and the store's condition tests
+      ``size``, not the loop-carried step count: otherwise the pipeliner keeps the loop in one
+      stage (sm_90 TTGIR, Triton 3.5).
+
     Consecutive tiles step along ``Kd`` (``K_FASTEST``) or along ``N`` (the tuning picks:
     along the dimension with fewer tiles, the programs running at once share the other
     operand's slices in L2; along ``Kd``, ``dW`` is written in order)."""
@@ -199,33 +293,50 @@ def _expert_weight_grad_tma_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(KD, BLOCK_K)
     per_expert = n_tiles * k_tiles
-    for tile in range(pid, E * per_expert, programs):
-        e = tile // per_expert
-        if K_FASTEST:
-            pid_n = (tile % per_expert) // k_tiles
-            pid_k = tile % k_tiles
-        else:
-            pid_k = (tile % per_expert) // n_tiles
-            pid_n = tile % n_tiles
-        # int32 rows: TMA coordinates are 32-bit (M = T*K < 2^31 rows)
-        lo = tl.load(offsets_ptr + e).to(tl.int32)
-        size = tl.load(offsets_ptr + e + 1).to(tl.int32) - lo
-        n0 = pid_n * BLOCK_N
-        k0 = pid_k * BLOCK_K
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(0, size, BLOCK_R):
-            a = _load_rows(a_desc, lo, size, i, n0, BLOCK_R, BLOCK_N)
-            b = _load_rows(b_desc, lo, size, i, k0, BLOCK_R, BLOCK_K)
-            if HAS_DBIAS:
-                r = lo + i + tl.arange(0, BLOCK_R)
-                col_sum = _scaled_col_sum(col_sum, a, r, r < lo + size, dest_to_src_ptr,
-                                          scale_ptr, T, stride_st, stride_sk, A_SCALE,
-                                          tl.float32)  # fmt: skip
-            acc = tl.dot(a.T, b, acc)
-        _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, n0, k0, pid_k, N, KD, stride_we,
-                  stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS, DW_DESC, BLOCK_N,
-                  BLOCK_K)  # fmt: skip
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if FLAT:
+        total = _program_steps(offsets_ptr, pid, programs, E, per_expert, BLOCK_R, BLOCK_E)
+        tile = pid - programs
+        step = 0  # steps of the current tile so far, this one included
+        steps = 0  # steps the current tile takes
+        for _ in range(total):
+            new_tile = step == steps
+            tile = tl.where(new_tile, tile + programs, tile)
+            step = tl.where(new_tile, 1, step + 1)
+            e, pid_n, pid_k = _tile_of(tile, per_expert, n_tiles, k_tiles, K_FASTEST)
+            # int32 rows: TMA coordinates are 32-bit (M = T*K < 2^31 rows)
+            lo = _read_offset(offsets_ptr + e, ASM_OFFSETS).to(tl.int32)
+            size = _read_offset(offsets_ptr + e + 1, ASM_OFFSETS).to(tl.int32) - lo
+            steps = tl.maximum(tl.cdiv(size, BLOCK_R), 1)
+            i = (step - 1) * BLOCK_R
+            acc, col_sum = _row_step(a_desc, b_desc, acc, col_sum, lo, size, i,
+                                     pid_n * BLOCK_N, pid_k * BLOCK_K, dest_to_src_ptr,
+                                     scale_ptr, T, stride_st, stride_sk, A_SCALE, HAS_DBIAS,
+                                     BLOCK_R, BLOCK_N, BLOCK_K)  # fmt: skip
+            if i + BLOCK_R >= size:  # the tile's last step (step == steps)
+                _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, pid_n * BLOCK_N,
+                          pid_k * BLOCK_K, pid_k, N, KD, stride_we, stride_wn, stride_wk,
+                          stride_dbe, stride_dbn, HAS_DBIAS, DW_DESC, BLOCK_N,
+                          BLOCK_K)  # fmt: skip
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        for tile in range(pid, E * per_expert, programs):
+            e, pid_n, pid_k = _tile_of(tile, per_expert, n_tiles, k_tiles, K_FASTEST)
+            lo = tl.load(offsets_ptr + e).to(tl.int32)
+            size = tl.load(offsets_ptr + e + 1).to(tl.int32) - lo
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for i in range(0, size, BLOCK_R):
+                acc, col_sum = _row_step(a_desc, b_desc, acc, col_sum, lo, size, i,
+                                         pid_n * BLOCK_N, pid_k * BLOCK_K, dest_to_src_ptr,
+                                         scale_ptr, T, stride_st, stride_sk, A_SCALE,
+                                         HAS_DBIAS, BLOCK_R, BLOCK_N, BLOCK_K)  # fmt: skip
+            _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, pid_n * BLOCK_N,
+                      pid_k * BLOCK_K, pid_k, N, KD, stride_we, stride_wn, stride_wk,
+                      stride_dbe, stride_dbn, HAS_DBIAS, DW_DESC, BLOCK_N,
+                      BLOCK_K)  # fmt: skip
 
 
 def tma_operands_ok(*tensors: torch.Tensor) -> bool:
@@ -332,11 +443,15 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
         ),
         lambda: dict(
             A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma, K_FASTEST=c.k_fastest,
-            BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
-            num_stages=c.num_stages,
+            FLAT=c.flat, ASM_OFFSETS=not INTERPRETING,
+            BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_E=_BLOCK_E,
+            num_warps=c.num_warps, num_stages=c.num_stages,
         ),
     )  # fmt: skip
 
+
+#: Experts counted at once by the TMA kernel's step count (:func:`_program_steps`).
+_BLOCK_E = 256
 
 _WEIGHT_GRAD = ThinKernel(_expert_weight_grad_kernel)
 _WEIGHT_GRAD_TMA = ThinKernel(_expert_weight_grad_tma_kernel)
