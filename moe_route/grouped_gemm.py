@@ -39,7 +39,7 @@ def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: 
     rpe = bucket_rows / max(E, 1)
     return (
         tuning.gemm_config(rpe, gated, dtype, cc),
-        tuning.act_backward_config(rpe, n_out, dtype, cc),
+        tuning.act_backward_config(rpe, dtype, cc),
         tuning.gemm_config(rpe, False, dtype, cc),
         tuning.weight_grad_config(rpe, n_out * (2 if gated else 1), kd, dtype, cc),
     )

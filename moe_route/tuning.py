@@ -110,21 +110,17 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     return GemmConfig(128, n, big_k, 8, 8, 3, tma, persistent=persistent)
 
 
-def act_backward_config(rows_per_expert: float, n_out: int, dtype: torch.dtype, cc: int | None):
-    """GEMM2's backward with the activation's backward.
-
-    NOTE: H200, bf16 (bench/bench_train.py --stages --sweep): this epilogue (z in, w*h and dz
-    out) is register-heavy; 64x64 tiles on 4 warps beat 128x128 on 8 by 36% at qwen3
-    (I=768); at deepseek (I=2048) 4 stages won by 11%.
-    """
+def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None):
+    """GEMM2's backward with the activation's backward (z in, w*h and dz out: a register-heavy
+    epilogue, run in two column halves)."""
     tma = cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
     if dtype == torch.float64 or rows_per_expert <= 64:
         return _gemm_table(rows_per_expert, False, dtype, cc)
     # NOTE: H100, bf16 (scripts/act_bwd_sweep.py, 2026-11-24, epilogue in two column halves):
-    # qwen3 T=8192 (I=768) 64x128 tiles on 4 warps 704 us against 884 us for 64x64; mixtral
-    # (I=14336) and deepseek-v3 (I=2048) best with 128x128 on 8 warps (2244 / 3538 us).
-    if n_out < 2048:
-        return GemmConfig(64, 128, 64, 8, 4, 4, tma)
+    # 128x128 tiles on 8 warps, 4 stages, at all three training shapes: mixtral T=4096 2330 us
+    # (64x128 on 4 warps 2946), qwen3 T=8192 653 us (64x128 on 4 warps 719), deepseek-v3
+    # T=4096 3584 us (4006). A persistent variant (the GEMMs' flattened tile loop) ran
+    # 1.2-3x slower at every shape and was dropped.
     return GemmConfig(128, 128, 64, 8, 8, 4, tma)
 
 

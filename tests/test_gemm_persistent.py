@@ -283,7 +283,7 @@ def test_tuning_defaults_and_override(monkeypatch):
     assert base == tuning.gemm_config(512, True, torch.bfloat16, 90)
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "3")
     assert tuning.gemm_config(512, True, torch.bfloat16, 90).persistent == 3
-    assert tuning.act_backward_config(32, 768, torch.bfloat16, 90).persistent == 0
+    assert tuning.act_backward_config(32, torch.bfloat16, 90).persistent == 0
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "0")
     assert tuning.gemm_config(512, False, torch.bfloat16, 90).persistent == 0
 

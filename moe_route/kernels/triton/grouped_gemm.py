@@ -450,16 +450,9 @@ def _gemm_act_bwd_kernel(
     rows = first_row + tl.arange(0, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
-    gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
-    if e >= E:  # dropped rows: w·h and dz are zero
-        mask = (rows[:, None] < M_ROWS) & col_ok[None, :]
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=wh_ptr.dtype.element_ty)
-        tl.store(wh_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-                 zeros, mask=mask)  # fmt: skip
-        dz_rows = dz_ptr + rows[:, None].to(tl.int64) * stride_zm
-        tl.store(dz_rows + gate_rows[None, :], zeros, mask=mask)
-        if GATED:
-            tl.store(dz_rows + up_rows[None, :], zeros, mask=mask)
+    if e >= E:  # dropped rows: w·h and dz (all its columns) are zero
+        _zero_rows(wh_ptr, dz_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_on,
+                   stride_zm, GATED, True, BLOCK_M, BLOCK_N)  # fmt: skip
         return
     row_ok = rows < row_end
     src = tl.load(dest_to_src_ptr + rows, mask=row_ok, other=0)
