@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from ._env import getenv
+from .kernels.triton import cdiv
 from .kernels.triton.decode import MAX_SLOTS, DecodeConfig
 from .kernels.triton.grouped_gemm import GemmConfig
 from .kernels.triton.weight_grad import WeightGradConfig
@@ -157,5 +158,5 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)
     cfg = WeightGradConfig(32, 128, 256, 8, 4, True, 1)
-    along_kd = -(-kd // cfg.block_k) <= -(-n // cfg.block_n)  # fewer tiles along Kd
+    along_kd = cdiv(kd, cfg.block_k) <= cdiv(n, cfg.block_n)  # fewer tiles along Kd
     return dataclasses.replace(cfg, k_fastest=along_kd)

@@ -15,14 +15,14 @@ new ``T`` never compiles a new variant.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from ..._env import flag
+
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return flag("TRITON_INTERPRET")
 
 
 #: Triton decides at decoration (import) time whether a ``@triton.jit`` function is
@@ -43,7 +43,7 @@ def next_pow2(n: int) -> int:
 #: ``MOE_ROUTE_CHECK_LAUNCHES=1`` (read at import; the GPU tests set it): every thin launch
 #: also asks Triton which variant its own launch would pick, and raises if that is not the one
 #: launched. Slow (Triton's argument binding on every launch); for tests.
-CHECK_LAUNCHES = os.environ.get("MOE_ROUTE_CHECK_LAUNCHES", "0") not in ("", "0")
+CHECK_LAUNCHES = flag("MOE_ROUTE_CHECK_LAUNCHES")
 
 #: every :class:`ThinKernel` made (for :func:`launch_keys`)
 KERNELS: list[ThinKernel] = []

@@ -247,18 +247,6 @@ def _row_step(a_desc, b_desc, acc, col_sum, lo, size, i, n0, k0, dest_to_src_ptr
     return tl.dot(a.T, b, acc), col_sum
 
 
-@triton.jit
-def _read_offset(ptr, ASM: tl.constexpr):
-    """``*ptr`` (an int64 offset). ``ASM``: through inline PTX, which the software pipeliner
-    does not take for a load; with a ``tl.load`` there, Triton 3.5 and 3.6 leave the flat loop
-    unpipelined (sm_90 TTGIR: each TMA load waited on in its own iteration)."""
-    if ASM:
-        return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr],
-                                         dtype=tl.int64, is_pure=True, pack=1)  # fmt: skip
-    else:
-        return tl.load(ptr)
-
-
 @triton.jit(do_not_specialize=["E", "T"])
 def _expert_weight_grad_tma_kernel(
     a_desc, b_desc, dw_desc, dw_ptr, db_ptr, offsets_ptr, dest_to_src_ptr, scale_ptr, E, N, KD,
@@ -293,9 +281,9 @@ def _expert_weight_grad_tma_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(KD, BLOCK_K)
     per_expert = n_tiles * k_tiles
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     if FLAT:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         total = _program_steps(offsets_ptr, pid, programs, E, per_expert, BLOCK_R, BLOCK_E)
         tile = pid - programs
         step = 0  # steps of the current tile so far, this one included
