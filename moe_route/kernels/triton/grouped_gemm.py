@@ -182,15 +182,21 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows, up_rows,
-              n0, N_UP, KD, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+              col_ok, n0, N_UP, KD, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
               TWO: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
               W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
               ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr = 0):  # fmt: skip
     """``A[rows] @ W[e][w_rows].T`` (and, with ``TWO``, ``@ W[e][up_rows].T``) over ``Kd``.
 
-    ``w_rows`` / ``up_rows`` must be in bounds (callers clamp the columns past ``N``: their
-    results are never stored).
+    ``w_rows`` / ``up_rows``: the ``W[e]`` rows of the tile's columns, read where ``col_ok``
+    (zeros elsewhere: those columns are never stored). A mask, not rows clamped into bounds:
+    a clamp hides the rows' contiguity from Triton, and where ``W`` is n-contiguous (the
+    backward's ``W.transpose(1, 2)``) every element then loads on its own.
+
+    NOTE: H100, bf16 (scripts/bwd_decode_sweep.py, 2026-11-24): with clamped rows the
+    backward's dX GEMM read W1's transpose at 12-14 % of the copy rate at decode sizes
+    (olmoe-1b-7b T=8: 857 us, against 131 us on a k-contiguous copy).
 
     With ``A_DESC`` / ``W_DESC`` the tiles come through TMA descriptors (Hopper): rows past the
     expert or the matrix are read (or zero-filled) but never stored. ``N_UP`` is the first up
@@ -227,9 +233,9 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
         elif W_DESC:
             wg = tl.reshape(w_desc.load([e, n0, k0]), [BLOCK_N, BLOCK_K]).T
         elif EVEN_K:
-            wg = tl.load(g_ptrs)
+            wg = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = _mma(a, wg, acc, DOT_PRECISION)
         if TWO:
             if W_DESC and W_KMAJOR:
@@ -237,9 +243,9 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
             elif W_DESC:
                 wu = tl.reshape(w_desc.load([e, N_UP + n0, k0]), [BLOCK_N, BLOCK_K]).T
             elif EVEN_K:
-                wu = tl.load(u_ptrs)
+                wu = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
             else:
-                wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc_up = _mma(a, wu, acc_up, DOT_PRECISION)
             u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
@@ -316,10 +322,8 @@ def _gemm_tile(
     row_ok = rows < row_end
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
     a_rows = _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER)
-    w_gate = tl.where(col_ok, gate_rows, 0)
-    w_up = tl.where(col_ok, up_rows, 0)
     acc, acc_up = _mainloop(
-        a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_gate, w_up,
+        a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, gate_rows, up_rows, col_ok,
         n_tile * BLOCK_N, N_OUT, KD, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
         GATED and not ONE_DOT, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC, BLOCK_M,
         BLOCK_N, BLOCK_K, ONE_DOT,
@@ -459,8 +463,8 @@ def _gemm_act_bwd_kernel(
     t = (src % T).to(tl.int64)
     a_rows = rows.to(tl.int64) if A_PERMUTED else t
     acc, _ = _mainloop(
-        a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, tl.where(col_ok, cols, 0),
-        tl.where(col_ok, cols, 0), n_tile * BLOCK_N, 0, KD, stride_am, stride_ak, stride_we,
+        a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, cols, cols, col_ok,
+        n_tile * BLOCK_N, 0, KD, stride_am, stride_ak, stride_we,
         stride_wn, stride_wk, False, A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC,
         BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
@@ -587,9 +591,8 @@ def _gemm_finalize_kernel(
                          stride_fbt, stride_fbh, FINAL_BIAS)  # fmt: skip
         return
     row_ok = rows < row_end
-    cols_w = tl.where(col_ok, cols, 0)
     acc, _ = _mainloop(
-        a_ptr, a_desc, w_ptr, w_desc, e, first_row, rows.to(tl.int64), row_ok, cols_w, cols_w,
+        a_ptr, a_desc, w_ptr, w_desc, e, first_row, rows.to(tl.int64), row_ok, cols, cols, col_ok,
         n_tile * BLOCK_N, 0, KD, stride_am, stride_ak, stride_we, stride_wn, stride_wk, False,
         A_DESC, W_DESC, W_KMAJOR, EVEN_K, DOT_PRECISION, ACC, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
