@@ -277,6 +277,27 @@ def test_finalize_launcher_writes_every_element(dtype, block_h, bias):
     assert_finalize_close(out, c["y_perm"], c["w"], maps, c["bias"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+def test_finalize_launcher_unit_weights(dtype):
+    """``topk_weights=None`` (the backward of an expand) sums the routed rows: the bits of
+    explicit weights of one (a product by 1.0 is exact), dropped slots left out."""
+    from moe_route.kernels.triton.finalize import finalize_triton
+
+    T, K, E, H = 13, 3, 5, 37
+    c = make_case(T, K, E, H, dtype, drop_prob=0.3, seed=23)
+    maps = c["maps"]
+    tables = (maps.expanded_source_row_to_expanded_dest_row, maps.expert_for_source_row)
+    ones = torch.ones(T, K, dtype=torch.float32, device=DEVICE)
+    want = torch.empty(T, H, dtype=dtype, device=DEVICE)
+    finalize_triton(c["y_perm"], ones, *tables, None, want)
+    buf = poisoned((T, H + 3), dtype, DEVICE)
+    out = buf[:, :H]
+    finalize_triton(c["y_perm"], None, *tables, None, out)
+    assert torch.equal(out, want)
+    assert buf[:, H:].isnan().all(), "finalize wrote past the end of a row"
+    assert_finalize_close(out, c["y_perm"], ones, maps, None)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_finalize_empty(backend):
     maps = moe_route.build_routing_maps(

@@ -43,6 +43,7 @@ def _finalize_kernel(
     stride_oh,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    UNIT_WEIGHTS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -54,9 +55,12 @@ def _finalize_kernel(
         src = k * T + t
         routed = tl.load(expert_for_src_ptr + src) >= 0
         dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
-        w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(ACC)
         row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed, other=0.0)
-        acc += tl.where(routed, w * row.to(ACC), 0.0)
+        if UNIT_WEIGHTS:
+            acc += tl.where(routed, row.to(ACC), 0.0)
+        else:
+            w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(ACC)
+            acc += tl.where(routed, w * row.to(ACC), 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(ACC)
     tl.store(
@@ -66,7 +70,7 @@ def _finalize_kernel(
 
 def finalize_triton(
     y_perm: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_weights: torch.Tensor | None,
     src_to_dest: torch.Tensor,
     expert_for_src: torch.Tensor,
     bias: torch.Tensor | None,
@@ -74,11 +78,14 @@ def finalize_triton(
     *,
     block_h: int | None = None,
 ) -> None:
-    """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated)."""
-    T, K = topk_weights.shape
-    H = out.shape[1]
+    """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated). ``topk_weights=None``:
+    every weight is 1 (the backward of an expand: no weights tensor to build and fill)."""
+    T, H = out.shape
     if T == 0 or H == 0:
         return
+    unit = topk_weights is None
+    K = src_to_dest.numel() // T
+    w_arg = out if unit else topk_weights  # never read with UNIT_WEIGHTS
     if block_h is None:
         block_h = min(next_pow2(H), BYTES_PER_PROGRAM // y_perm.element_size())
     if bias is None:
@@ -87,15 +94,17 @@ def finalize_triton(
         bias_arg, sbt, sbh = bias, 0, bias.stride(0)
     else:
         bias_arg, sbt, sbh = bias, bias.stride(0), bias.stride(1)
-    acc = tl.float64 if torch.float64 in (y_perm.dtype, topk_weights.dtype) else tl.float32
-    sy, sw, so = y_perm.stride(), topk_weights.stride(), out.stride()
+    acc = tl.float64 if torch.float64 in (y_perm.dtype, w_arg.dtype) else tl.float32
+    sy, so = y_perm.stride(), out.stride()
+    sw = (0, 0) if unit else topk_weights.stride()
     _FINALIZE.launch(
-        (K, H, block_h, acc, bias is not None, y_perm.dtype, topk_weights.dtype, bias_arg.dtype,
+        (K, H, block_h, acc, bias is not None, unit, y_perm.dtype, w_arg.dtype, bias_arg.dtype,
          out.dtype, sy, sw, sbt, sbh, so),
         (T, cdiv(H, block_h)),
-        (y_perm, topk_weights, src_to_dest, expert_for_src, bias_arg, out, T, H, *sy, *sw, sbt,
-         sbh, *so),
-        lambda: dict(K=K, HAS_BIAS=bias is not None, ACC=acc, BLOCK_H=block_h, num_warps=4),
+        (y_perm, w_arg, src_to_dest, expert_for_src, bias_arg, out, T, H, *sy, *sw, sbt, sbh,
+         *so),
+        lambda: dict(K=K, HAS_BIAS=bias is not None, UNIT_WEIGHTS=unit, ACC=acc, BLOCK_H=block_h,
+                     num_warps=4),
     )  # fmt: skip
 
 

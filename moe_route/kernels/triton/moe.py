@@ -115,7 +115,6 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     """
     src_to_dest, dest_to_src, expert_for_src, offsets = maps
     T, H = x.shape
-    K = topk_weights.shape[1]
     M = dest_to_src.numel()
     tf32 = cfg.allow_tf32
     # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
@@ -145,8 +144,7 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
         dx_perm = x.new_empty(M, H)
         grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, cfg.dx, allow_tf32=tf32)
         dx = x.new_empty(T, H)
-        unit = torch.ones((), dtype=torch.float32, device=x.device).expand(T, K)
-        finalize_triton(dx_perm, unit, src_to_dest, expert_for_src, None, dx)
+        finalize_triton(dx_perm, None, src_to_dest, expert_for_src, None, dx)
         del dx_perm
     # dW1 last: dx_perm is freed by then, so the peak holds dz, dW1 and dW2 but no [M, H].
     if need_dw1:
@@ -186,10 +184,8 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
         grouped_gemm_triton(dz, w.transpose(1, 2), offsets, da_perm, dx_cfg, allow_tf32=allow_tf32)
         da = da_perm
         if gather:
-            T = a.shape[0]
             da = a.new_empty(a.shape)
-            unit = torch.ones((), dtype=torch.float32, device=a.device).expand(T, M // max(T, 1))
-            finalize_triton(da_perm, unit, src_to_dest, expert_for_src, None, da)
+            finalize_triton(da_perm, None, src_to_dest, expert_for_src, None, da)
     if need_dw or need_db:
         dw = torch.empty_like(w)
         db = torch.empty(w.shape[:2], dtype=w.dtype, device=a.device) if need_db else None
