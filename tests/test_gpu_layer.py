@@ -226,3 +226,26 @@ def test_update_expert_bias_non_finite_gpu_counts_leave_the_bias():
     step = torch.sign(counts.double().mean() - counts.double()).float() * 1e-3
     assert torch.equal(once, before + step)
     assert torch.equal(layer.expert_bias, before + step + step)
+
+
+@pytest.mark.parametrize("T", [1, 8, 300])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_inference_router_logits_match_the_float32_linear(config, T):
+    """Inference routes on one 16-bit matmul with float32 output (no converted copies): the
+    products are exact in float32 either way, so the logits sit within float32 summation
+    error of the converted linear's and the ids are the training path's."""
+    layer = make_layer(config)
+    x = make_x(T)
+    want = torch.nn.functional.linear(x.float(), layer.gate.weight.float())
+    with torch.no_grad():
+        got = layer.router_logits(x)
+        out = layer(x)
+    assert got.dtype == torch.float32
+    scale = x.float().abs() @ layer.gate.weight.float().abs().t()
+    assert ((got - want).abs() <= 4 * H * torch.finfo(torch.float32).eps * scale).all()
+    with torch.enable_grad():
+        trained = layer(x.clone().requires_grad_())
+    if torch.equal(got, want):  # the same logits: the same routing, bit for bit
+        assert torch.equal(out.topk_ids, trained.topk_ids)
+    # else only near-ties (logits within a few ulps) may route differently
+    assert (out.topk_ids == trained.topk_ids).float().mean() > 0.98

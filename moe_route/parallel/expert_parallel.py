@@ -69,7 +69,6 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
-import torch.nn.functional as F
 
 from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
@@ -369,8 +368,7 @@ def forward(layer, x2: torch.Tensor):
     T = x2.shape[0]
     E, K = layer.num_experts, layer.top_k
     dev = x2.device
-    rdt = x2.dtype if layer.router_dtype is None else layer.router_dtype
-    logits = F.linear(x2.to(rdt), layer.gate.weight.to(rdt))
+    logits = layer.router_logits(x2)
     weights, ids = layer.route(logits)
     sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
 
