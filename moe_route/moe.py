@@ -425,6 +425,7 @@ def clear_plans() -> None:
     """Forget every plan (tests that change what a plan is decided from, e.g. a tuning table)."""
     _CALL_PLANS.clear()
     _plan.cache_clear()
+    gemm_configs.cache_clear()
 
 
 def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,

@@ -5,6 +5,10 @@ computing the same per-expert products and a dense ``mm`` of the same FLOPs, all
 process. Relative error of every variant against the first.
 
     PYTHONPATH=. python scripts/wgrad_sweep.py [--shapes mixtral qwen3 deepseek] [--quick]
+                                               [--tokens T]
+
+``--tokens`` replaces each model's training size (e.g. 256: 16 rows per expert at qwen3 and
+deepseek, where the plan takes the pointer kernel; a few pointer tilings are swept there too).
 """
 
 import argparse
@@ -39,6 +43,14 @@ TMA_CONFIGS = [
     (32, 128, 128, 4, 4, 2, True),
     (32, 128, 256, 8, 4, 1, True),
 ]
+# block_r, block_n, block_k, warps, stages: the pointer kernel (permuted rows, no gather)
+POINTER_CONFIGS = [
+    (32, 128, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (32, 128, 64, 4, 4),
+    (32, 64, 128, 4, 4),
+    (64, 128, 128, 8, 3),
+]
 
 
 def bench(fn):
@@ -53,6 +65,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--quick", action="store_true", help="only the plan's configuration")
+    ap.add_argument("--tokens", type=int, help="tokens instead of each model's training size")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     cc = torch.cuda.get_device_capability()
@@ -63,7 +76,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s, "
           f"copy {copy / 1e12:.2f} TB/s")  # fmt: skip
     for name in args.shapes:
-        s = SHAPES[name]
+        s = SHAPES[name] if args.tokens is None else model_shape(SHAPES[name].model, args.tokens)
         T, H, inter, E, K = s.T, s.H, s.I, s.E, s.K
         M = T * K
         _, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)
@@ -112,6 +125,8 @@ def main():
                 print(f"  _grouped_mm failed: {type(exc).__name__}: {exc}")
             variants = [plan_cfg, dataclasses.replace(plan_cfg, k_fastest=not plan_cfg.k_fastest)]
             variants += [WeightGradConfig(*c[:5], True, c[5], flat=c[6]) for c in configs]
+            if rpe <= 16 and not args.quick:
+                variants += [WeightGradConfig(*c) for c in POINTER_CONFIGS]
             for c in variants:
                 try:
                     dw.fill_(float("nan"))
@@ -122,7 +137,8 @@ def main():
                     run()
                     err = rel(dw[:8], ref)
                     order = "along Kd" if c.k_fastest else "along N"
-                    label = (f"tma {c.block_r}x{c.block_n}x{c.block_k} w{c.num_warps} "
+                    kind = "tma" if c.use_tma else "pointer"
+                    label = (f"{kind} {c.block_r}x{c.block_n}x{c.block_k} w{c.num_warps} "
                              f"s{c.num_stages} p{c.persistent} {order}"
                              f"{' flat' if c.flat else ''}")  # fmt: skip
                     if c == plan_cfg:

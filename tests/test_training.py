@@ -310,3 +310,45 @@ def test_grouped_gemm_grads(backend, gather, activation, layout):
     for name, x, y in zip(("da", "dw", "db"), got, want, strict=True):
         width = y.shape[-1]
         assert_matches(x.reshape(-1, width), y.reshape(-1, width), 1e-5, what=name, floor=1.0)
+
+
+@needs_interpreter
+def test_weight_grads_from_permuted_rows_equal_gathered(monkeypatch):
+    """``WeightGradConfig.permuted`` (the launch sequence expands the token rows, the pointer
+    kernel reads them in order) gives the bits of the gathered route: the same rows, summed
+    in the same order; bias gradients, dropped slots and an empty expert included."""
+    import dataclasses
+
+    from moe_route import tuning
+    from moe_route.moe import clear_plans
+
+    real = tuning.weight_grad_config
+    kt_moe = importlib.import_module("moe_route.kernels.triton.moe")
+    real_expand = kt_moe.expand_rows_triton
+    expands = []
+
+    def counting_expand(*args, **kw):
+        expands[-1] += 1
+        return real_expand(*args, **kw)
+
+    monkeypatch.setattr(kt_moe, "expand_rows_triton", counting_expand)
+    grads = []
+    for permuted in (False, True):
+        expands.append(0)
+
+        def config(*args, permuted=permuted):
+            return dataclasses.replace(real(*args), permuted=permuted)
+
+        monkeypatch.setattr(tuning, "weight_grad_config", config)
+        clear_plans()
+        # experts 0-4 only of 6: expert 5 has no rows
+        case = _case(13, 3, 6, 16, 8, ids=make_ids(13, 3, 5, drop=0.2, seed=4))
+        leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+        x, w1, w2, tw, b1, b2, bias = leaves
+        out = moe_route.fused_moe(x, w1, w2, tw, case["topk_ids"], b1=b1, b2=b2, bias=bias,
+                                  backend="triton")  # fmt: skip
+        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    clear_plans()
+    assert expands[1] == expands[0] + 2  # dout for dW2, x for dW1
+    for name, a, b in zip(NAMES, *grads, strict=True):
+        assert torch.equal(a, b), name

@@ -202,11 +202,15 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
 
 def _wgrad_operand(token_rows, maps, M, cfg: WeightGradConfig, other):
     """``(operand, gathered)`` of a weight gradient for ``[T, C]`` token rows: permuted into
-    ``[M, C]`` when the TMA kernel will read it (an expand, ~1 % of the GEMM's time), else
-    the rows themselves, gathered through the maps by the pointer kernel."""
-    row_bytes = token_rows.shape[1] * token_rows.element_size()
-    sixteen_bit = token_rows.dtype in (torch.float16, torch.bfloat16)
-    if not (cfg.use_tma and sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)):
+    ``[M, C]`` when the TMA kernel will read it, or the pointer kernel with ``cfg.permuted``
+    (an expand, ~1 % of the GEMM's time), else the rows themselves, gathered through the maps
+    by the pointer kernel."""
+    if cfg.use_tma:
+        row_bytes = token_rows.shape[1] * token_rows.element_size()
+        sixteen_bit = token_rows.dtype in (torch.float16, torch.bfloat16)
+        if not (sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)):
+            return token_rows, True  # the launcher takes the pointer kernel
+    elif not cfg.permuted:
         return token_rows, True
     src_to_dest, _, expert_for_src, _ = maps
     rows = token_rows.new_empty(M, token_rows.shape[1])

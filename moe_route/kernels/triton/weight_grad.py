@@ -10,11 +10,13 @@ rows ``BLOCK_R`` at a time in ascending order, accumulating ``A^T B`` in float32
 float64 inputs) and rounding once. Every output element has one owner and a fixed summation
 order: no atomics, the same bits on every run; an expert with no rows gets exact zeros.
 ``A`` and ``B`` rows can be read through the maps (``row = dest_to_src[d] mod T``) so that
-neither ``dout`` nor ``x`` is ever permuted in memory, and ``A`` rows can be scaled by the
-router weight of their slot for the bias gradient, the column sum of the ``A`` tiles taken by
-the programs of the first ``Kd`` tile. (``dW2 = Σ dout[t]^T (w h)``: GEMM2's backward writes
-``w·h``, so no MMA operand is rescaled here.) On Hopper the operand that is not gathered is
-loaded through TMA.
+neither ``dout`` nor ``x`` is permuted in memory (at up to 8 rows per expert, where one
+expand's launch costs more than the gather; at more rows the gather's scattered reads cost
+10-27 %, so ``WeightGradConfig.permuted`` has the launch sequence expand first), and ``A`` rows
+can be scaled by the router weight of their slot for the bias gradient, the column sum of the
+``A`` tiles taken by the programs of the first ``Kd`` tile. (``dW2 = Σ dout[t]^T (w h)``:
+GEMM2's backward writes ``w·h``, so no MMA operand is rescaled here.) On Hopper the operand
+that is not gathered is loaded through TMA.
 
 On Hopper with 16-bit operands the launch sequence permutes the gathered operand into a buffer
 first (one expand, ~1 % of the GEMM's time) and :func:`_expert_weight_grad_tma_kernel` reads
@@ -63,6 +65,10 @@ class WeightGradConfig:
     #: the TMA kernel only: one loop over all (tile, row step) pairs of a program, the next
     #: tile's loads overlapping the current tile's last steps (else a loop per tile)
     flat: bool = False
+    #: the pointer kernel: the launch sequence permutes a gathered operand into a buffer first
+    #: (an expand), as for the TMA kernel, instead of the kernel gathering its rows through
+    #: the maps
+    permuted: bool = False
 
 
 @triton.jit
