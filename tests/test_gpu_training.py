@@ -129,6 +129,8 @@ def test_grads_match_reference(dtype, activation, layout):
     (37, 8, 8, 72, 40),      # K = E
     (101, 4, 16, 50, 26),    # odd H and I: no TMA (16-byte pitch), masked tails
     (300, 8, 64, 256, 96),   # many experts, most with few rows
+    (30, 4, 8, 72, 40),      # 16 rows per expert (bucket): weight grads on expanded rows
+    (60, 2, 8, 50, 26),      # the same, odd H and I
 ])  # fmt: skip
 def test_odd_sizes(dtype, T, K, E, H, inter):
     check_grads(make_case(T, K, E, H, inter, dtype=dtype, bias_shape="H"))
