@@ -54,28 +54,23 @@ def main():
     def empties():
         return torch.empty_like(w1d), torch.empty_like(w2d)
 
-    class Trivial(torch.autograd.Function):
-        """One launch each way: the autograd engine's own cost around a backward."""
+    def doubling(extra_backward_work):
+        """A one-launch-each-way autograd.Function (the engine's own cost around a backward)
+        whose backward also runs ``extra_backward_work``."""
 
-        @staticmethod
-        def forward(ctx, a):
-            return a * 2
+        class Doubling(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a):
+                return a * 2
 
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
+            @staticmethod
+            def backward(ctx, g):
+                extra_backward_work()
+                return g * 2
 
-    class Heavy(torch.autograd.Function):
-        """The trivial forward, and the MoE backward's launch sequence as its backward."""
+        return Doubling
 
-        @staticmethod
-        def forward(ctx, a):
-            return a * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            bwd_direct()
-            return g * 2
+    Trivial, Heavy = doubling(lambda: None), doubling(bwd_direct)
 
     small = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
     idx = torch.arange(T * K, device=dev) % T
