@@ -149,15 +149,16 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         return WeightGradConfig(32, 64, 64, 4, 3)
     # Decode sizes (<= 16 rows per expert) take the pointer kernel too: the TMA route's two
     # expands and three descriptors cost more host time than the reduction takes.
-    if cc is not None and cc >= 90 and 4 < rows_per_expert <= 16:
-        # NOTE: H100, bf16 (scripts/wgrad_sweep.py --tokens 256, 2026-11-24; qwen3 at 16 rows
-        # per expert, deepseek-v3 at 8): gathering the token rows through the maps cost the
-        # pointer kernel 10-27 % (qwen3 dW1 / dW2 358 / 191 us, deepseek-v3 5642 / 3178 us)
-        # against the same kernel on permuted rows with 32x64 tiles (301 / 165, 4931 / 2490 us;
-        # torch._grouped_mm 356 / 186, 5620 / 2843; the TMA kernel's best 325 / 163, 5920 /
-        # 2917). At fewer rows (decode sizes, host-bound) the gather saves the expands'
-        # launches; not measured in between.
-        return WeightGradConfig(32, 64, 128, 4, 4, permuted=True)
+    if cc is not None and cc >= 90 and 0.25 <= rows_per_expert <= 16:
+        # NOTE: H100, bf16 (scripts/wgrad_sweep.py --tokens 8 / 64 / 128 / 256, 2026-11-24):
+        # gathering the token rows through the maps cost the pointer kernel 5-24 % against
+        # the same kernel on permuted rows, 16-row steps, 128x128 tiles (dW1 + dW2, gathered
+        # -> permuted: qwen3 T=8 431 -> 390 us, T=64 524 -> 431, T=256 549 -> 474; deepseek-v3
+        # T=8 7237 -> 6866, T=64 8319 -> 7066, T=128 8605 -> 7201, T=256 8820 -> 7362;
+        # torch._grouped_mm 477 / 549 / 542, 7695 / 7924 / 7973 / 8463; 32x64 tiles were 2-3 %
+        # faster at qwen3, 1-3 % slower at deepseek-v3). Below a quarter of a row per expert
+        # (T <= 4 at qwen3) a call is host-bound and the gather saves the expands' launches.
+        return WeightGradConfig(16, 128, 128, 4, 4, permuted=True)
     if cc is None or cc < 90 or rows_per_expert <= 16:  # the pointer kernel (H200 sweep)
         if rows_per_expert <= 512:
             return WeightGradConfig(32, 128, 128, 4, 4)

@@ -10,9 +10,9 @@ rows ``BLOCK_R`` at a time in ascending order, accumulating ``A^T B`` in float32
 float64 inputs) and rounding once. Every output element has one owner and a fixed summation
 order: no atomics, the same bits on every run; an expert with no rows gets exact zeros.
 ``A`` and ``B`` rows can be read through the maps (``row = dest_to_src[d] mod T``) so that
-neither ``dout`` nor ``x`` is permuted in memory (at decode sizes, where an expand's launch
-costs more than the gather; from 8 rows per expert the gather's reads cost 10-27 %, so
-``WeightGradConfig.permuted`` has the launch sequence expand first), and ``A`` rows
+neither ``dout`` nor ``x`` is permuted in memory (at the smallest sizes, where an expand's
+launch costs more than the gather; from a quarter of a row per expert the gather's reads cost
+5-24 %, so ``WeightGradConfig.permuted`` has the launch sequence expand first), and ``A`` rows
 can be scaled by the router weight of their slot for the bias gradient, the column sum of the
 ``A`` tiles taken by the programs of the first ``Kd`` tile. (``dW2 = Σ dout[t]^T (w h)``:
 GEMM2's backward writes ``w·h``, so no MMA operand is rescaled here.) On Hopper the operand
