@@ -420,7 +420,9 @@ class MoELayer(nn.Module):
             and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad))
             and not torch.compiler.is_compiling()
         ):
-            return torch.mm(x2, w.t(), out_dtype=torch.float32)
+            logits = _mm_float32(x2, w.t())
+            if logits is not None:
+                return logits
         return F.linear(x2.to(rdt), w.to(rdt))
 
     def router_probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -764,3 +766,21 @@ def _name_in(module: nn.Module, child: nn.Module) -> str:
 def _expect_shape(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{what} must be {list(shape)}, got {_checks.describe(t)}")
+
+
+#: Whether this torch's ``torch.mm`` takes ``out_dtype`` (float32 out of 16-bit CUDA operands:
+#: torch 2.8 and later); set False by the first call that finds it does not.
+_MM_OUT_DTYPE = True
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` in float32 from 16-bit CUDA operands in one matmul, or None where this torch's
+    ``torch.mm`` has no ``out_dtype`` (setup.cfg allows torch 2.4)."""
+    global _MM_OUT_DTYPE
+    if not _MM_OUT_DTYPE:
+        return None
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except TypeError:  # an unexpected keyword argument: an older torch
+        _MM_OUT_DTYPE = False
+        return None

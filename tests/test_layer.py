@@ -587,3 +587,25 @@ def test_example_trains_and_the_loss_halves(extra, capsys):
     assert code == 0, out
     assert "initial loss" in out and "final loss" in out and "120/120" in out
     assert torch.get_num_threads() == threads
+
+
+def test_router_matmul_falls_back_without_mm_out_dtype(monkeypatch):
+    """On a torch whose ``torch.mm`` takes no ``out_dtype`` (setup.cfg allows 2.4), the
+    inference router's one-matmul path reports None once and is not tried again."""
+    from moe_route import layer as layer_module
+
+    calls = []
+
+    def old_mm(a, b, **kw):
+        calls.append(kw)
+        if kw:
+            raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+        return a @ b
+
+    monkeypatch.setattr(layer_module, "_MM_OUT_DTYPE", True)
+    monkeypatch.setattr(torch, "mm", old_mm)
+    a, b = torch.randn(3, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.float16)
+    assert layer_module._mm_float32(a, b) is None
+    assert layer_module._mm_float32(a, b) is None
+    assert calls == [{"out_dtype": torch.float32}]  # tried once
+    assert layer_module._MM_OUT_DTYPE is False
