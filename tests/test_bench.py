@@ -399,7 +399,10 @@ def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys, monkeypatch):
         for name, r in hrows.items():
             if name != "fused_moe new T":
                 assert r["extra"]["calls"] == 4 and r["extra"]["eager_us"] > 0, r
-                assert r["extra"]["per_index_select"] > 0, r
+                e = r["extra"]
+                assert e["per_index_select"] > 0, r
+                # the ratio is to the yardstick timed next to the row
+                assert e["per_index_select"] == pytest.approx(r["median_us"] / e["index_select_us"])
         new_t = hrows["fused_moe new T"]["extra"]
         assert new_t["new_T"] == {8: [7, 6, 5], 64: [63, 48, 33]}[T]
         assert len(new_t["first_us"]) == 3 and new_t["repeat_us"] > 0

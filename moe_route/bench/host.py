@@ -8,8 +8,10 @@ one row (``impl`` = the op) with:
   around ``ctx.host_calls`` calls with no synchronisation inside the loop, after warm-up; one
   synchronisation after each loop, outside the timed region);
 * ``extra["per_index_select"]``: that over the host time of one ``torch.index_select`` of the
-  expand's size (``T*K`` rows of ``x``) timed the same way in the same process: a yardstick
-  that makes host times comparable across machines (its own row is ``index_select``);
+  expand's size (``T*K`` rows of ``x``) timed the same way in the same process right before
+  the row's own loops (``extra["index_select_us"]``): a yardstick that makes host times
+  comparable across machines, and across a run on a shared host whose speed drifts (its own
+  row is ``index_select``, the first measurement);
 * ``extra["eager_us"]``: the latency of one eager call (``triton.testing.do_bench`` median);
   ``extra["graph_us"]``: one call replayed from a CUDA graph of 10 calls;
   ``extra["eager_over_graph"]``;
@@ -107,6 +109,12 @@ def _calls(shape: Shape, ctx: Context) -> dict:
     }
 
 
+def _yardstick_us(fn, ctx: Context) -> float:
+    """Host µs per call of the yardstick, timed as the rows are."""
+    warmup = 3 if ctx.cuda else 1
+    return time_host(fn, ctx.device, calls=ctx.host_calls, warmup=warmup).median_s * 1e6
+
+
 def _graph_us(fn, ctx: Context) -> float | None:
     if not ctx.cuda:
         return None
@@ -115,7 +123,6 @@ def _graph_us(fn, ctx: Context) -> float | None:
 
 def stage_host(shape: Shape, ctx: Context) -> None:
     calls = _calls(shape, ctx)
-    yardstick_us = None
     for name, fn in calls.items():
         try:
             eager_us = time_eager(fn, ctx.device).median_s * 1e6
@@ -129,10 +136,11 @@ def stage_host(shape: Shape, ctx: Context) -> None:
             continue
         host_us = host.median_s * 1e6
         extra = {"calls": ctx.host_calls, "eager_us": eager_us}
-        if name == YARDSTICK:
-            yardstick_us = host_us
-        if yardstick_us:
-            extra["per_index_select"] = host_us / yardstick_us
+        # NOTE: H100 host (2026-11-24): index_select took 7.5-18 us per call in runs of one
+        # session (a shared CPU); timing it next to each row keeps the ratio within one window.
+        yardstick_us = host_us if name == YARDSTICK else _yardstick_us(calls[YARDSTICK], ctx)
+        extra["index_select_us"] = yardstick_us
+        extra["per_index_select"] = host_us / yardstick_us
         try:
             graph_us = _graph_us(fn, ctx)
         except Exception as exc:  # e.g. a host sync inside: not capturable
