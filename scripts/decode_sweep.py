@@ -4,7 +4,11 @@ decode sizes. Each figure is a CUDA graph of 16 calls on 16 different routings (
 experts change from call to call, so their weights come from HBM, not L2), per call; errors
 against the sorted path's output.
 
-    python scripts/decode_sweep.py [--quick | --near]
+    python scripts/decode_sweep.py [--quick | --near | --layouts]
+
+``--layouts``: the current tiles only, on the weights as they are (k-contiguous) and on
+n-contiguous copies of them (``w.transpose(1, 2).contiguous().transpose(1, 2)``: the layout of
+a transposed view, as Hugging Face's gpt-oss experts hold them), same values.
 """
 
 import argparse
@@ -57,6 +61,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--near", action="store_true", help="the tiles near the best of a sweep")
+    p.add_argument("--layouts", action="store_true", help="current tiles, both weight layouts")
     args = p.parse_args()
     base = tuning._DECODE
     grid = {
@@ -73,6 +78,12 @@ def main():
     if args.quick:
         grid = {"up_n": [16, 32], "up_k": [128], "down_n": [16, 32], "down_k": [128],
                 "num_warps": [4], "num_stages": [4]}  # fmt: skip
+    if args.layouts:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for name, dims in SHAPES.items():
+            for layout in ("k-contiguous", "n-contiguous"):
+                sweep_shape(f"{name} {layout}", dims, [base], base, g, layout == "n-contiguous")
+        return
     configs = [base] + [
         dataclasses.replace(base, **dict(zip(grid, v, strict=True)))
         for v in itertools.product(*grid.values())
@@ -82,11 +93,13 @@ def main():
         sweep_shape(name, dims, configs, base, g)
 
 
-def sweep_shape(name, dims, configs, base, g):
+def sweep_shape(name, dims, configs, base, g, n_contiguous=False):
     T, H, inter, E, K = dims.T, dims.H, dims.I, dims.E, dims.K
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
     w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    if n_contiguous:
+        w1, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
     routings = []
     for _ in range(CALLS):
         logits = torch.randn(T, E, device="cuda", generator=g)

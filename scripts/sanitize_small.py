@@ -2,7 +2,8 @@
 SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
 compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer kernel at decode
 sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert; and the
-decode path (two tokens, no gradient; one token through an inference MoELayer).
+decode path (two tokens, no gradient, k- and n-contiguous weights; one token through an
+inference MoELayer).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow)."""
 
@@ -35,6 +36,9 @@ for T, H, inter, E, K in shapes:
                 torch.autograd.grad(out.float().sum(), leaves)
         with torch.no_grad():  # inference: the decode path where T*K <= min(16, E)
             moe_route.fused_moe(x[:2], w1, w2, tw[:2], ids[:2], activation=act)
+            # n-contiguous weights (transposed views): the masked weight rows past H and I
+            w1t, w2t = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
+            moe_route.fused_moe(x[:2], w1t, w2t, tw[:2], ids[:2], activation=act)
     layer = moe_route.MoELayer(H, inter, E, K, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     (out.output.float().sum() + out.aux_loss).backward()

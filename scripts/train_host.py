@@ -7,6 +7,8 @@ op, CUDA runtime calls included) of one step. olmoe-1b-7b sizes, T=1 (``--tokens
 """
 
 import argparse
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -70,7 +72,14 @@ def main():
 
         return Doubling
 
-    Trivial, Heavy = doubling(lambda: None), doubling(bwd_direct)
+    inside = []  # host seconds of each bwd_direct run on autograd's device thread
+
+    def timed_bwd_direct():
+        t0 = time.perf_counter()
+        bwd_direct()
+        inside.append(time.perf_counter() - t0)
+
+    Trivial, Heavy = doubling(lambda: None), doubling(timed_bwd_direct)
 
     small = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
     idx = torch.arange(T * K, device=dev) % T
@@ -89,7 +98,11 @@ def main():
             fn()
     torch.cuda.synchronize()
     for name, fn in rows.items():
+        inside.clear()
         print(f"{name:28} {host_us(fn):8.1f} us")
+    # the same launch sequence timed inside the Function's backward (the device thread): is
+    # the thread slower, or is the difference the engine's?
+    print(f"{'  of which inside backward':28} {statistics.median(inside) * 1e6:8.1f} us")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             step()

@@ -103,8 +103,10 @@ def test_every_slot_dropped_and_zero_tokens():
     assert empty.shape == (0, 16)
 
 
-def test_strided_weights_and_tokens(sorted_path):
-    case = make_moe(2, 2, 5, 32, 16, b1=True, seed=4)
+@pytest.mark.parametrize(("H", "inter"), [(32, 16), (40, 24)], ids=["even", "odd"])
+def test_strided_weights_and_tokens(sorted_path, H, inter):
+    """n-contiguous (transposed) weights, also at sizes no tile divides (masked rows)."""
+    case = make_moe(2, 2, 5, H, inter, b1=True, seed=4)
     case["w1"] = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)  # k-major W1
     case["w2"] = case["w2"][:, :, :].transpose(1, 2).contiguous().transpose(1, 2)
     case["x"] = torch.cat([case["x"], case["x"]], dim=1)[:, ::2]  # column stride 2

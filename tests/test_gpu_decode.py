@@ -76,8 +76,10 @@ def test_activations(activation, layout):
     assert_matches(out, want, TOL[torch.bfloat16], device=CUDA)
 
 
-def test_strided_weights_and_every_slot_dropped():
-    case = moe_case(2, 4, 16, 256, 128, b2=True, bias="H", seed=4)
+@pytest.mark.parametrize(("H", "inter"), [(256, 128), (200, 72)], ids=["even", "odd"])
+def test_strided_weights_and_every_slot_dropped(H, inter):
+    """n-contiguous (transposed) weights, also at sizes no tile divides (masked rows)."""
+    case = moe_case(2, 4, 16, H, inter, b2=True, bias="H", seed=4)
     case["w1"] = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)
     case["w2"] = case["w2"].transpose(1, 2).contiguous().transpose(1, 2)
     assert_matches(run_moe(case), moe_expected(case), TOL[torch.bfloat16], device=CUDA)

@@ -55,16 +55,20 @@ class DecodeConfig:
 
 
 @triton.jit
-def _row_times(v_ptrs, w_ptrs, k_ok, acc, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+def _row_times(v_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr):  # fmt: skip
     """``acc + [v; 0; ...] @ w``: the row ``v`` (``[BLOCK_K]`` pointers) in the first of
-    ``BLOCK_M`` rows, times a ``[BLOCK_K, BLOCK_N]`` weight tile."""
+    ``BLOCK_M`` rows, times a ``[BLOCK_K, BLOCK_N]`` weight tile read where ``k_ok`` and
+    ``col_ok`` (zeros elsewhere). The weight rows past the matrix are masked, not clamped into
+    bounds: as in the grouped GEMM's main loop, a clamp hides the rows' contiguity from Triton,
+    and a weight that is n-contiguous (a transposed view) then loads element by element."""
     # NOTE: H100 (scripts/decode_sweep.py): one masked [BLOCK_M, BLOCK_K] load (the other rows
     # never touch memory) goes through the pipelined shared-memory path like the weight tile;
     # a [BLOCK_K] load spread over the rows with tl.where was rebuilt in registers every step.
     first = tl.arange(0, BLOCK_M)[:, None] == 0
     a = tl.load(v_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
                 mask=first & k_ok[None, :], other=0.0)  # fmt: skip
-    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     return _mma(a, w, acc, DOT_PRECISION)
 
 
@@ -92,8 +96,6 @@ def _decode_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
-    gate_rows = tl.where(col_ok, gate_rows, 0)
-    up_rows = tl.where(col_ok, up_rows, 0)
     ks = tl.arange(0, BLOCK_K)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
@@ -103,9 +105,9 @@ def _decode_up_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
-        acc_g = _row_times(x_ptrs, g_ptrs, k_ok, acc_g, DOT_PRECISION, BLOCK_M)
+        acc_g = _row_times(x_ptrs, g_ptrs, k_ok, col_ok, acc_g, DOT_PRECISION, BLOCK_M)
         if GATED:
-            acc_u = _row_times(x_ptrs, u_ptrs, k_ok, acc_u, DOT_PRECISION, BLOCK_M)
+            acc_u = _row_times(x_ptrs, u_ptrs, k_ok, col_ok, acc_u, DOT_PRECISION, BLOCK_M)
             u_ptrs += BLOCK_K * stride_wk
         g_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xh
@@ -155,7 +157,6 @@ def _decode_down_kernel(
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    safe_cols = tl.where(col_ok, cols, 0)
     ks = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -172,11 +173,11 @@ def _decode_down_kernel(
         w_ptrs = (
             w_ptr
             + tl.maximum(e, 0).to(tl.int64) * stride_we
-            + safe_cols[None, :].to(tl.int64) * stride_wn
+            + cols[None, :].to(tl.int64) * stride_wn
             + (k0 + ks)[:, None] * stride_wk
         )
         h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + (k0 + ks) * stride_hn
-        acc = _row_times(h_ptrs, w_ptrs, k_ok, acc, DOT_PRECISION, BLOCK_M)
+        acc = _row_times(h_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION, BLOCK_M)
         if k0 + BLOCK_K >= KD:  # the slot's last step: its term of the finalize's sum
             y = _first_row(acc, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
