@@ -1,9 +1,11 @@
-"""One launch of GEMM2's activation-backward kernel at mixtral T=4096 (permuted dout, the
-plan's tiles), for ``ncu``:
+"""One launch of GEMM2's activation-backward kernel at a training shape (permuted dout, the
+plan's tiles; mixtral T=4096 unless ``--shape qwen3`` / ``deepseek``), for ``ncu``:
 
     ncu --kernel-name regex:_gemm_act_bwd --launch-count 1 --section SpeedOfLight \
-        --section LaunchStats --section Occupancy python scripts/act_bwd_ncu.py
+        --section LaunchStats --section Occupancy python scripts/act_bwd_ncu.py [--shape S]
 """
+
+import argparse
 
 import torch
 
@@ -12,7 +14,14 @@ from moe_route.kernels.triton.grouped_gemm import grouped_gemm_act_backward_trit
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
 
-T, H, inter, E, K = 4096, 4096, 14336, 8, 2
+SHAPES = {  # T, H, I, E, K
+    "mixtral": (4096, 4096, 14336, 8, 2),
+    "qwen3": (8192, 2048, 768, 128, 8),
+    "deepseek": (4096, 7168, 2048, 256, 8),
+}
+ap = argparse.ArgumentParser()
+ap.add_argument("--shape", choices=list(SHAPES), default="mixtral")
+T, H, inter, E, K = SHAPES[ap.parse_args().shape]
 dev, dt = "cuda", torch.bfloat16
 M = T * K
 tw, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)

@@ -1,7 +1,9 @@
 """GEMM2's backward with the activation's backward (GPU): tile configurations of
 ``grouped_gemm_act_backward_triton`` at the training shapes, ``dout`` gathered through the maps
 and permuted (TMA-fed), against a dense ``mm`` of the same FLOPs in this process; the result of
-every variant checked equal (dz, w·h, partials) to the plan's.
+every variant checked equal (dz, w·h, partials) to the plan's; then the same GEMM with a plain
+store (no activation epilogue) and the epilogue's bytes at the copy rate, to split the kernel's
+time.
 
     PYTHONPATH=. python scripts/act_bwd_sweep.py [--shapes mixtral qwen3 deepseek]
 """
@@ -14,7 +16,11 @@ import triton
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
 from moe_route.bench.stages import MODELS, model_shape
-from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_act_backward_triton
+from moe_route.kernels.triton.grouped_gemm import (
+    GemmConfig,
+    grouped_gemm_act_backward_triton,
+    grouped_gemm_triton,
+)
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
 
@@ -97,7 +103,32 @@ def main():
                       f"{flops / t / dense:4.0%} of dense  {verdict}")  # fmt: skip
             except Exception as exc:
                 print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}")
+        split_costs(dout_perm, w2t, off, plan.act_bwd, (z, dz, wh), flops, dense)
         del z, dz, wh
+
+
+def split_costs(dout_perm, w2t, off, act_bwd, epilogue_tensors, flops, dense):
+    """Where the time goes: the same GEMM with a plain store (``g = dout @ W2[e]`` in 16 bits,
+    no activation epilogue), on the plan's tiles and persistent, and the epilogue's bytes
+    (``z`` read, ``dz`` and ``w*h`` written) copied at the copy rate."""
+    M, inter = dout_perm.shape[0], w2t.shape[1]
+    g = dout_perm.new_empty(M, inter)
+    plain = [("plain GEMM, plan's tiles", act_bwd)]
+    plain += [(f"plain GEMM, persistent {c}", GemmConfig(*c, use_tma=True, persistent=1))
+              for c in ((128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3))]  # fmt: skip
+    for label, cfg in plain:
+        try:
+            t = bench(lambda cfg=cfg: grouped_gemm_triton(dout_perm, w2t, off, g, cfg))
+            print(f"  {label:40s} {t * 1e6:8.1f} us {flops / t / 1e12:5.0f} TFLOP/s "
+                  f"{flops / t / dense:4.0%} of dense")  # fmt: skip
+        except Exception as exc:
+            print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}")
+    epi_bytes = sum(t.numel() * t.element_size() for t in epilogue_tensors)
+    src = torch.empty(epi_bytes // 4, device=dout_perm.device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src))
+    print(f"  {'epilogue bytes, copied':40s} {t * 1e6:8.1f} us ({epi_bytes / 1e6:.0f} MB "
+          "read and written)")  # fmt: skip
 
 
 if __name__ == "__main__":
