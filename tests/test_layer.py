@@ -171,6 +171,26 @@ def test_aux_losses_reported_unscaled_and_zero_when_disabled():
     assert plain.load_balancing_loss.item() == 0 and plain.z_loss.item() == 0
 
 
+def test_switched_off_losses_are_one_zero_that_writes_do_not_leak_into():
+    """The switched-off losses are one zero made once per layer (no fill per call); written
+    into, the next call makes a new one; under inference_mode it is still a normal tensor."""
+    layer = make_layer()
+    x = _x((4, H), torch.float32)
+    first, again = layer(x), layer(x)
+    assert again.aux_loss is first.aux_loss and again.z_loss is first.aux_loss
+    first.aux_loss.add_(3.0)  # a caller accumulating into it
+    later = layer(x)
+    assert later.aux_loss is not first.aux_loss and later.aux_loss.item() == 0
+    assert first.aux_loss.item() == 3.0  # the caller's tensor, as the caller left it
+    with torch.inference_mode():
+        served = layer(x)
+        assert not served.aux_loss.is_inference()
+        served.aux_loss.add_(1.0)
+    assert layer(x).aux_loss.item() == 0
+    assert layer.double()(x.double()).aux_loss.dtype == torch.float64  # one zero per dtype
+    assert "_zeros" not in layer.state_dict() and not any("zero" in k for k in layer.state_dict())
+
+
 # ----------------------------------------------------------------------------- backward
 def _grads_vs_naive(layer, x, tol):
     leaves = dict(layer.named_parameters())
