@@ -226,8 +226,10 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     unit = torch.ones((), device=dev).expand(T, K)
 
     def act_backward():
-        return grouped_gemm_act_backward_triton(dout, w2.transpose(1, 2), off, d2s, z, tw, h, dz,
-                                                cfg.act_bwd, epilogue=cfg.epilogue)  # fmt: skip
+        return grouped_gemm_act_backward_triton(
+            dout, w2.transpose(1, 2), off, d2s, z, tw, h, dz, cfg.act_bwd.fused,
+            epilogue=cfg.epilogue,
+        )  # fmt: skip
 
     partial = act_backward()
     g = 2 * M * H * I

@@ -13,6 +13,7 @@ import torch
 
 from ._env import getenv
 from .kernels.triton import cdiv
+from .kernels.triton.act_backward import ActBackwardConfig, RowPassConfig
 from .kernels.triton.decode import MAX_SLOTS, DecodeConfig
 from .kernels.triton.grouped_gemm import GemmConfig
 from .kernels.triton.weight_grad import WeightGradConfig
@@ -112,8 +113,30 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None):
-    """GEMM2's backward with the activation's backward (z in, w*h and dz out: a register-heavy
-    epilogue, run in two column halves)."""
+    """Step 1 of the backward (GEMM2's input gradient with the activation's backward): the fused
+    kernel (z in, w*h and dz out: a register-heavy epilogue, run in two column halves) or the
+    split (the forward GEMM2's plain tiles storing ``g``, then a pass over the rows), and the
+    tiles of both."""
+    split = (
+        cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
+        and rows_per_expert > 64
+    )  # fmt: skip
+    # NOTE: estimated, to be measured (scripts/act_bwd_split.py): on an H100 (bf16) the plain
+    # persistent GEMM (128x256 tiles, TMA) took 369 / 1522 us at qwen3 T=8192 / mixtral
+    # T=4096 against 663 / 2205 us for the fused kernel; a pass over the rows reading g, z and
+    # writing w*h, dz (~6*I*2 bytes a row) at the copy rate adds ~200 / ~480 us: ~575 / ~2000 us.
+    return ActBackwardConfig(
+        fused=_act_backward_fused(rows_per_expert, dtype, cc),
+        gemm=gemm_config(rows_per_expert, False, dtype, cc),
+        rows=_ROWS_FP64 if dtype == torch.float64 else RowPassConfig(),
+        split=split,
+    )
+
+
+_ROWS_FP64 = RowPassConfig(block_m=16, block_n=64, num_warps=4)
+
+
+def _act_backward_fused(rows_per_expert: float, dtype: torch.dtype, cc: int | None):
     tma = cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
     if dtype == torch.float64 or rows_per_expert <= 64:
         return _gemm_table(rows_per_expert, False, dtype, cc)

@@ -35,8 +35,8 @@ z = torch.randn(M, 2 * inter, device=dev, dtype=dt)
 wh, dz = torch.empty(M, inter, device=dev, dtype=dt), torch.empty_like(z)
 for _ in range(2):
     grouped_gemm_act_backward_triton(
-        dout_perm, w2.transpose(1, 2), off, d2s, z, tw.to(dt), wh, dz, plan.act_bwd,
+        dout_perm, w2.transpose(1, 2), off, d2s, z, tw.to(dt), wh, dz, plan.act_bwd.fused,
         epilogue=plan.epilogue, permuted=True,
     )  # fmt: skip
 torch.cuda.synchronize()
-print("act_bwd config", plan.act_bwd)
+print("act_bwd config", plan.act_bwd.fused)

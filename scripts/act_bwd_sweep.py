@@ -86,9 +86,10 @@ def main():
                 permuted=permuted,
             )
 
-        ref = [t.clone() for t in (run(plan.act_bwd, False), wh, dz)]
+        ref = [t.clone() for t in (run(plan.act_bwd.fused, False), wh, dz)]
         print(f"{name} T={T}: dz [{M}x{2 * inter}] from [{M}x{H}] @ [{H}x{inter}] per expert")
-        variants = [("plan, gathered", plan.act_bwd, False), ("plan, permuted", plan.act_bwd, True)]
+        fused = plan.act_bwd.fused
+        variants = [("plan, gathered", fused, False), ("plan, permuted", fused, True)]
         variants += [
             (f"permuted {c}", GemmConfig(*c, use_tma=True), True) for c in CONFIGS
         ]  # fmt: skip
@@ -103,7 +104,7 @@ def main():
                       f"{flops / t / dense:4.0%} of dense  {verdict}")  # fmt: skip
             except Exception as exc:
                 print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}")
-        split_costs(dout_perm, w2t, off, plan.act_bwd, (z, dz, wh), flops, dense)
+        split_costs(dout_perm, w2t, off, plan.act_bwd.fused, (z, dz, wh), flops, dense)
         del z, dz, wh
 
 

@@ -82,7 +82,7 @@ def rows_for(model, T):
     w2_bytes = touched * w2t[0].numel() * w2t.element_size()
     want_dx, run = dx(plan.dx, w1.transpose(1, 2))
     run()
-    want_dz, run_act = act(plan.act_bwd)
+    want_dz, run_act = act(plan.act_bwd.fused)
     run_act()
     rows = [
         ("dX", "K-contiguous copy", *dx(plan.dx, w1.transpose(1, 2).contiguous()), w1_bytes,
@@ -91,7 +91,7 @@ def rows_for(model, T):
     ]  # fmt: skip
     rows += [("dX", str(c), *dx(GemmConfig(*c), w1.transpose(1, 2)), w1_bytes, want_dx)
              for c in CONFIGS]  # fmt: skip
-    rows.append(("act_bwd", f"plan {dataclasses.astuple(plan.act_bwd)}", want_dz, run_act,
+    rows.append(("act_bwd", f"plan {dataclasses.astuple(plan.act_bwd.fused)}", want_dz, run_act,
                  w2_bytes, want_dz))  # fmt: skip
     rows += [("act_bwd", str(c), *act(GemmConfig(*c)), w2_bytes, want_dz) for c in CONFIGS]
     return f"{model} T={T} ({touched} experts)", rows

@@ -205,6 +205,47 @@ def test_kernels_are_grouped_into_steps_by_name_and_launch_order():
     }
 
 
+def test_until_rule_gives_the_launches_before_its_landmark_to_its_step():
+    rule = {r"_act": ("d",), r"_gemm": profiling.Until(r"_act", "g", ("a", "b"))}
+    launched = [("_gemm_k", 1.0), ("_gemm_k", 2.0), ("_act_k", 3.0), ("_gemm_k", 4.0),
+                ("_gemm_k", 5.0)]  # fmt: skip
+    assert profiling.attribute(launched, rule) == {
+        "g": {"_gemm_k": 3.0}, "d": {"_act_k": 3.0}, "a": {"_gemm_k": 4.0}, "b": {"_gemm_k": 5.0},
+    }  # fmt: skip
+    # no launch before the landmark, or no landmark at all: the plain rule's split
+    for launched in ([("_act_k", 3.0), ("_gemm_k", 4.0), ("_gemm_k", 5.0)],
+                     [("_gemm_k", 4.0), ("_gemm_k", 5.0)]):  # fmt: skip
+        steps = profiling.attribute(launched, rule)
+        assert (steps["a"], steps["b"]) == ({"_gemm_k": 4.0}, {"_gemm_k": 5.0})
+        assert "g" not in steps
+
+
+@pytest.mark.parametrize("plan", ["fused", "split"])
+def test_backward_attribution_of_both_activation_backward_plans(plan):
+    """moe_route's backward launch sequence (Hopper, TMA weight gradients) with step 1 fused or
+    split: the plain GEMM that precedes the row pass is GEMM2's input gradient, the one after
+    it GEMM1's."""
+    step1 = [("_gemm_act_bwd_kernel", 600.0)]
+    if plan == "split":
+        step1 = [("_gemm_persistent_kernel", 370.0), ("_act_bwd_rows_kernel", 200.0)]
+    launched = [
+        ("_expand_rows_kernel", 5.0), *step1, ("_router_weight_grad_kernel", 3.0),
+        ("_expert_weight_grad_tma_kernel", 400.0), ("_gemm_persistent_kernel", 700.0),
+        ("_finalize_kernel", 20.0), ("_expand_rows_kernel", 6.0),
+        ("_expert_weight_grad_tma_kernel", 800.0),
+    ]  # fmt: skip
+    steps = profiling.attribute(launched, backward.MOE_ROUTE_KERNELS)
+    assert steps[backward.DGEMM2] == dict(step1)
+    assert steps[backward.DX1] == {"_gemm_persistent_kernel": 700.0}
+    assert steps[backward.ROUTER] == {"_router_weight_grad_kernel": 3.0}
+    assert steps[backward.DW2] == {"_expand_rows_kernel": 5.0,
+                                   "_expert_weight_grad_tma_kernel": 400.0}  # fmt: skip
+    assert steps[backward.DW1] == {"_expand_rows_kernel": 6.0,
+                                   "_expert_weight_grad_tma_kernel": 800.0}  # fmt: skip
+    assert steps[backward.EXPAND] == {"_finalize_kernel": 20.0}
+    assert profiling.OTHER not in steps
+
+
 def test_every_backward_pattern_names_a_kernel_of_the_package():
     """A renamed kernel must not leave its pattern behind (its time would go to "other")."""
     import pkgutil
@@ -215,12 +256,16 @@ def test_every_backward_pattern_names_a_kernel_of_the_package():
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         names |= {n for n in vars(module) if n.endswith("_kernel")}
-    for pattern, steps in backward.MOE_ROUTE_KERNELS.items():
+    for pattern, rule in backward.MOE_ROUTE_KERNELS.items():
         assert any(re.search(pattern, n) for n in names), (pattern, sorted(names))
-        assert set(steps) <= set(backward.BACKWARD_STEPS)
-    for steps in backward.GROUPED_MM_KERNELS.values():
-        assert set(steps) <= set(backward.BACKWARD_STEPS)
-    covered = {s for steps in backward.MOE_ROUTE_KERNELS.values() for s in steps}
+        assert set(profiling.rule_steps(rule)) <= set(backward.BACKWARD_STEPS)
+        if isinstance(rule, profiling.Until):
+            assert any(re.search(rule.landmark, n) for n in names), (rule, sorted(names))
+    for rule in backward.GROUPED_MM_KERNELS.values():
+        assert set(profiling.rule_steps(rule)) <= set(backward.BACKWARD_STEPS)
+    covered = {
+        s for rule in backward.MOE_ROUTE_KERNELS.values() for s in profiling.rule_steps(rule)
+    }
     assert covered == set(backward.BACKWARD_STEPS)
 
 

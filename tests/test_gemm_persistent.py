@@ -267,8 +267,8 @@ def test_env_bad_value(monkeypatch, spy, value):
 def test_tuning_defaults_and_override(monkeypatch):
     """The tables choose the persistent kernel (one program per SM) for TMA-fed tiles past 64
     rows per expert on SM90 (the H100 sweep, tuning.py), the per-tile kernel everywhere else;
-    the override changes GEMM1 / GEMM2 configs only (the activation backward has no persistent
-    kernel)."""
+    the override changes GEMM1 / GEMM2 configs only, the split activation backward's plain GEMM
+    included (the fused activation backward has no persistent kernel)."""
     rows = [1, 16, 64, 512, 8192]
     dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
     for rpe in rows:
@@ -283,7 +283,9 @@ def test_tuning_defaults_and_override(monkeypatch):
     assert base == tuning.gemm_config(512, True, torch.bfloat16, 90)
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "3")
     assert tuning.gemm_config(512, True, torch.bfloat16, 90).persistent == 3
-    assert tuning.act_backward_config(32, torch.bfloat16, 90).persistent == 0
+    assert tuning.act_backward_config(32, torch.bfloat16, 90).fused.persistent == 0
+    assert tuning.act_backward_config(512, torch.bfloat16, 90).fused.persistent == 0
+    assert tuning.act_backward_config(512, torch.bfloat16, 90).gemm.persistent == 3
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "0")
     assert tuning.gemm_config(512, False, torch.bfloat16, 90).persistent == 0
 

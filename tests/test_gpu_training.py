@@ -287,3 +287,139 @@ def test_compile_fullgraph_forward_backward():
     got = torch.autograd.grad(compiled(*leaves), leaves)
     for a, b, n in zip(got, eager, NAMES, strict=True):
         assert_matches(a, b, GRAD_TOL[torch.bfloat16], what=f"d{n} compiled vs eager", floor=1e-3)
+
+
+# ----------------------------------------------------------------------------- step 1's two ways
+def _force_act_backward(monkeypatch, split):
+    """Plans built from here on run step 1 of the backward fused or split (the tiles stay the
+    tuning's)."""
+    import dataclasses
+
+    from moe_route import tuning
+    from moe_route.moe import clear_plans
+
+    real = tuning.act_backward_config
+    monkeypatch.setattr(tuning, "act_backward_config",
+                        lambda *a: dataclasses.replace(real(*a), split=split))  # fmt: skip
+    clear_plans()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_activation_backward_ways_match_reference(monkeypatch, split):
+    """``fused_moe``'s gradients with step 1 fused or split (a plain GEMM storing ``g`` in bf16,
+    then the row pass) at an odd size (T=200, H=264, I=200, E=7, K=3: expert 6 holds no rows,
+    15 % of the slots dropped), clamped swiglu in the interleaved layout and plain swiglu,
+    against the float64 reference; 5 runs give the same bits."""
+    import importlib
+
+    from moe_route.moe import clear_plans
+
+    kt_moe = importlib.import_module("moe_route.kernels.triton.moe")
+    calls = []
+    for attr in ("act_backward_rows_triton", "grouped_gemm_act_backward_triton"):
+        real = getattr(kt_moe, attr)
+
+        def spy(*a, real=real, attr=attr, **kw):
+            calls.append(attr)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(kt_moe, attr, spy)
+    _force_act_backward(monkeypatch, split)
+    try:
+        ids = make_ids(200, 3, 6, drop=0.15, seed=11)
+        gpt_oss = moe_route.activation("swiglu", alpha=1.702, limit=7.0, up_offset=1.0)
+        for activation, layout in (("swiglu", "concat"), (gpt_oss, "interleaved")):
+            case = make_case(200, 3, 7, 264, 200, ids=ids, seed=5)
+            check_grads(case, activation=activation, layout=layout)
+            dout = torch.randn(200, 264, device=CUDA).to(torch.bfloat16)
+            _, first = grads_of(case, activation=activation, layout=layout, dout=dout)
+            for _ in range(4):
+                _, again = grads_of(case, activation=activation, layout=layout, dout=dout)
+                for n in first:
+                    assert torch.equal(again[n], first[n]), f"d{n} differs between runs"
+    finally:
+        clear_plans()
+    want = "act_backward_rows_triton" if split else "grouped_gemm_act_backward_triton"
+    assert calls and set(calls) == {want}
+
+
+@pytest.mark.parametrize("permuted", [False, True], ids=["gathered", "permuted"])
+@pytest.mark.parametrize(
+    ("activation", "layout"), [("swiglu", "concat"), ("swiglu", "interleaved"), ("gelu", "concat")]
+)
+def test_activation_backward_split_and_fused_kernels(activation, layout, permuted):
+    """The two ways' kernels on NaN-poisoned outputs, ``dout`` gathered through the maps or
+    permuted (TMA-fed on Hopper), at the odd size above in bf16: ``w·h``, ``dz`` and the summed
+    router partials against float64 (relative Frobenius 1e-2: ``g`` and ``dz`` each rounded to
+    bf16 once), dropped rows exactly zero, 5 runs of each the same bits."""
+    from moe_cases import TOL
+
+    from moe_route import arch, tuning
+    from moe_route.activations import as_activation
+    from moe_route.grouped_gemm import epilogue_for
+    from moe_route.kernels.triton.act_backward import act_backward_rows_triton
+    from moe_route.kernels.triton.expand import expand_rows_triton
+    from moe_route.kernels.triton.grouped_gemm import (
+        grouped_gemm_act_backward_triton,
+        grouped_gemm_triton,
+    )
+    from moe_route.reference import activation_backward_reference, activation_reference
+
+    T, K, E, H, inter, dt = 200, 3, 7, 264, 200, torch.bfloat16
+    M = T * K
+    ids = make_ids(T, K, 6, drop=0.15, seed=13).to(CUDA)  # expert 6: no rows
+    s2d, d2s, efs, off = moe_route.build_routing_maps(ids, E).tensors()
+    g = torch.Generator(device=CUDA).manual_seed(17)
+    gated = as_activation(activation).gated
+    dout = torch.randn(T, H, generator=g, device=CUDA).to(dt)
+    w2 = (torch.randn(E, H, inter, generator=g, device=CUDA) * H**-0.5).to(dt)
+    z = (torch.randn(M, 2 * inter if gated else inter, generator=g, device=CUDA) * 2).to(dt)
+    tw = torch.softmax(torch.randn(T, K, generator=g, device=CUDA), -1)
+    tw = tw.masked_fill(ids < 0, float("nan"))
+    epi = epilogue_for(activation, layout)
+    cfg = tuning.act_backward_config(tuning.token_bucket(T) * K / E, dt,
+                                     arch.compute_capability(torch.device(CUDA)))  # fmt: skip
+    rows = dout
+    if permuted:
+        rows = dout.new_empty(M, H)
+        expand_rows_triton(dout, s2d, efs, rows)
+
+    def fused():
+        wh, dz = z.new_full((M, inter), float("nan")), torch.full_like(z, float("nan"))
+        part = grouped_gemm_act_backward_triton(
+            rows, w2.transpose(1, 2), off, d2s, z, tw, wh, dz, cfg.fused, epilogue=epi,
+            permuted=permuted,
+        )  # fmt: skip
+        return wh, dz, part
+
+    def split():
+        wh, dz = z.new_full((M, inter), float("nan")), torch.full_like(z, float("nan"))
+        grouped_gemm_triton(rows, w2.transpose(1, 2), off, wh, cfg.gemm,
+                            dest_to_src=None if permuted else d2s, num_rows=M)  # fmt: skip
+        part = act_backward_rows_triton(wh, z, tw, off, d2s, wh, dz, cfg.rows, epilogue=epi)
+        return wh, dz, part
+
+    routed = int(off[-1])
+    assert 0 < routed < M
+    src = d2s[:routed].long()
+    t, k = src % T, src // T
+    e = torch.searchsorted(off[1:], torch.arange(routed, device=CUDA), right=True)
+    g64 = torch.einsum("mh,mhi->mi", dout.double()[t], w2.double()[e])
+    w = tw.double()[t, k].unsqueeze(1)
+    h = activation_reference(z.double()[:routed], activation, layout).to(dt).double()
+    want_wh = w * h
+    want_dz = activation_backward_reference(z.double()[:routed], w * g64, activation, layout)
+    want_part = (g64 * h).sum(1, keepdim=True)
+    for way in (fused, split):
+        wh, dz, part = way()
+        name = way.__name__
+        assert_matches(wh[:routed], want_wh, TOL[dt], what=f"{name} w·h", floor=1.0)
+        assert_matches(dz[:routed], want_dz, TOL[dt], what=f"{name} dz", floor=1.0)
+        assert_matches(part[:routed].double().sum(1, keepdim=True), want_part, TOL[dt],
+                       what=f"{name} router partials", floor=1.0)  # fmt: skip
+        assert torch.equal(wh[routed:], torch.zeros_like(wh[routed:])), f"{name}: w·h dropped"
+        assert torch.equal(dz[routed:], torch.zeros_like(dz[routed:])), f"{name}: dz dropped"
+        for _ in range(4):
+            again = way()
+            assert torch.equal(again[0], wh) and torch.equal(again[1], dz), name
+            assert torch.equal(again[2][:routed], part[:routed]), name

@@ -31,7 +31,7 @@ import moe_route
 
 from . import baselines as B
 from .harness import _summarise, make_row
-from .profiling import OTHER, attribute, profile_kernels
+from .profiling import OTHER, Rule, Until, attribute, profile_kernels
 
 if TYPE_CHECKING:
     from .stages import Context, Shape
@@ -45,10 +45,14 @@ TOTAL = "total"
 
 # Kernel name (a regular expression, searched; the first key that matches wins) -> the steps it
 # serves, in launch order: a kernel launched for several steps in one backward has its
-# launches split evenly among them, in this order. Update when kernels are renamed or split.
-MOE_ROUTE_KERNELS: dict[str, tuple[str, ...]] = {
-    r"_gemm_act_bwd": (DGEMM2,),  # dz = act'(z)·w·(dout @ W2), w·act(z), partial <g, h>
-    r"_gemm_kernel|_gemm_persistent": (DX1,),  # dx_perm = dz @ W1
+# launches split evenly among them, in this order (an ``Until`` rule: its launches before a
+# landmark kernel serve one step first). Update when kernels are renamed or split.
+MOE_ROUTE_KERNELS: dict[str, Rule] = {
+    # fused: dz = act'(z)·w·(dout @ W2), w·act(z), partial <g, h> in the GEMM's epilogue;
+    # split: the same from g (the plain GEMM's, below) in a pass over the rows
+    r"_gemm_act_bwd|_act_bwd_rows": (DGEMM2,),
+    # the split's g = dout @ W2 runs before the row pass, dx_perm = dz @ W1 after step 1
+    r"_gemm_kernel|_gemm_persistent": Until(r"_gemm_act_bwd|_act_bwd_rows", DGEMM2, (DX1,)),
     r"_expand_rows": (DW2, DW1),  # dout and x permuted for the TMA weight-gradient kernel
     r"_router_weight_grad": (ROUTER,),
     r"_expert_weight_grad": (DW2, DW1),
@@ -58,7 +62,7 @@ MOE_ROUTE_KERNELS: dict[str, tuple[str, ...]] = {
 # index_add_'s backward (gather dout), the router weight's mul backward (dout·w; (dout·y).sum),
 # the index backward of the weights (sort + accumulate), GEMM2's backward (input, then weight
 # gradient), SwiGLU's (mul, silu, cat), GEMM1's, then the index backward of x[token].
-GROUPED_MM_KERNELS: dict[str, tuple[str, ...]] = {
+GROUPED_MM_KERNELS: dict[str, Rule] = {
     r"GroupProblemShape|grouped|[Gg]emm|GEMM|nvjet|xmma|cutlass": (DGEMM2, DW2, DX1, DW1),
     r"indexSelect|index_select": (DGEMM2,),
     r"MulFunctor": (DGEMM2, ROUTER, DGEMM2, DGEMM2),

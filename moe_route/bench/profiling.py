@@ -47,34 +47,64 @@ def profile_kernels(fn, device) -> tuple[object, list[tuple[str, float]]]:
     return out, [(e.name, float(e.self_cpu_time_total)) for e in events]
 
 
+@dataclass(frozen=True)
+class Until:
+    """A table rule for a kernel that serves a step only in some launch plans, by where its
+    launches fall: those before the first launch of a kernel matching ``landmark`` (a regular
+    expression) serve ``before``; the others are split among ``steps`` as a plain rule's.
+
+    E.g. the same GEMM kernel computes GEMM2's input gradient ahead of a separate activation
+    backward (one plan) and, after it, GEMM1's input gradient (both plans)."""
+
+    landmark: str
+    before: str
+    steps: tuple[str, ...]
+
+
+Rule = tuple[str, ...] | Until
+
+
+def rule_steps(rule: Rule) -> tuple[str, ...]:
+    """Every step a table rule can attribute time to."""
+    return (rule.before, *rule.steps) if isinstance(rule, Until) else rule
+
+
 def attribute(
-    kernels: list[tuple[str, float]], table: dict[str, tuple[str, ...]]
+    kernels: list[tuple[str, float]], table: dict[str, Rule]
 ) -> dict[str, dict[str, float]]:
     """``{step: {kernel name: µs}}`` of one call's ``kernels`` (in launch order).
 
     ``table`` maps a regular expression (searched in the kernel's name; the first one that
     matches wins) to the steps that kernel serves, in launch order: a kernel launched for two
     steps (the same GEMM kernel for two products) lists both, and its launches in the call are
-    split evenly among them, the first share to the first step. Kernels no pattern matches go
-    to :data:`OTHER`.
+    split evenly among them, the first share to the first step. An :class:`Until` rule first
+    gives the launches before its landmark to its own step. Kernels no pattern matches go to
+    :data:`OTHER`.
     """
     rules = [(re.compile(pattern), steps) for pattern, steps in table.items()]
-    found: list[list[tuple[str, float]]] = [[] for _ in rules]
+    found: list[list[tuple[int, str, float]]] = [[] for _ in rules]
     out: dict[str, dict[str, float]] = {}
 
     def add(step: str, name: str, us: float) -> None:
         per_name = out.setdefault(step, {})
         per_name[name] = per_name.get(name, 0.0) + us
 
-    for name, us in kernels:
-        for i, (rx, _) in enumerate(rules):
+    for i, (name, us) in enumerate(kernels):
+        for j, (rx, _) in enumerate(rules):
             if rx.search(name):
-                found[i].append((name, us))
+                found[j].append((i, name, us))
                 break
         else:
             add(OTHER, name, us)
     for (_, steps), launches in zip(rules, found, strict=True):
-        for j, (name, us) in enumerate(launches):
+        if isinstance(steps, Until):
+            landmark = re.compile(steps.landmark)
+            first = next((i for i, (n, _) in enumerate(kernels) if landmark.search(n)), None)
+            early = [x for x in launches if first is not None and x[0] < first]
+            for _, name, us in early:
+                add(steps.before, name, us)
+            launches, steps = launches[len(early) :], steps.steps
+        for j, (_, name, us) in enumerate(launches):
             add(steps[j * len(steps) // len(launches)], name, us)
     return out
 

@@ -30,7 +30,9 @@ The main loop (:func:`_mainloop`) is shared; each kernel owns one epilogue:
   ``g[d] = dout[t] @ W2[e]`` (``A`` gathered from ``dout``, ``W = W2`` seen as ``[E, I, H]``);
   the epilogue recomputes ``h[d] = act(z[d])``, writes ``w[t,k]·h[d]`` (for ``dW2``), the
   partial router-weight gradient ``<g[d], h[d]>`` of its column tile (summed in fixed order by
-  :mod:`.weight_grad`), and ``dz = act'(z)·w[t,k]·g`` in ``W1``'s gate/up layout.
+  :mod:`.weight_grad`), and ``dz = act'(z)·w[t,k]·g`` in ``W1``'s gate/up layout. (The
+  split alternative, a plain GEMM storing ``g`` and then a pass over the rows, is
+  :mod:`.act_backward`.)
 * :func:`_gemm_finalize_kernel` — GEMM2 with the finalize in its epilogue, in one of two
   modes. ``ORDERED`` (deterministic): the tile stores its rows of ``y`` to a scratch
   ``[T*K, H]`` buffer, then each row bumps the arrival counter of its ``(token, column tile)``;

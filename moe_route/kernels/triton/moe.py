@@ -6,10 +6,12 @@ never ``x_perm``, ``h`` or GEMM2's output):
 
 0. On Hopper (16-bit), ``dout`` permuted into ``[M, H]`` by an expand, so that steps 1 and 3
    read both of their operands through TMA (``x`` likewise before step 5);
-1. GEMM2's backward with the activation's backward in its epilogue: ``g = dout[t] @ W2[e]``
-   (rows read from ``dout`` through the maps, or from its permuted copy), recompute
-   ``h = act(z)``, write ``w[t,k]·h`` (for ``dW2``), ``dz = act'(z)·w[t,k] g`` and the
-   partial router-weight gradients ``<g, h>`` per column tile;
+1. GEMM2's backward with the activation's backward: ``g = dout[t] @ W2[e]`` (rows read from
+   ``dout`` through the maps, or from its permuted copy), recompute ``h = act(z)``, write
+   ``w[t,k]·h`` (for ``dW2``), ``dz = act'(z)·w[t,k] g`` and the partial router-weight
+   gradients ``<g, h>`` per column block: in the epilogue of the GEMM (fused), or (split,
+   :mod:`.act_backward`) a plain GEMM storing ``g`` into ``w·h``'s buffer, then a pass over
+   the rows;
 2. ``d w[t,k]``: those partials summed in fixed order (+ ``<dout[t], b2[e]>``);
 3. ``dW2[e] = Σ dout[t]^T (w h)`` by the deterministic per-expert reduction;
 4. ``dx_perm = dz @ W1[e]`` (grouped GEMM over ``W1`` seen k-major) and ``dx[t]``, the sum
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .act_backward import ActBackwardConfig, act_backward_rows_triton
 from .expand import expand_rows_triton
 from .finalize import finalize_triton
 from .grouped_gemm import (
@@ -53,7 +56,7 @@ class MoEConfigs:
 
     gemm1: GemmConfig
     gemm2: GemmConfig
-    act_bwd: GemmConfig
+    act_bwd: ActBackwardConfig
     dx: GemmConfig
     wgrad2: WeightGradConfig
     wgrad1: WeightGradConfig
@@ -122,10 +125,22 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     wh = x.new_empty(M, w2.shape[2])
     dz = torch.empty_like(z) if dz_out is None else dz_out
     rows, gathered = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
-    partial = grouped_gemm_act_backward_triton(
-        rows, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, cfg.act_bwd,
-        epilogue=cfg.epilogue, allow_tf32=tf32, permuted=not gathered,
-    )  # fmt: skip
+    ab = cfg.act_bwd
+    if ab.split:
+        # g lives in wh's buffer (no [M, I] more at the backward's peak): the row pass reads
+        # each tile of g before it writes w·h over it.
+        grouped_gemm_triton(
+            rows, w2.transpose(1, 2), offsets, wh, ab.gemm,
+            dest_to_src=dest_to_src if gathered else None, num_rows=M, allow_tf32=tf32,
+        )  # fmt: skip
+        partial = act_backward_rows_triton(
+            wh, z, topk_weights, offsets, dest_to_src, wh, dz, ab.rows, epilogue=cfg.epilogue
+        )
+    else:
+        partial = grouped_gemm_act_backward_triton(
+            rows, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, ab.fused,
+            epilogue=cfg.epilogue, allow_tf32=tf32, permuted=not gathered,
+        )  # fmt: skip
     dtopk = dw2 = db2 = dx = dw1 = db1 = None
     if need_dtopk:
         dtopk = torch.empty_like(topk_weights)
