@@ -121,10 +121,13 @@ def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | No
         cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
         and rows_per_expert > 64
     )  # fmt: skip
-    # NOTE: estimated, to be measured (scripts/act_bwd_split.py): on an H100 (bf16) the plain
-    # persistent GEMM (128x256 tiles, TMA) took 369 / 1522 us at qwen3 T=8192 / mixtral
-    # T=4096 against 663 / 2205 us for the fused kernel; a pass over the rows reading g, z and
-    # writing w*h, dz (~6*I*2 bytes a row) at the copy rate adds ~200 / ~480 us: ~575 / ~2000 us.
+    # NOTE: H100, bf16 (scripts/act_bwd_split.py, 2026-11-27, dout permuted): fused kernel /
+    # split (plain persistent GEMM 128x256 + row pass on 16x128 tiles, 4 warps) at qwen3
+    # T=8192 655 / 574 us (0.88x; the row pass 208 us, 98 % of the copy rate), mixtral T=4096
+    # 2198 / 1857 (0.84x), deepseek-v3 T=4096 3510 / 3459 (0.99x). Row tiles of 32 / 64 rows
+    # or 256 columns streamed at 75-93 % of the copy rate. The split rounds g to the input
+    # dtype before the activation's backward (dz differs from the fused kernel's by 0.2-0.4 %
+    # of its largest value; torch's autograd of the same layer rounds it too).
     return ActBackwardConfig(
         fused=_act_backward_fused(rows_per_expert, dtype, cc),
         gemm=gemm_config(rows_per_expert, False, dtype, cc),

@@ -5,7 +5,8 @@ sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert;
 decode path (two tokens, no gradient, k- and n-contiguous weights; one token through an
 inference MoELayer).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
-``--tiny``: the smallest shape only (racecheck is slow)."""
+``--tiny``: the smallest shape only (racecheck is slow); ``--rows``: the second shape only (75
+rows per expert: the split activation backward's row pass on Hopper)."""
 
 import sys
 
@@ -17,6 +18,8 @@ torch.manual_seed(0)
 shapes = ((37, 200, 136, 8, 2), (300, 200, 136, 8, 2), (1100, 72, 40, 2, 1), (5, 72, 40, 4, 4))
 if "--tiny" in sys.argv:
     shapes = shapes[-1:]
+if "--rows" in sys.argv:
+    shapes = shapes[1:2]
 clamped = moe_route.activation("swiglu", alpha=1.702, limit=0.75, up_offset=1.0)
 for T, H, inter, E, K in shapes:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

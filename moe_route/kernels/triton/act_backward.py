@@ -45,7 +45,7 @@ class RowPassConfig:
     """Tiles of the row pass (:func:`act_backward_rows_triton`)."""
 
     #: rows per program
-    block_m: int = 32
+    block_m: int = 16
     #: columns of ``I`` per program; also the router partials' block (``NT = cdiv(I, block_n)``)
     block_n: int = 128
     num_warps: int = 4
