@@ -409,7 +409,9 @@ def moe_plan(x, w1, w2, K, activation: str, gate_up_layout: str, finalize: str,
             # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6%
             # at mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and
             # deepseek-v3 (I=2048) the expand cost more than it saved (bench/bench_moe.py
-            # --sweep).
+            # --sweep). H100, 2026-11-27 (scripts/step_kernels.py --gather no): in training
+            # too (GEMM1 also storing z) the TMA-fed GEMM1 saved ~7 us at qwen3 T=8192 (816
+            # against 823 us) and nothing at deepseek-v3 T=4096, against a 109 / 193 us expand.
             gather = w2.shape[2] < 4096
         plan = _CALL_PLANS[key] = _plan_for(x, w1, w2, K, activation, gate_up_layout, path,
                                             gather, allow_tf32, backend)  # fmt: skip

@@ -5,6 +5,7 @@ the step's time by ``do_bench`` against the kernels' sum, and the device's idle 
 the step's kernels (where the GPU waited for the host).
 
     PYTHONPATH=. python scripts/step_kernels.py [--shapes qwen3 mixtral deepseek]
+                                                [--gather auto|yes|no]   # fused_moe's gather
 """
 
 import argparse
@@ -109,7 +110,7 @@ def show(title, kernels):
         print(f"    {us:9.1f} us {us / total:5.1%}  {name[:90]}")
 
 
-def run_shape(name, dense):
+def run_shape(name, dense, gather):
     dev, dt = "cuda", torch.bfloat16
     s = SHAPES[name]
     T, H, inter, E, K = s.T, s.H, s.I, s.E, s.K
@@ -124,13 +125,13 @@ def run_shape(name, dense):
 
     def inference():
         with torch.no_grad():
-            return moe_route.fused_moe(x, w1, w2, tw, ids)
+            return moe_route.fused_moe(x, w1, w2, tw, ids, gather=gather)
 
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, tw)]
     dout = torch.randn(T, H, device=dev, dtype=dt)
 
     def fwd():
-        return moe_route.fused_moe(*leaves, ids)
+        return moe_route.fused_moe(*leaves, ids, gather=gather)
 
     def step():
         return torch.autograd.grad(fwd(), leaves, dout)
@@ -152,11 +153,13 @@ def run_shape(name, dense):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--gather", choices=("auto", "yes", "no"), default="auto")
     args = ap.parse_args()
+    gather = {"auto": None, "yes": True, "no": False}[args.gather]
     dense = Ceilings.measure("cuda").mm_flops_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
-        run_shape(name, dense)
+        run_shape(name, dense, gather)
         torch.cuda.empty_cache()
 
 

@@ -27,8 +27,9 @@ step is the same software-pipelined code, the MMA reading shared memory directly
 
 **Router-weight gradient** (:func:`router_weight_grad_triton`):
 ``d w[t,k] = <dout[t], y[d]> = Σ_j partial[d, j] + <dout[t], b2[e]>`` with ``d = dest(k*T+t)``,
-where ``partial[d, j]`` are the per-column-tile dot products ``<dout[t] W2[e], h[d]>`` left by
-GEMM2's backward epilogue (``ACT_BWD`` in :mod:`.grouped_gemm`), summed here in fixed order.
+where ``partial[d, j]`` are the per-column-block dot products ``<dout[t] W2[e], h[d]>`` left by
+step 1 of the backward (the fused epilogue of :mod:`.grouped_gemm` or the row pass of
+:mod:`.act_backward`), summed here in fixed order.
 GEMM2's output ``y`` is never stored for it. Dropped slots get zero.
 """
 
