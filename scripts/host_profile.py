@@ -1,11 +1,11 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
 sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), its forward alone with
 grad-requiring inputs at T=1, fused_moe forward + backward at T=1, an inference MoELayer at
-T=1, and (on request) the single-launch ops at T=64: maps, expand, finalize, the two grouped
+T=1 and 8, and (on request) the single-launch ops at T=64: maps, expand, finalize, the two grouped
 GEMMs, and one torch.empty for scale. Prints each call's host µs (no profiler; median of 3
 loops of 200 calls without synchronising) and the top functions by own time.
 
-    python scripts/host_profile.py [fwd1 fwd8 fwdgrad1 train1 layer1 maps64 expand64
+    python scripts/host_profile.py [fwd1 fwd8 fwdgrad1 train1 layer1 layer8 maps64 expand64
                                     finalize64 empty64 gemm1_64 gemm2_64] [--top N]
 """
 
@@ -84,7 +84,7 @@ def small_op(name, T=64):
 
 CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "fwdgrad1": lambda: fwd_grad(1),
          "train1": lambda: train(1),
-         "layer1": lambda: layer(1), "maps64": lambda: small_op("maps"),
+         "layer1": lambda: layer(1), "layer8": lambda: layer(8), "maps64": lambda: small_op("maps"),
          "expand64": lambda: small_op("expand"), "finalize64": lambda: small_op("finalize"),
          "empty64": lambda: small_op("empty"), "gemm1_64": lambda: small_op("gemm1"),
          "gemm2_64": lambda: small_op("gemm2")}  # fmt: skip
