@@ -174,12 +174,13 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
       steps, 128x128 tiles on 4 warps, 2 programs per SM: dW1 / dW2 6741 / 3638 us, 79 / 76 %
       of their bound (_grouped_mm 6735 / 3837; a loop per tile 7504 / 4095).
 
-    NOTE: H100, bf16 (scripts/wgrad_sweep.py, 2026-11-27): the TMA kernel reading the token
-    rows through the maps with pointer loads (the other operand through TMA) instead of an
-    expand ran 1.3-2.7x slower at every training shape (qwen3 T=8192 dW1 / dW2 1450 / 772 us
-    against 776 / 417 on permuted rows, the expands 116 / 115 us), so the launch sequence
-    keeps the expand. Storing the permuted rows from the GEMM that gathers them anyway cost
-    about what the expand costs (step 1 fused: +116 us at qwen3; its plain GEMM: +88 us).
+    NOTE: H100, bf16 (scripts/wgrad_sweep.py on a trial patch, not kept, 2026-11-27): the TMA
+    kernel reading the token rows through the maps with pointer loads (the other operand
+    through TMA) instead of an expand ran 1.3-2.7x slower at every training shape (qwen3
+    T=8192 dW1 / dW2 1450 / 772 us against 776 / 417 on permuted rows, the expands 116 /
+    115 us), so the launch sequence keeps the expand. Storing the permuted rows from the GEMM
+    that gathers them anyway cost about what the expand costs (step 1 fused: +116 us at
+    qwen3; its plain GEMM: +88 us).
     """
     if dtype == torch.float64:
         return WeightGradConfig(16, 32, 32, 4, 1)

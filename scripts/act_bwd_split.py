@@ -17,7 +17,7 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
-from moe_route.bench.stages import MODELS, model_shape
+from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.kernels.triton.act_backward import RowPassConfig, act_backward_rows_triton
 from moe_route.kernels.triton.expand import expand_rows_triton
 from moe_route.kernels.triton.grouped_gemm import (
@@ -26,13 +26,6 @@ from moe_route.kernels.triton.grouped_gemm import (
 )
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
-
-SHAPES = {
-    name: model_shape(model, MODELS[model]["prefill"][0])
-    for name, model in (("qwen3", "qwen3-30b-a3b"), ("mixtral", "mixtral-8x7b"),
-                        ("deepseek", "deepseek-v3"))
-}  # fmt: skip
-
 
 DEVICE, DTYPE = "cuda", torch.bfloat16
 

@@ -15,7 +15,7 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
-from moe_route.bench.stages import MODELS, model_shape
+from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.kernels.triton.grouped_gemm import (
     GemmConfig,
     grouped_gemm_act_backward_triton,
@@ -24,12 +24,6 @@ from moe_route.kernels.triton.grouped_gemm import (
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
 
-# the training shapes of the bench suite: each model at its first prefill size
-SHAPES = {
-    name: model_shape(model, MODELS[model]["prefill"][0])
-    for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
-                        ("deepseek", "deepseek-v3"))
-}  # fmt: skip
 CONFIGS = [  # block_m, block_n, block_k, group_m, warps, stages
     (128, 128, 64, 8, 8, 4),
     (128, 128, 64, 8, 8, 3),

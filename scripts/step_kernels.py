@@ -19,14 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 import moe_route
 from moe_route.bench.harness import Ceilings
 from moe_route.bench.profiling import profile_kernels
-from moe_route.bench.stages import MODELS, model_shape
+from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
-
-SHAPES = {
-    name: model_shape(model, MODELS[model]["prefill"][0])
-    for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
-                        ("deepseek", "deepseek-v3"))
-}  # fmt: skip
 
 
 def kernels_of(fn, runs=5):

@@ -19,17 +19,12 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
-from moe_route.bench.stages import MODELS, model_shape
+from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
+from moe_route.bench.stages import model_shape
 from moe_route.kernels.triton.weight_grad import WeightGradConfig, expert_weight_grad_triton
 from moe_route.reference import topk_routing_reference
 from moe_route.tuning import weight_grad_config
 
-# the training shapes of the bench suite: each model at its first prefill size
-SHAPES = {
-    name: model_shape(model, MODELS[model]["prefill"][0])
-    for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
-                        ("deepseek", "deepseek-v3"))
-}  # fmt: skip
 # block_r, block_n, block_k, warps, stages, persistent programs per SM, flat loop
 TMA_CONFIGS = [
     (32, 128, 256, 8, 4, 1, False),

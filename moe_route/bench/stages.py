@@ -88,6 +88,15 @@ def model_shape(model: str, T: int) -> Shape:
     return Shape(model, T, m["H"], m["I"], m["E"], m["K"])
 
 
+#: The training shapes by short name (each model at its first prefill size), as the tuning
+#: scripts under scripts/ take them with ``--shapes``.
+TRAINING_SHAPES = {
+    name: model_shape(model, MODELS[model]["prefill"][0])
+    for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),
+                        ("deepseek", "deepseek-v3"))
+}  # fmt: skip
+
+
 def standard_shapes(quick: bool = False) -> list[Shape]:
     """Decode sizes first (seconds), then prefill sizes (the larger ones take longer)."""
     shapes = []
