@@ -12,6 +12,7 @@ forward also returns GEMM1's pre-activation ``z``, and the registered backward n
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from .grouped_gemm import (
     gemm_configs,
 )
 from .kernels import torch_impl
-from .kernels.triton.decode import DecodeConfig, moe_decode_triton
+from .kernels.triton.decode import MAX_SLOTS, DecodeConfig, moe_decode_triton
 from .kernels.triton.moe import MoEConfigs, moe_backward_triton, moe_forward_triton
 from .maps import check_kernel_limits, maps_backend, maps_op
 from .tuning import token_bucket, token_buckets
@@ -70,9 +71,9 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
         epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
     )  # fmt: skip
-    return MoEPlan(
-        "triton", maps_chosen, cfg, path, gather, tuning.decode_config(bucket, K, E, dtype)
-    )
+    expert_bytes = (math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])) * dtype.itemsize
+    decode = tuning.decode_config(bucket, K, E, expert_bytes, dtype)
+    return MoEPlan("triton", maps_chosen, cfg, path, gather, decode)
 
 
 def _plan_for(x, w1, w2, K, activation, layout, path, gather, allow_tf32, backend):
@@ -281,7 +282,12 @@ def moe_decode_tables(
     which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``. The op's
     implementation; eager calls reach :func:`run_decode` without it."""
     E, K = w1.shape[0], topk_ids.shape[1]
-    cfg = tuning.decode_config(token_bucket(x.shape[0]), K, E, x.dtype)
+    if want_counts and x.shape[0] * K > MAX_SLOTS:
+        raise ValueError(
+            f"moe_decode counts at most {MAX_SLOTS} slots per call, got T*K = "
+            f"{x.shape[0]}*{K}: take the sorted path (fused_moe) at this size"
+        )
+    cfg = tuning.decode_tiles(x.dtype)
     counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
     out = moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
                             epilogue_for(activation, gate_up_layout), cfg,

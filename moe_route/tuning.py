@@ -51,10 +51,14 @@ def persistent_override() -> int | None:
     return int(value)
 
 
-def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype):
+def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
+                  dtype: torch.dtype):  # fmt: skip
     """The decode path's tiles (:mod:`moe_route.kernels.triton.decode`), or None where the
-    sorted path serves: more slots than 16 or than experts (then slots share experts, whose
-    weights the sorted path reads once per tile instead of once per slot).
+    sorted path serves. Each slot reads its own expert's weights, so the path pays for slots
+    that share an expert, which the sorted path reads once per tile: it takes up to
+    ``min(16, E)`` slots, and up to ``min(64, E / 2)`` where one expert's weights (``W1[e]``
+    and ``W2[e]``, ``expert_bytes``) are at most 16 MiB, small enough that the slots sharing
+    an expert find its tiles in L2.
 
     NOTE: H100, bf16 (scripts/decode_sweep.py, 2026-11-26; device time, CUDA graphs over 16
     routings): 64x256 GEMM1 tiles and 32x256 GEMM2 tiles, 3 stages, were best or within 1 %
@@ -64,13 +68,35 @@ def decode_config(bucket: int, top_k: int, num_experts: int, dtype: torch.dtype)
     T=1: fewer than the SMs, which is what the sorted path's per-expert programs still win
     on. So only eager calls take the path (:func:`moe_route.moe.decode_now`), where it saves
     the maps and two launches of host time.
+
+    NOTE: H100, bf16 (scripts/decode_sweep.py --slots, 2026-11-24), decode against sorted, us:
+    qwen3 (9 MiB per expert, E=128) T=4 102 / 105, T=8 175 / 175, T=16 310 / 269; olmoe
+    (12 MiB, E=64) T=4 126 / 126, T=8 206 / 192, T=16 345 / 251; deepseek-v3 (84 MiB, E=256)
+    T=2 462 / 488, T=4 901 / 913, T=8 1782 / 1691; mixtral (336 MiB, E=8, K=2) T=2 423 / 402,
+    T=4 666 / 634. Equal up to E/2 slots where the experts are small; with large experts the
+    sorted path pulls ahead from 64 slots (deepseek-v3) or is 5 % ahead already (mixtral,
+    where 8 slots share 8 experts: left as it was, the path saves ~70 us of host time there).
     """
-    if bucket * top_k > min(MAX_SLOTS, num_experts) or dtype == torch.float64:
+    if dtype == torch.float64:
         return None
+    slots = bucket * top_k
+    small_experts = expert_bytes <= _SMALL_EXPERT_BYTES and slots <= num_experts // 2
+    if slots > min(MAX_SLOTS if small_experts else _DECODE_SLOTS, num_experts):
+        return None
+    return decode_tiles(dtype)
+
+
+def decode_tiles(dtype: torch.dtype) -> DecodeConfig:
+    """The decode kernels' tiles for ``dtype``, at whatever size (:func:`decode_config` says
+    which calls take the path)."""
     # float32 tiles take twice the shared memory: 3 stages of the 16-bit tiles would not fit
     return _DECODE_FP32 if dtype == torch.float32 else _DECODE
 
 
+#: the slots the decode path takes whatever the experts' size, and the experts' size (bytes of
+#: ``W1[e]`` and ``W2[e]``) up to which it takes up to :data:`MAX_SLOTS`
+_DECODE_SLOTS = 16
+_SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 

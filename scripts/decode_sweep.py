@@ -4,11 +4,15 @@ decode sizes. Each figure is a CUDA graph of 16 calls on 16 different routings (
 experts change from call to call, so their weights come from HBM, not L2), per call; errors
 against the sorted path's output.
 
-    python scripts/decode_sweep.py [--quick | --near | --layouts]
+    python scripts/decode_sweep.py [--quick | --near | --layouts | --slots]
 
 ``--layouts``: the current tiles only, on the weights as they are (k-contiguous) and on
 n-contiguous copies of them (``w.transpose(1, 2).contiguous().transpose(1, 2)``: the layout of
 a transposed view, as Hugging Face's gpt-oss experts hold them), same values.
+
+``--slots``: the current tiles only, at more slots than the path takes today (``T*K`` up to
+256): where the decode kernels (each slot reads its expert's weights; slots of one expert
+share them through L2) stop keeping up with the sorted path.
 """
 
 import argparse
@@ -62,6 +66,7 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--near", action="store_true", help="the tiles near the best of a sweep")
     p.add_argument("--layouts", action="store_true", help="current tiles, both weight layouts")
+    p.add_argument("--slots", action="store_true", help="current tiles, T*K up to 256")
     args = p.parse_args()
     base = tuning._DECODE
     grid = {
@@ -83,6 +88,14 @@ def main():
         for name, dims in SHAPES.items():
             for layout in ("k-contiguous", "n-contiguous"):
                 sweep_shape(f"{name} {layout}", dims, [base], base, g, layout == "n-contiguous")
+        return
+    if args.slots:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for model in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3", "mixtral-8x7b"):
+            for T in (2, 4, 8, 16, 32):
+                dims = model_shape(model, T)
+                if T * dims.K <= 256:
+                    sweep_shape(f"{model} T={T}", dims, [base], base, g)
         return
     configs = [base] + [
         dataclasses.replace(base, **dict(zip(grid, v, strict=True)))

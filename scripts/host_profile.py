@@ -1,18 +1,22 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
 sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), its forward alone with
-grad-requiring inputs at T=1, fused_moe forward + backward at T=1, an inference MoELayer at
-T=1 and 8, and (on request) the single-launch ops at T=64: maps, expand, finalize, the two grouped
-GEMMs, and one torch.empty for scale. Prints each call's host µs (no profiler; median of 3
-loops of 200 calls without synchronising) and the top functions by own time.
+grad-requiring inputs at T=1, fused_moe forward + backward at T=1 (``.backward()`` into
+``.grad``, or ``autograd.grad`` as the bench's host stage), an inference MoELayer at T=1 and 8,
+and (on request) the single-launch ops at T=64: maps, expand, finalize, the two grouped GEMMs,
+and one torch.empty for scale. Prints each call's host µs (no profiler; median of 3 loops of
+200 calls without synchronising, and in bursts of 8 calls, which never fill the launch queue),
+the kernels and CUDA API calls of one call, and the top functions by own time.
 
-    python scripts/host_profile.py [fwd1 fwd8 fwdgrad1 train1 layer1 layer8 maps64 expand64
-                                    finalize64 empty64 gemm1_64 gemm2_64] [--top N]
+    python scripts/host_profile.py [fwd1 fwd8 fwdgrad1 train1 grad1 grad8 layer1 layer8
+                                    maps64 expand64 finalize64 empty64 gemm1_64 gemm2_64]
+                                   [--top N]
 """
 
 import argparse
 import cProfile
 import io
 import pstats
+import time
 
 import torch
 
@@ -43,6 +47,21 @@ def train(T):
     def step():
         out = moe_route.fused_moe(x, w1g, w2g, tw, ids)
         out.sum().backward()
+
+    return step
+
+
+def grad(T):
+    """Forward + backward as the bench's host stage times it: ``torch.autograd.grad`` of the
+    four inputs (no ``.grad`` accumulation)."""
+    x, tw, ids = inputs(T, grad=True)
+    w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    leaves = [x, w1g, w2g, tw]
+    dout = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = moe_route.fused_moe(x, w1g, w2g, tw, ids)
+        return torch.autograd.grad(out, leaves, dout)
 
     return step
 
@@ -83,7 +102,7 @@ def small_op(name, T=64):
 
 
 CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "fwdgrad1": lambda: fwd_grad(1),
-         "train1": lambda: train(1),
+         "train1": lambda: train(1), "grad1": lambda: grad(1), "grad8": lambda: grad(8),
          "layer1": lambda: layer(1), "layer8": lambda: layer(8), "maps64": lambda: small_op("maps"),
          "expand64": lambda: small_op("expand"), "finalize64": lambda: small_op("finalize"),
          "empty64": lambda: small_op("empty"), "gemm1_64": lambda: small_op("gemm1"),
@@ -94,6 +113,33 @@ DEFAULT = ("fwd1", "fwd8", "train1", "layer1")
 def per_call(fn, n=200):
     """Host µs per call (the bench suite's host loop: median of 3 loops of ``n`` calls)."""
     return time_host(fn, "cuda", calls=n, warmup=30).median_s * 1e6
+
+
+def burst(fn, n=8, loops=50):
+    """Host µs per call over short bursts (``n`` calls, synchronised between bursts outside the
+    timing): the host's own cost even where the device is the slower side, since a burst never
+    fills the launch queue."""
+    samples = []
+    for _ in range(loops):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - start) / n)
+    torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2] * 1e6
+
+
+def launches(fn):
+    """Kernels launched and CUDA API calls made by one call (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    api = [e.name for e in prof.events() if e.name.startswith(("cuda", "cu"))]
+    return kernels, api
 
 
 def main():
@@ -108,7 +154,11 @@ def main():
         fn = CASES[name]()
         for _ in range(20):
             fn()
-        print(f"{name}: {per_call(fn):.1f} us host per call")
+        print(f"{name}: {per_call(fn):.1f} us host per call, {burst(fn):.1f} us in bursts of 8")
+        kernels, api = launches(fn)
+        print(f"  {len(kernels)} kernels: " + ", ".join(k[:40] for k in kernels))
+        counts = {a: api.count(a) for a in sorted(set(api))}
+        print(f"  CUDA API calls: {counts}")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):

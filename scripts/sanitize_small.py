@@ -3,7 +3,7 @@ SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
 compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer kernel at decode
 sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert; and the
 decode path (two tokens, no gradient, k- and n-contiguous weights; one token through an
-inference MoELayer).
+inference MoELayer; 64 slots through one with 128 small experts).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow); ``--rows``: the second shape only (75
 rows per expert: the split activation backward's row pass on Hopper)."""
@@ -37,7 +37,7 @@ for T, H, inter, E, K in shapes:
                 out = moe_route.fused_moe(*leaves, ids, activation=act, finalize=fin,
                                           deterministic=det)  # fmt: skip
                 torch.autograd.grad(out.float().sum(), leaves)
-        with torch.no_grad():  # inference: the decode path where T*K <= min(16, E)
+        with torch.no_grad():  # inference: the decode path (T*K <= min(16, E) here)
             moe_route.fused_moe(x[:2], w1, w2, tw[:2], ids[:2], activation=act)
             # n-contiguous weights (transposed views): the masked weight rows past H and I
             w1t, w2t = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
@@ -47,5 +47,9 @@ for T, H, inter, E, K in shapes:
     (out.output.float().sum() + out.aux_loss).backward()
     with torch.no_grad():  # an inference layer call: the decode path with its counts
         layer.eval()(x[:1])
+# the decode path at its most slots (64: small experts, E >= 128), the layer's counts with them
+layer = moe_route.MoELayer(72, 40, 128, 8, device="cuda", dtype=torch.bfloat16).eval()
+with torch.no_grad():
+    layer(torch.randn(8, 72, device="cuda", dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print("sanitize_small done")

@@ -116,13 +116,14 @@ def test_strided_weights_and_tokens(sorted_path, H, inter):
 
 
 def test_which_calls_take_it(monkeypatch):
-    """No gradient wanted and T*K <= min(16, E): the decode path; otherwise the sorted one."""
+    """No gradient wanted and T*K <= min(16, E), or <= min(64, E/2) with small experts: the
+    decode path; otherwise the sorted one."""
     moe_module.clear_plans()
     spy = Launches(monkeypatch)
     small = make_moe(2, 4, 8, 16, 8, seed=5)
     run(small)
     assert (spy.decode, spy.maps) == (1, 0)
-    run(make_moe(8, 4, 64, 16, 8, seed=6))  # 32 slots
+    run(make_moe(9, 4, 64, 16, 8, seed=6))  # 36 slots (bucket 16: 64) over 64 experts
     run(make_moe(2, 4, 4, 16, 8, seed=7))  # 8 slots over 4 experts
     assert (spy.decode, spy.maps) == (1, 2)
     grad = dict(small, x=small["x"].clone().requires_grad_(True))
@@ -131,6 +132,58 @@ def test_which_calls_take_it(monkeypatch):
     with torch.no_grad():
         run(grad)
     assert (spy.decode, spy.maps) == (2, 3)
+    run(make_moe(8, 4, 64, 16, 8, seed=6))  # 32 slots over 64 small experts
+    assert (spy.decode, spy.maps) == (3, 3)
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("name", "K", "E", "expert_bytes", "largest_T"),
+    [
+        ("qwen3-30b-a3b", 8, 128, 9 * MIB, 8),
+        ("olmoe-1b-7b", 8, 64, 12 * MIB, 4),
+        ("deepseek-v3", 8, 256, 84 * MIB, 2),
+        ("mixtral-8x7b", 2, 8, 336 * MIB, 4),
+        ("16 MiB experts", 8, 128, 16 * MIB, 8),
+        ("just over 16 MiB", 8, 128, 16 * MIB + 2, 2),
+    ],
+)  # fmt: skip
+def test_decode_config_slots(name, K, E, expert_bytes, largest_T):
+    """The largest token bucket the decode path takes (tuning.decode_config's NOTE has the
+    measurements behind each boundary)."""
+    buckets = (1, 2, 4, 8, 16, 32)
+    taken = [T for T in buckets if tuning.decode_config(T, K, E, expert_bytes, torch.bfloat16)]
+    assert taken == [T for T in buckets if largest_T >= T]
+    assert tuning.decode_config(1, K, E, expert_bytes, torch.float64) is None
+
+
+def test_most_slots(monkeypatch, sorted_path):
+    """64 slots (the most the path takes): several slots per expert, one expert with 9 of
+    them, dropped slots; the layer's counts from the second kernel's first program."""
+    moe_module.clear_plans()
+    T, K, E = 8, 8, 128
+    ids = make_ids(T, K, E, drop=0.1, seed=16)
+    ids[ids == 7] = -1
+    ids[:, 0] = 7  # expert 7 in every token, and again in one
+    ids[3, 5] = 7
+    case = make_moe(T, K, E, 24, 16, ids=ids, b1=True, bias="TH", seed=16)
+    spy = Launches(monkeypatch)
+    fast, slow = _both(case, sorted_path)
+    assert (spy.decode, spy.maps) == (1, 1)
+    assert_matches(fast, expected(case), TOL[torch.float32])
+    assert_matches(fast, slow, TOL[torch.float32], what="decode vs sorted")
+    op = torch.ops.moe_route.moe_decode.default
+    args = (case["x"], case["w1"], case["w2"], case["topk_weights"], ids, None, None, None)
+    _, counts = op(*args, "swiglu", "concat", True)
+    assert torch.equal(counts, moe_route.tokens_per_expert(ids, E))
+    assert int(counts[7]) == 9
+    more = torch.cat([ids, ids[:1]])  # 72 slots: more than the counts cover
+    x9 = torch.cat([case["x"], case["x"][:1]])
+    with pytest.raises(ValueError, match=r"at most 64 slots.*9\*8"):
+        op(x9, *args[1:3], torch.cat([args[3], args[3][:1]]), more, *args[5:], "swiglu",
+           "concat", True)  # fmt: skip
 
 
 def test_deterministic_bitwise():

@@ -54,15 +54,24 @@ def _sorted(case, monkeypatch, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     ("T", "K", "E", "H", "inter"),
-    [(1, 8, 64, 2048, 1024), (2, 8, 128, 2048, 768), (1, 8, 32, 7168, 2048), (1, 2, 8, 4096, 1792),
-     (3, 5, 16, 200, 136), (1, 4, 4, 72, 40)],
-    ids=["qwen-ish T=1", "qwen3 T=2", "deepseek-ish T=1", "mixtral-ish T=1", "odd", "K=E"],
+    [(1, 8, 64, 2048, 1024), (2, 8, 128, 2048, 768), (8, 8, 128, 2048, 768),
+     (4, 8, 64, 2048, 1024), (1, 8, 32, 7168, 2048), (1, 2, 8, 4096, 1792), (3, 5, 64, 200, 136),
+     (1, 4, 4, 72, 40)],
+    ids=["qwen-ish T=1", "qwen3 T=2", "qwen3 T=8", "olmoe T=4", "deepseek-ish T=1",
+         "mixtral-ish T=1", "odd", "K=E"],
 )  # fmt: skip
 def test_matches_reference_and_sorted_path(monkeypatch, dtype, T, K, E, H, inter):
     case = moe_case(T, K, E, H, inter, dtype=dtype, b1=True, b2=True, bias="TH", drop=0.2,
                     seed=T + E)  # fmt: skip
+    expert_bytes = 3 * H * inter * dtype.itemsize
+    if tuning.decode_config(tuning.token_bucket(T), K, E, expert_bytes, dtype) is None:
+        pytest.skip("experts over 16 MiB in this dtype take the sorted path from 17 slots")
     moe_module.clear_plans()
+    calls = []
+    real = moe_module.moe_decode_triton
+    monkeypatch.setattr(moe_module, "moe_decode_triton", lambda *a: calls.append(1) or real(*a))
     fast = run_moe(case)
+    assert calls == [1]  # (20 slots at "odd": over 16, but at most E/2 of small experts)
     assert not fast.isnan().any()
     assert_matches(fast, moe_expected(case), TOL[dtype], device=CUDA)
     assert_matches(fast, _sorted(case, monkeypatch), TOL[dtype], what="decode vs sorted")
@@ -136,7 +145,7 @@ def test_compile_keeps_the_sorted_path(monkeypatch):
         assert torch.equal(compiled(*args), _sorted(case, monkeypatch))
 
 
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 8])
 def test_layer_inference(monkeypatch, T):
     """An inference MoELayer at qwen3's sizes takes the decode path: the sorted path's output
     (to the dtype's tolerance), the exact slots per expert, no host sync, the same bits twice."""
@@ -144,9 +153,13 @@ def test_layer_inference(monkeypatch, T):
     layer = moe_route.MoELayer(2048, 768, 128, 8, device=CUDA, dtype=torch.bfloat16,
                                num_shared_experts=1).eval()  # fmt: skip
     x = rand(T, 2048, dtype=torch.bfloat16, seed=13)
+    calls = []
+    real = moe_module.moe_decode_triton
+    monkeypatch.setattr(moe_module, "moe_decode_triton", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         moe_module.clear_plans()
         fast = layer(x)
+        assert calls == [1]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -1,10 +1,12 @@
 """The decode path of ``fused_moe``: two launches, no routing maps (inference, a few tokens).
 
-At decode sizes (``T*K`` slots no more than the experts and at most 16) every routed slot has
-its own expert's weights to read and nothing to share a tile with, so sorting the slots by
-expert buys nothing and costs launches: the maps kernel, GEMM1, GEMM2 and the finalize are
-four launches and five buffers of host time, several times the device time of reading the
-touched weights. Here the slots are taken as they come from ``topk_ids``:
+At decode sizes (``T*K`` slots at most 16 and no more than the experts; up to 64 and half the
+experts where the experts are small) most routed slots have their own expert's weights to read
+and little to share a tile with (the slots that do share one read its tiles at about the same
+time, from L2), so sorting the slots by expert buys nothing and costs launches: the maps
+kernel, GEMM1, GEMM2 and the finalize are four launches and five buffers of host time, several
+times the device time of reading the touched weights. Here the slots are taken as they come
+from ``topk_ids``:
 
 1. :func:`_decode_up_kernel`, program ``(slot, n-tile)``: ``h[slot] = act(x[t] W1[e]^T + b1[e])``
    over an ``I``-tile, ``e = topk_ids[t, k]`` (a dropped slot does nothing);
@@ -37,7 +39,7 @@ from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
 #: the most slots (``T*K``) a decode call has (:func:`moe_route.tuning.decode_config`)
-MAX_SLOTS = 16
+MAX_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ def _decode_down_kernel(
 def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue: GemmEpilogue,
                       cfg: DecodeConfig, counts: torch.Tensor | None = None):  # fmt: skip
     """``fused_moe``'s output ``[T, H]`` through the two decode kernels (inputs checked);
-    ``counts`` (``[E] int64``, ``T*K <= 16``), if given, gets the routed slots per expert."""
+    ``counts`` (``[E] int64``, ``T*K <= MAX_SLOTS``), if given, gets the routed slots per expert."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, n_inter = w1.shape[0], w2.shape[2]
