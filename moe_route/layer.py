@@ -34,6 +34,7 @@ from .routing import (
     load_balancing_loss,
     route_sigmoid_grouped,
     route_softmax,
+    route_softmax_fused,
     router_z_loss,
 )
 from .tuning import token_buckets
@@ -473,8 +474,21 @@ class MoELayer(nn.Module):
             out, *rest = expert_parallel.forward(self, x2)
             return MoEOutput(out.view(x.shape), *rest)
         T, E = x2.shape[0], self.num_experts
-        logits = self.router_logits(x2)
-        weights, ids = self.route(logits)
+        fused = None
+        if self.router == "softmax":  # eager inference at small T: one launch for the router
+            rdt = x2.dtype if self.router_dtype is None else self.router_dtype
+            expert = (
+                math.prod(self.w1.shape[1:]) + math.prod(self.w2.shape[1:])
+            ) * x2.element_size()
+            fused = route_softmax_fused(x2, self.gate.weight, self.top_k, self.renormalize, rdt,
+                                        expert, self.backend)  # fmt: skip
+        if fused is None:
+            logits = self.router_logits(x2)
+            weights, ids = self.route(logits)
+        else:
+            logits, weights, ids = fused
+            if self.routed_scaling_factor != 1.0:
+                weights = weights * self.routed_scaling_factor
 
         # float32 losses, float64 for a float64 router (gradcheck)
         sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32

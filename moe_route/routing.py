@@ -34,9 +34,11 @@ import math
 import torch
 
 from . import _checks, arch
-from ._dispatch import Op
+from ._dispatch import Op, needs_dispatcher
 from ._env import getenv
 from .kernels.triton.router import (
+    gate_fits,
+    gate_softmax_topk_triton,
     sigmoid_grouped_topk_triton,
     sigmoid_topk_backward_triton,
     softmax_topk_backward_triton,
@@ -106,6 +108,59 @@ def route_softmax(
     if router_backend(logits.device, backend, logits.shape[1]) == "torch":
         return softmax_topk_torch(logits, k, renormalize)
     return SOFTMAX_TOPK(logits, k, renormalize)
+
+
+#: The most tokens whose router runs as one launch (:func:`route_softmax_fused`): each program
+#: of 16 tokens reads the whole gate weight. And the most bytes of expert weights the call
+#: reads after it (``T*K`` times one expert's): beyond that the layer call is bound by the
+#: device, where the one launch is the slower way (one program reads the gate).
+FUSED_ROUTER_TOKENS = 64
+FUSED_ROUTER_TOUCHED = 256 << 20
+_GATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def route_softmax_fused(x: torch.Tensor, gate_weight: torch.Tensor, k: int, renormalize: bool,
+                        logits_dtype: torch.dtype, expert_bytes: int, backend: str):  # fmt: skip
+    """``(logits, weights, ids)``: ``logits = x @ gate_weight^T`` in ``logits_dtype`` and
+    :func:`softmax_topk` of them, in one launch
+    (:func:`moe_route.kernels.triton.router.gate_softmax_topk_triton`), or None where that
+    kernel does not serve this call: more than :data:`FUSED_ROUTER_TOKENS` tokens or
+    :data:`FUSED_ROUTER_TOUCHED` bytes of expert weights to read (``T*K*expert_bytes``), a gate
+    larger than it takes, other dtypes (``logits_dtype`` float32 or ``x``'s), a gradient
+    wanted, torch.compile, CUDA-graph capture, tensors that need the dispatcher, the torch
+    backend. No argument checks (internal composition: the layer's eager inference).
+
+    NOTE: H100 (scripts/layer_host.py, 2026-11-24, two runs), qwen3-30b-a3b sizes, T=1: an
+    inference MoELayer call cost 108 / 143 us of host time with the one launch against 141 /
+    194 us with the float32-output matmul and ``softmax_topk`` (same process; index_select
+    13.2 / 12.3 us), three launches instead of four. The one launch is slower on the device
+    (one program reads the 512 KiB gate: 14.8 us against 12.5 us for the two kernels, CUDA
+    graphs, T=1-64), which an eager call hides only while its host time exceeds its device
+    time: hence the bound on the experts' bytes (qwen3 up to T=3, olmoe up to T=2, none at
+    mixtral's size).
+    """
+    T, E = x.shape[0], gate_weight.shape[0]
+    if not 0 < T <= FUSED_ROUTER_TOKENS or x.dtype != gate_weight.dtype:
+        return None
+    if T * k * expert_bytes > FUSED_ROUTER_TOUCHED:
+        return None
+    if x.dtype not in _GATE_DTYPES or logits_dtype not in (torch.float32, x.dtype):
+        return None
+    if not gate_fits(E, gate_weight.numel() * gate_weight.element_size()):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad):
+        return None
+    if torch.compiler.is_compiling() or needs_dispatcher((x, gate_weight)):
+        return None
+    if x.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
+        return None
+    if router_backend(x.device, backend, E) != "triton":
+        return None
+    logits = x.new_empty(T, E, dtype=logits_dtype)
+    weights = x.new_empty(T, k, dtype=torch.float32)
+    ids = x.new_empty(T, k, dtype=torch.int32)
+    gate_softmax_topk_triton(x, gate_weight, k, renormalize, logits, weights, ids)
+    return logits, weights, ids
 
 
 def softmax_topk_torch(

@@ -1,6 +1,7 @@
 """Host µs per call of the pieces of an eager ``MoELayer`` forward at decode size (H100 host),
 next to ``index_select``: which torch ops the router costs, and how many kernels one layer call
-launches (``torch.profiler``). Run on a GPU: ``python scripts/layer_host.py``."""
+launches (``torch.profiler``); the layer with the router in two steps instead of the fused
+launch, and both routers' device time. Run on a GPU: ``python scripts/layer_host.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_route
-from moe_route.bench.harness import time_host
+import moe_route.layer
+import moe_route.routing
+from moe_route.bench.harness import time_cuda, time_host
+from moe_route.kernels.triton.router import gate_softmax_topk_triton
 
 T, H, INTER, E, K = 1, 2048, 768, 128, 8
 
@@ -42,15 +46,39 @@ rows = {
     "build_routing_maps": lambda: moe_route.build_routing_maps(ids, E),
     "fused_moe": lambda: moe_route.fused_moe(x, w1, w2, tw, ids),
     "MoELayer": lambda: layer(x),
+    "route_softmax_fused": lambda: moe_route.routing.route_softmax_fused(
+        x, layer.gate.weight, K, True, torch.float32, 0, "auto"
+    ),
 }
 for name, fn in rows.items():
     try:
         print(f"{name:22} {host_us(fn):8.1f} us")
     except Exception as exc:  # e.g. an op this torch lacks
         print(f"{name:22} failed: {type(exc).__name__}: {str(exc)[:80]}")
+# The same layer with the router in two steps (matmul, then softmax_topk), in this process.
+real_fused = moe_route.layer.route_softmax_fused
+moe_route.layer.route_softmax_fused = lambda *a: None
+print(f"{'MoELayer, 2-step router':22} {host_us(rows['MoELayer']):8.1f} us")
+moe_route.layer.route_softmax_fused = real_fused
 for name in ("fused_moe", "MoELayer"):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         rows[name]()
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     print(f"{name}: {len(kernels)} kernels: {', '.join(k[:40] for k in kernels)}")
+# Device time of the router both ways (a CUDA graph of 10 calls, per call: no host time), at
+# T = 1, 16, 64.
+for t in (1, 16, 64):
+    xt = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+    lg = torch.empty(t, E, device="cuda")
+    wt, it = torch.empty(t, K, device="cuda"), torch.empty(t, K, device="cuda", dtype=torch.int32)
+
+    def fused(xt=xt, lg=lg, wt=wt, it=it):
+        gate_softmax_topk_triton(xt, layer.gate.weight, K, True, lg, wt, it)
+
+    def two_step(xt=xt):
+        moe_route.softmax_topk(torch.mm(xt, layer.gate.weight.t(), out_dtype=torch.float32), K)
+
+    fused_us = time_cuda(fused, use_graph=True).median_s * 1e6
+    two_us = time_cuda(two_step, use_graph=True).median_s * 1e6
+    print(f"router device T={t}: fused {fused_us:.1f} us, matmul + softmax_topk {two_us:.1f} us")

@@ -1,4 +1,5 @@
-"""The routers in one launch each: softmax top-``K`` and DeepSeek-V3's grouped sigmoid top-``K``.
+"""The routers in one launch each: softmax top-``K`` (also fused with the router's matmul) and
+DeepSeek-V3's grouped sigmoid top-``K``.
 
 Program ``p`` owns tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)`` and holds their whole rows of ``E``
 logits in registers, scored in float32 (float64 for float64 logits).
@@ -23,6 +24,14 @@ Backward (:func:`_softmax_topk_backward_kernel`), with ``g`` the weights' gradie
 ``dlogits = p ⊙ (g scattered to the ids - Σ_j w_j g_j)`` with ``p`` the full softmax, recomputed
 from the logits by the forward's own code (same bits). One launch, each output element written
 once by one program: deterministic.
+
+**The router's matmul fused in** (:func:`gate_softmax_topk_triton`, for an inference
+``MoELayer`` at up to 64 tokens, :func:`moe_route.routing.route_softmax_fused`). A program
+computes its 16 tokens' logits ``x G^T`` (float32 MMAs over ``H``, so it reads the whole gate:
+only gates up to 256 experts and 1 MiB), stores them in the logits' dtype and routes the stored
+values with the softmax kernel's own selection: the ids and weights are those of the softmax
+top-k on those logits, bit for bit. It saves a matmul launch, the host time that matters at
+decode sizes.
 
 **Grouped sigmoid** (:func:`sigmoid_grouped_topk_triton`, the kernel of
 :func:`moe_route.routing.sigmoid_grouped_topk`). The row is held as a
@@ -157,6 +166,16 @@ def _softmax_topk_kernel(
 ):
     rows, cols, x = _load_rows(logits_ptr, tl.program_id(0), T, E, stride_lt, stride_le, ACC,
                                BLOCK_T, BLOCK_E)  # fmt: skip
+    _select_softmax(x, rows, cols, w_ptr, ids_ptr, T, E, K, K_POW2, RENORMALIZE, ACC,
+                    ACCURATE_EXP, BLOCK_T, BLOCK_E)  # fmt: skip
+
+
+@triton.jit
+def _select_softmax(x, rows, cols, w_ptr, ids_ptr, T, E, K: tl.constexpr, K_POW2: tl.constexpr,
+                    RENORMALIZE: tl.constexpr, ACC: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """The ``K`` largest of the rows' logits ``x`` (padding columns ``-inf``) and their softmax
+    weights, stored to ``w_ptr`` / ``ids_ptr`` (``[T, K]``, contiguous)."""
     m, s = _row_max_sum(x, ACC, ACCURATE_EXP)
     # Selection key: the logit, NaN as +inf; among equal keys the lowest rank, where a NaN's
     # rank is its column - BLOCK_E (so NaNs come first, by column) and another's its column.
@@ -210,6 +229,95 @@ def softmax_topk_triton(
         lambda: dict(
             K=k, K_POW2=next_pow2(k), RENORMALIZE=renormalize, ACC=acc,
             ACCURATE_EXP=not INTERPRETING, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
+        ),
+    )  # fmt: skip
+
+
+#: The router's matmul fused with the softmax top-k (:func:`gate_softmax_topk_triton`): one
+#: program per 16 tokens reads the whole gate weight, so only where that is small.
+GATE_MAX_EXPERTS = 256
+GATE_MAX_BYTES = 1 << 20
+_GATE_BLOCK_T = 16  # the smallest M of an MMA
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_softmax_topk_kernel(
+    x_ptr, g_ptr, logits_ptr, w_ptr, ids_ptr, T, E, H, stride_xt, stride_xh, stride_ge,
+    stride_gh, K: tl.constexpr, K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program ``p``: tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``. Their logits ``x G^T`` summed in
+    float32 over ``H`` (one MMA per ``BLOCK_H`` step), rounded to the logits' dtype and
+    stored, then routed from the stored values by :func:`_select_softmax`."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    hs = tl.arange(0, BLOCK_H)
+    row_ok = rows < T
+    col_ok = cols < E
+    rows64 = rows.to(tl.int64)
+    x_ptrs = x_ptr + rows64[:, None] * stride_xt + hs[None, :] * stride_xh
+    g_ptrs = g_ptr + cols.to(tl.int64)[None, :] * stride_ge + hs[:, None] * stride_gh
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h_ok = h0 + hs < H
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+        b = tl.load(g_ptrs, mask=h_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_H * stride_xh
+        g_ptrs += BLOCK_H * stride_gh
+    logits = acc.to(logits_ptr.dtype.element_ty)
+    tl.store(logits_ptr + rows64[:, None] * E + cols[None, :], logits,
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+    x = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+    _select_softmax(x, rows, cols, w_ptr, ids_ptr, T, E, K, K_POW2, RENORMALIZE, tl.float32,
+                    ACCURATE_EXP, BLOCK_T, BLOCK_E)  # fmt: skip
+
+
+_GATE = ThinKernel(_gate_softmax_topk_kernel)
+
+
+def gate_fits(num_experts: int, gate_bytes: int) -> bool:
+    """Whether :func:`gate_softmax_topk_triton` takes a gate of this size."""
+    return num_experts <= GATE_MAX_EXPERTS and gate_bytes <= GATE_MAX_BYTES
+
+
+def gate_softmax_topk_triton(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    k: int,
+    renormalize: bool,
+    logits: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> None:
+    """``logits = x @ gate_weight^T`` (``[T, E]``, contiguous, in its own dtype: float32 or
+    ``x``'s) and its softmax top-``k`` into ``weights [T, K]`` float32 and ``ids [T, K]``
+    int32 (contiguous), in one launch: what ``softmax_topk(linear(x, gate_weight), k)`` gives
+    on the logits this kernel stores (summed in another order than a matmul library's).
+    ``x [T, H]`` and ``gate_weight [E, H]``: one 16- or 32-bit dtype, any strides; the gate
+    within :func:`gate_fits`."""
+    T, H = x.shape
+    E = gate_weight.shape[0]
+    if T == 0:
+        return
+    block_e = max(16, next_pow2(E))
+    # NOTE: H100, bf16 (device time, 2026-11-24): one program reads the whole gate, so what it
+    # keeps in flight sets the speed. 128-wide H steps, 4 stages, 4 warps were best or within
+    # 5 % at E=128 / 64 / 8, H=2048-4096, T=1-64 (E=128 H=2048 T=1: 18 us; the 64-wide steps
+    # on 3 stages, 25 us). 256 experts take 64-wide steps (shared memory).
+    block_h = 32 if x.dtype == torch.float32 else (128 if block_e <= 128 else 64)
+    stages = 3 if x.dtype == torch.float32 else 4
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit)
+    sx, sg = x.stride(), gate_weight.stride()
+    key = (x.dtype, logits.dtype, k, renormalize, block_e, int_key(E, H, *sx, *sg))
+    _GATE.launch(
+        key, (cdiv(T, _GATE_BLOCK_T),),
+        (x, gate_weight, logits, weights, ids, T, E, H, *sx, *sg),
+        lambda: dict(
+            K=k, K_POW2=next_pow2(k), RENORMALIZE=renormalize, ACCURATE_EXP=not INTERPRETING,
+            DOT_PRECISION=precision, BLOCK_T=_GATE_BLOCK_T, BLOCK_E=block_e, BLOCK_H=block_h,
+            num_warps=4, num_stages=stages,
         ),
     )  # fmt: skip
 
