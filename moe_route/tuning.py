@@ -79,9 +79,10 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     """
     if dtype == torch.float64:
         return None
-    slots = bucket * top_k
-    small_experts = expert_bytes <= _SMALL_EXPERT_BYTES and slots <= num_experts // 2
-    if slots > min(MAX_SLOTS if small_experts else _DECODE_SLOTS, num_experts):
+    most = min(_DECODE_SLOTS, num_experts)
+    if expert_bytes <= _SMALL_EXPERT_BYTES:
+        most = max(most, min(MAX_SLOTS, num_experts // 2))
+    if bucket * top_k > most:
         return None
     return decode_tiles(dtype)
 

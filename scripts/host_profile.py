@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
@@ -119,15 +118,7 @@ def burst(fn, n=8, loops=50):
     """Host µs per call over short bursts (``n`` calls, synchronised between bursts outside the
     timing): the host's own cost even where the device is the slower side, since a burst never
     fills the launch queue."""
-    samples = []
-    for _ in range(loops):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter() - start) / n)
-    torch.cuda.synchronize()
-    return sorted(samples)[len(samples) // 2] * 1e6
+    return time_host(fn, "cuda", calls=n, repeats=loops, warmup=0).median_s * 1e6
 
 
 def launches(fn):

@@ -17,7 +17,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 import moe_route
-from moe_route.bench.harness import Ceilings
+from moe_route.bench.harness import Ceilings, time_cuda
 from moe_route.bench.profiling import profile_kernels
 from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
@@ -66,24 +66,8 @@ def why_gap(step, n=20):
               for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}  # fmt: skip
     print(f"  {n} steps back to back: host {host:.0f} us/step, device "
           f"{start.elapsed_time(end) * 1e3 / n:.0f} us/step, allocator {allocs}")  # fmt: skip
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    print(f"  the step as a CUDA graph, {n} replays: {start.elapsed_time(end) * 1e3 / n:.0f} us")
-    del graph
+    replay = time_cuda(step, use_graph=True, inner=1, outer=n, warmup=0)
+    print(f"  the step as a CUDA graph, {n} replays: median {replay.median_s * 1e6:.0f} us")
     torch.cuda.set_sync_debug_mode("warn")
     try:
         import warnings
