@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -10,8 +11,15 @@ from . import _checks, arch, tuning
 from ._dispatch import Op
 from .activations import Activation, as_activation
 from .kernels import torch_impl
-from .kernels.triton.grouped_gemm import MAX_EXPERTS, GemmEpilogue, grouped_gemm_triton
+from .kernels.triton.act_backward import ActBackwardConfig
+from .kernels.triton.grouped_gemm import (
+    MAX_EXPERTS,
+    GemmConfig,
+    GemmEpilogue,
+    grouped_gemm_triton,
+)
 from .kernels.triton.moe import grouped_gemm_backward_triton
+from .kernels.triton.weight_grad import WeightGradConfig
 from .maps import RoutingMaps, check_maps
 from .reference import GATE_UP_LAYOUTS
 
@@ -31,17 +39,32 @@ def epilogue_for(activation: str | Activation, gate_up_layout: str) -> GemmEpilo
     )  # fmt: skip
 
 
+class GemmConfigs(NamedTuple):
+    """The tile configs of one GEMM ``[M, Kd] @ W[e].T`` (``W [E, N_w, Kd]``) for a shape
+    bucket, forward and backward."""
+
+    forward: GemmConfig
+    #: the forward when it also stores the pre-activation (training)
+    forward_z: GemmConfig
+    act_backward: ActBackwardConfig
+    #: the input gradient's GEMM, ``dout [M, N_w] @ W[e]`` (its K is ``N_w``)
+    dx: GemmConfig
+    weight_grad: WeightGradConfig
+
+
 @functools.cache
 def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: int, gated: bool,
-                 n_out: int, kd: int, env: tuple):  # fmt: skip
-    """``(forward, act-backward, dx, weight-grad)`` tile configs for one shape bucket."""
+                 n_out: int, kd: int, env: tuple) -> GemmConfigs:  # fmt: skip
+    """:class:`GemmConfigs` for one shape bucket (``N_w = 2 * n_out`` gated, else ``n_out``)."""
     cc = arch.compute_capability(device)
     rpe = bucket_rows / max(E, 1)
-    return (
-        tuning.gemm_config(rpe, gated, dtype, cc),
-        tuning.act_backward_config(rpe, dtype, cc),
-        tuning.gemm_config(rpe, False, dtype, cc),
-        tuning.weight_grad_config(rpe, n_out * (2 if gated else 1), kd, dtype, cc),
+    n_w = n_out * (2 if gated else 1)
+    return GemmConfigs(
+        forward=tuning.gemm_config(rpe, gated, dtype, cc, kd=kd),
+        forward_z=tuning.gemm_config(rpe, gated, dtype, cc, kd=kd, store_z=True),
+        act_backward=tuning.act_backward_config(rpe, dtype, cc),
+        dx=tuning.gemm_config(rpe, False, dtype, cc, kd=n_w),
+        weight_grad=tuning.weight_grad_config(rpe, n_w, kd, dtype, cc),
     )
 
 
@@ -74,7 +97,7 @@ def gemm_tables(
     M = dest_to_src.numel()
     epi = epilogue_for(activation, gate_up_layout)
     out = a.new_empty(M, w.shape[1] // 2 if epi.gated else w.shape[1])
-    cfg = _configs(a, w, M, epi.gated)[0]
+    cfg = _configs(a, w, M, epi.gated).forward
     grouped_gemm_triton(
         a, w, offsets, out, cfg, epilogue=epi, bias=bias,
         dest_to_src=dest_to_src if gather else None, num_rows=M, allow_tf32=allow_tf32,
@@ -113,11 +136,11 @@ def _gemm_backward_impl(
         )  # fmt: skip
     else:
         epi = epilogue_for(activation, gate_up_layout)
-        fwd, _, dx_cfg, wgrad = _configs(a, w, dest_to_src.numel(), epi.gated)
+        cfgs = _configs(a, w, dest_to_src.numel(), epi.gated)
         da, dw, db = grouped_gemm_backward_triton(
             dout, a, w, offsets, src_to_dest, dest_to_src, expert_for_src, bias, activation,
-            gate_up_layout, epi, gather, need_da, need_dw, need_db, fwd, dx_cfg, wgrad,
-            allow_tf32,
+            gate_up_layout, epi, gather, need_da, need_dw, need_db, cfgs.forward, cfgs.dx,
+            cfgs.weight_grad, allow_tf32,
         )  # fmt: skip
     if bias is not None and db is not None:
         db = db.to(bias.dtype)

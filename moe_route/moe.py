@@ -64,12 +64,13 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         return MoEPlan("torch", maps_chosen, None, path, gather)
     epi = epilogue_for(activation, layout)
     M = bucket * K
-    gemm1, act_bwd, _, wgrad1 = gemm_configs(device, dtype, E, M, epi.gated, w2_shape[2],
-                                             w1_shape[2], env)  # fmt: skip
-    gemm2, _, dx, wgrad2 = gemm_configs(device, dtype, E, M, False, w2_shape[1], w2_shape[2], env)
+    first = gemm_configs(device, dtype, E, M, epi.gated, w2_shape[2], w1_shape[2], env)
+    second = gemm_configs(device, dtype, E, M, False, w2_shape[1], w2_shape[2], env)
     cfg = MoEConfigs(
-        gemm1=gemm1, gemm2=gemm2, act_bwd=act_bwd, dx=dx, wgrad2=wgrad2, wgrad1=wgrad1,
-        epilogue=epi, finalize=path, gather=gather, allow_tf32=allow_tf32,
+        gemm1=first.forward, gemm1_z=first.forward_z, gemm2=second.forward,
+        act_bwd=first.act_backward, dx=first.dx, wgrad2=second.weight_grad,
+        wgrad1=first.weight_grad, epilogue=epi, finalize=path, gather=gather,
+        allow_tf32=allow_tf32,
     )  # fmt: skip
     expert_bytes = (math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])) * dtype.itemsize
     decode = tuning.decode_config(bucket, K, E, expert_bytes, dtype)

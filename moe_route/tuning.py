@@ -102,16 +102,20 @@ _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, nu
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 
 
-def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
-    """GEMM1 / GEMM2 / fused-finalize tiles (``persistent`` as :data:`PERSISTENT_ENV` forces)."""
-    cfg = _gemm_table(rows_per_expert, gated, dtype, cc)
+def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,
+                kd: int | None = None, store_z: bool = False):  # fmt: skip
+    """GEMM1 / GEMM2 / dX / fused-finalize tiles (``persistent`` as :data:`PERSISTENT_ENV`
+    forces). ``kd``: the reduction's length, where the caller knows it; ``store_z``: GEMM1 also
+    stores its pre-activation (training)."""
+    cfg = _gemm_table(rows_per_expert, gated, dtype, cc, kd, store_z)
     forced = persistent_override()
     if forced is not None and forced != cfg.persistent:
         cfg = dataclasses.replace(cfg, persistent=forced)
     return cfg
 
 
-def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None):
+def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None,
+                kd: int | None = None, store_z: bool = False):  # fmt: skip
     """GEMM1 / GEMM2 / fused-finalize tiles.
 
     NOTE: H200, bf16 (bench/data/gemm_sweep_h200.csv): TMA lifted GEMM1 from 77-80 % to
@@ -133,10 +137,27 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     # 674 / 671 TFLOP/s (mixtral T=4096 / qwen3 T=32768; 1.03x / 1.19x the per-tile kernel),
     # GEMM1 on x_perm at 692 / 697 (1.04x / 1.15x) and GEMM2 at 670 / 618 (1.06x / 1.12x).
     persistent = 1 if tma else 0
+    # NOTE: H100, bf16 (scripts/gemm_sweep.py --training --store --rounds 7, 2026-11-24; each
+    # config timed in turns, medians; results bitwise equal). From 512 rows per expert:
+    # - GEMM1 storing z, 4 stages instead of 3: qwen3 T=8192 1.10x (3 runs: 1.09-1.11),
+    #   mixtral T=4096 1.05x (1.03-1.05), qwen3 / deepseek-v3 / mixtral at 2048-8192 rows
+    #   1.00-1.04x; at 128 rows (deepseek-v3 T=4096) 0.72x. The same without z: 0.94-1.01x.
+    # - the plain GEMMs (GEMM2, dX) with a reduction of <= 2048 storing through TMA (the
+    #   store overlapping the next tile's main loop, 3 stages: 4 leave no shared memory for
+    #   its staging): qwen3 T=8192 GEMM2 / dX 1.04x / 1.04x, T=32768 1.06x / 1.09x,
+    #   deepseek-v3 T=16384 GEMM2 1.03x; longer reductions 0.95-1.02x, 128 rows 0.95-0.98x.
+    #   GEMM1 storing z through TMA ran 0.82-0.99x, without z 0.97-1.04x.
+    #   (bench/data/gemm_sweep_store_h100.csv.) Whole calls (scripts/tuning_ab.py, same
+    #   process, order flipped every round): qwen3 T=8192 fwd+bwd 1.014x, forward 1.020x, T=32768
+    #   forward 1.024x; mixtral and deepseek-v3 within the noise, which an unchanged mixtral
+    #   forward put at 2.5 %.
+    long_enough = tma and rows_per_expert >= 512
     if gated:
-        return GemmConfig(128, 128, big_k, 8, 8, 3, tma, persistent=persistent)
+        stages = 4 if long_enough and store_z else 3
+        return GemmConfig(128, 128, big_k, 8, 8, stages, tma, persistent=persistent)
     n = 256 if dtype != torch.float32 else 128
-    return GemmConfig(128, n, big_k, 8, 8, 3, tma, persistent=persistent)
+    tma_store = long_enough and kd is not None and kd <= 2048
+    return GemmConfig(128, n, big_k, 8, 8, 3, tma, persistent=persistent, tma_store=tma_store)
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None):

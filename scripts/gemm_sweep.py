@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -82,6 +84,17 @@ SMOKE_GRID = {
 # gemm name -> (grid, gated, gathered)
 GEMMS = {"gemm1": ("gemm1", True, True), "gemm1_xperm": ("gemm1", True, False),
          "gemm2": ("gemm2", False, False)}  # fmt: skip
+# --training adds: GEMM1 also storing the pre-activation z, as the training forward runs it, and
+# the backward's dX GEMM (dz @ W1, W1 read k-major through its transpose)
+TRAINING_GEMMS = {"gemm1_z": ("gemm1", True, True), "dx": ("gemm2", False, False)}
+
+
+def store_grid(base: GemmConfig) -> list[GemmConfig]:
+    """``--store``: the tables' own tiles with the stores through TMA at 3 stages (4 leave no
+    shared memory for the copies' staging; 2 ran 0.65-0.88x everywhere, H100, 2026-11-24), and
+    with pointer stores at 4 stages."""
+    return [dataclasses.replace(base, tma_store=True, num_stages=3),
+            dataclasses.replace(base, num_stages=4)]  # fmt: skip
 
 
 def name_of(cfg: GemmConfig) -> str:
@@ -89,6 +102,7 @@ def name_of(cfg: GemmConfig) -> str:
     s += f"/w{cfg.num_warps}/s{cfg.num_stages}"
     if cfg.persistent:
         s += f"/p{cfg.persistent}" + ("/ws" if cfg.warp_specialize else "")
+        s += "/ts" if cfg.tma_store else ""
     return s + ("" if cfg.use_tma else "/ptr")
 
 
@@ -96,6 +110,7 @@ def code_of(cfg: GemmConfig) -> str:
     fields = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
     extra = f", persistent={cfg.persistent}" if cfg.persistent else ""
     extra += ", warp_specialize=True" if cfg.warp_specialize else ""
+    extra += ", tma_store=True" if cfg.tma_store else ""
     tma = "tma" if cfg.use_tma else "False"  # tuning's variable: SM90+ and 16-bit
     return f"GemmConfig({', '.join(map(str, fields))}, {tma}{extra})"
 
@@ -129,6 +144,9 @@ class Sweep:
         self.dtype = torch.float16 if args.smoke else torch.bfloat16
         self.cc = arch.compute_capability(self.device)
         self.grid = SMOKE_GRID if args.smoke else GRID
+        self.store = args.store
+        self.rounds = args.rounds
+        self.gemms = {**GEMMS, **TRAINING_GEMMS} if args.training else GEMMS
         self.time = timer(args.smoke, args.rep_ms)
         self.deadline = time.perf_counter() + args.budget_s
         self.rows: list[dict] = []
@@ -161,34 +179,44 @@ class Sweep:
         w1, w2 = weights
         swiglu = epilogue_for("swiglu", "concat")
         h = None
-        for gemm, (grid_name, gated, gather) in GEMMS.items():
+        z, z_ref = None, None
+        for gemm, (grid_name, gated, gather) in self.gemms.items():
             if gemm == "gemm2":
                 a, w, n, kd, epi, dest = h, w2, H, inter, gk.IDENTITY, None
+            elif gemm == "dx":  # dz stands in as random rows of z's shape
+                a, w, n, kd, epi, dest = self.rand(M, 2 * inter), w1.transpose(1, 2), H, \
+                    2 * inter, gk.IDENTITY, None  # fmt: skip
             else:
                 a, w, n, kd, epi = (x if gather else x_perm), w1, 2 * inter, H, swiglu
                 dest = d2s if gather else None
+            if gemm == "gemm1_z":
+                z = torch.empty(M, 2 * inter, device=self.device, dtype=self.dtype)
+                z_ref = torch.empty_like(z)
             out_cols = n // 2 if gated else n
             flops = 2.0 * routed * n * kd
 
-            def launcher(cfg, out, a=a, w=w, epi=epi, dest=dest):
+            def launcher(cfg, out, pre=None, a=a, w=w, epi=epi, dest=dest):
                 return lambda: gk.grouped_gemm_triton(
-                    a, w, offsets, out, cfg, epilogue=epi, dest_to_src=dest, num_rows=M
-                )
+                    a, w, offsets, out, cfg, epilogue=epi, dest_to_src=dest, num_rows=M,
+                    pre_activation=pre,
+                )  # fmt: skip
 
             base_cfg = tuning.gemm_config(rpe, gated, self.dtype, self.cc)
             ref = torch.full((M, out_cols), float("nan"), device=self.device, dtype=self.dtype)
-            launcher(base_cfg, ref)()
-            base_ms = self.time(launcher(base_cfg, ref))
+            training_z = gemm == "gemm1_z"
+            launcher(base_cfg, ref, z_ref if training_z else None)()
             row = dict(model=model, T=T, H=H, I=inter, E=E, K=K, rows_per_expert=rpe, gemm=gemm)
             kind = "tuning" + ("/p" if base_cfg.persistent else "")
-            self.rows.append({**row, "kernel": kind, "config": name_of(base_cfg),
-                              "code": code_of(base_cfg), "ms": base_ms,
-                              "tflops": flops / base_ms / 1e9, "speedup": 1.0, "rel_err": 0.0,
-                              "status": "baseline"})  # fmt: skip
+            base = {**row, "kernel": kind, "config": name_of(base_cfg), "code": code_of(base_cfg),
+                    "rel_err": 0.0, "status": "baseline"}  # fmt: skip
             if gemm == "gemm1":
                 h = ref  # GEMM2's input: the real activations
             out = torch.empty_like(ref)
-            for cfg in self.grid[grid_name]:
+            # Every candidate checked against the tables' output first, then all of them timed
+            # in turns over --rounds rounds (a drift of the clocks spreads over all of them).
+            timed = [(base, launcher(base_cfg, ref, z_ref if training_z else None))]
+            grid = store_grid(base_cfg) if self.store else self.grid[grid_name]
+            for cfg in grid:
                 if cfg.warp_specialize and gather:
                     continue  # the gathered A is read by pointers: no warp specialisation
                 if time.perf_counter() > self.deadline:
@@ -198,9 +226,13 @@ class Sweep:
                          "code": code_of(cfg)}  # fmt: skip
                 try:
                     out.fill_(float("nan"))
-                    launcher(cfg, out)()
+                    if training_z:
+                        z.fill_(float("nan"))
+                    run = launcher(cfg, out, z if training_z else None)
+                    run()
                     err = rel_err(out, ref)
-                    ms = self.time(launcher(cfg, out))
+                    if training_z:
+                        err = max(err, rel_err(z, z_ref))
                 except Exception as exc:  # out of shared memory, a compiler failure, ...
                     msg = (
                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
@@ -210,9 +242,16 @@ class Sweep:
                                       "status": f"FAILED {msg}"})  # fmt: skip
                     continue
                 status = "ok" if err <= MISMATCH else "MISMATCH"
+                timed.append(({**entry, "rel_err": err, "status": status}, run))
+            samples = [[] for _ in timed]
+            for _ in range(self.rounds):
+                for i, (_, run) in enumerate(timed):
+                    samples[i].append(self.time(run))
+            base_ms = statistics.median(samples[0])
+            for (entry, _), got in zip(timed, samples, strict=True):
+                ms = statistics.median(got)
                 self.rows.append({**entry, "ms": ms, "tflops": flops / ms / 1e9,
-                                  "speedup": base_ms / ms, "rel_err": err,
-                                  "status": status})  # fmt: skip
+                                  "speedup": base_ms / ms})  # fmt: skip
             self.print_block(model, T, gemm)
 
     def print_block(self, model, T, gemm):
@@ -300,8 +339,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two shapes: " + str(QUICK))
     p.add_argument("--smoke", action="store_true", help="tiny fp16 shape on the CPU (interpreter)")
+    p.add_argument(
+        "--training",
+        action="store_true",
+        help="also GEMM1 storing z (training forward) and the backward's dX GEMM",
+    )
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="instead of the grid: the tables' config with TMA stores, 2-4 stages",
+    )
     p.add_argument("--shapes", nargs="*", help="keep shapes whose 'model T=...' contains a word")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per config")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the configs in turns this many rounds (median; rep-ms each)",
+    )
     p.add_argument("--budget-s", type=float, default=280.0,
                    help="stop adding persistent configs after this many seconds")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gemm_sweep.csv")

@@ -1,15 +1,15 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
-sizes: fused_moe at T=1 (decode path) and T=8 (sorted path), its forward alone with
-grad-requiring inputs at T=1, fused_moe forward + backward at T=1 (``.backward()`` into
+sizes: fused_moe at T=1 (decode path), T=8 (decode path) and T=16 (sorted path), its forward
+alone with grad-requiring inputs at T=1, fused_moe forward + backward at T=1 (``.backward()`` into
 ``.grad``, or ``autograd.grad`` as the bench's host stage), an inference MoELayer at T=1 and 8,
 and (on request) the single-launch ops at T=64: maps, expand, finalize, the two grouped GEMMs,
 and one torch.empty for scale. Prints each call's host µs (no profiler; median of 3 loops of
 200 calls without synchronising, and in bursts of 8 calls, which never fill the launch queue),
 the kernels and CUDA API calls of one call, and the top functions by own time.
 
-    python scripts/host_profile.py [fwd1 fwd8 fwdgrad1 train1 grad1 grad8 layer1 layer8
+    python scripts/host_profile.py [fwd1 fwd8 fwd16 fwdgrad1 train1 grad1 grad8 layer1 layer8
                                     maps64 expand64 finalize64 empty64 gemm1_64 gemm2_64]
-                                   [--top N]
+                                   [--top N] [--trace]
 """
 
 import argparse
@@ -100,8 +100,9 @@ def small_op(name, T=64):
     }[name]
 
 
-CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "fwdgrad1": lambda: fwd_grad(1),
-         "train1": lambda: train(1), "grad1": lambda: grad(1), "grad8": lambda: grad(8),
+CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "fwd16": lambda: fwd(16),
+         "fwdgrad1": lambda: fwd_grad(1), "train1": lambda: train(1), "grad1": lambda: grad(1),
+         "grad8": lambda: grad(8),
          "layer1": lambda: layer(1), "layer8": lambda: layer(8), "maps64": lambda: small_op("maps"),
          "expand64": lambda: small_op("expand"), "finalize64": lambda: small_op("finalize"),
          "empty64": lambda: small_op("empty"), "gemm1_64": lambda: small_op("gemm1"),
@@ -133,10 +134,45 @@ def launches(fn):
     return kernels, api
 
 
+def timeline(fn, min_us=2.0):
+    """The CPU events of one call (after two profiled warm-up calls): start offset, duration,
+    depth-indented name, for every event of at least ``min_us``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("## call"):
+                fn()
+    calls = [e for e in prof.events() if e.name == "## call"]
+    last = calls[-1]
+    lo, hi = last.time_range.start, last.time_range.end
+    inside = [
+        e
+        for e in prof.events()
+        if lo <= e.time_range.start and e.time_range.end <= hi and e is not last
+    ]
+    inside.sort(key=lambda e: e.time_range.start)
+    print(f"  one call: {(hi - lo):.0f} us (profiled)")
+    stack: list = []
+    for e in inside:
+        while stack and e.time_range.start >= stack[-1]:
+            stack.pop()
+        dur = e.time_range.end - e.time_range.start
+        if dur >= min_us:
+            print(f"  {e.time_range.start - lo:7.1f} {dur:7.1f}  {'  ' * len(stack)}{e.name[:70]}")
+        stack.append(e.time_range.end)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("cases", nargs="*", default=list(DEFAULT), choices=list(CASES))
     p.add_argument("--top", type=int, default=22)
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also print the CPU timeline of one call (torch.profiler, >= 2 us)",
+    )
     args = p.parse_args()
     idx = torch.arange(8, device="cuda")
     xs = torch.randn(8, H, device="cuda")
@@ -150,6 +186,8 @@ def main():
         print(f"  {len(kernels)} kernels: " + ", ".join(k[:40] for k in kernels))
         counts = {a: api.count(a) for a in sorted(set(api))}
         print(f"  CUDA API calls: {counts}")
+        if args.trace:
+            timeline(fn)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):

@@ -31,7 +31,14 @@ from moe_route.activations import KIND_CODES
 from moe_route.kernels.triton import grouped_gemm as gg
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
-CONFIGS = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)]
+CONFIGS = [
+    (128, 256, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4),
+    (128, 128, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 4),
+    (128, 128, 64, 8, 8, 2),
+    (128, 256, 64, 8, 8, 2),
+]
 SWIGLU = dict(ACT=KIND_CODES["silu"], GATED=True)
 # name -> (kernel, the constexprs that select its epilogue)
 VARIANTS = {
@@ -41,6 +48,19 @@ VARIANTS = {
     "gemm2 bwd + swiglu bwd": (gg._gemm_act_bwd_kernel, dict(SWIGLU, W_KMAJOR=True)),
     "gemm2 persistent": (gg._gemm_persistent_kernel, dict()),
     "gemm1 swiglu gather pers.": (gg._gemm_persistent_kernel, dict(SWIGLU, GATHER=True, ONE_DOT=1)),
+    "gemm2 pers. TMA store": (gg._gemm_persistent_kernel, dict(OUT_DESC=True)),
+    "gemm1 gather + z pers. TMA z": (
+        gg._gemm_persistent_kernel,
+        dict(SWIGLU, GATHER=True, ONE_DOT=1, STORE_PRE=True, Z_DESC=True),
+    ),
+    "gemm1 gather + z pers. TMA z+h": (
+        gg._gemm_persistent_kernel,
+        dict(SWIGLU, GATHER=True, ONE_DOT=1, STORE_PRE=True, Z_DESC=True, OUT_DESC=True),
+    ),
+    "gemm1 gather + z pers. TMA h": (
+        gg._gemm_persistent_kernel,
+        dict(SWIGLU, GATHER=True, ONE_DOT=1, STORE_PRE=True, OUT_DESC=True),
+    ),
     "gemm2 + ordered finalize": (gg._gemm_finalize_kernel, dict(ORDERED=True)),
     "gemm2 + atomic finalize": (gg._gemm_finalize_kernel, dict(ORDERED=False)),
 }
@@ -69,6 +89,7 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
+        OUT_DESC=False, Z_DESC=False,
     )  # fmt: skip
     const.update(epilogue)
     # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).
@@ -99,6 +120,13 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
             sig[name] = f"tensordesc<{dtype}[{bm}, {bk}]>" if const["A_DESC"] else f"*{dtype}"
         elif name == "w_desc":
             sig[name] = f"tensordesc<{dtype}{w_block}>" if const["W_DESC"] else f"*{dtype}"
+        elif name == "out_desc":
+            sig[name] = (
+                f"tensordesc<{dtype}[1, 1, {bm}, {bn}]>" if const["OUT_DESC"] else f"*{dtype}"
+            )
+        elif name == "z_desc":
+            z_block = f"[1, 1, {bm}, 1, {bn}]" if const["GATED"] else f"[1, 1, {bm}, {bn}]"
+            sig[name] = f"tensordesc<{dtype}{z_block}>" if const["Z_DESC"] else f"*{dtype}"
         elif name == "final_ptr":
             sig[name] = "*fp32" if atomic_out else f"*{dtype}"
         elif name.endswith("_ptr"):

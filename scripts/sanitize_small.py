@@ -1,12 +1,14 @@
 """Small fused_moe forward + backward (bf16, dropped slots, odd sizes, plain and clamped
 SwiGLU), the softmax top-k router forward + backward and an MoELayer step, for
 compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer kernel at decode
-sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert; and the
+sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert, where the
+persistent GEMM2 and dX also store through TMA and GEMM1 storing z runs 4 stages; and the
 decode path (two tokens, no gradient, k- and n-contiguous weights; one token through an
 inference MoELayer; 64 slots through one with 128 small experts).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow); ``--rows``: the second shape only (75
-rows per expert: the split activation backward's row pass on Hopper)."""
+rows per expert: the split activation backward's row pass on Hopper); ``--store``: the third
+only (1024 rows per expert in its bucket: the TMA stores and 4-stage GEMM1 on Hopper)."""
 
 import sys
 
@@ -20,6 +22,8 @@ if "--tiny" in sys.argv:
     shapes = shapes[-1:]
 if "--rows" in sys.argv:
     shapes = shapes[1:2]
+if "--store" in sys.argv:
+    shapes = shapes[2:3]
 clamped = moe_route.activation("swiglu", alpha=1.702, limit=0.75, up_offset=1.0)
 for T, H, inter, E, K in shapes:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

@@ -290,6 +290,75 @@ def test_tuning_defaults_and_override(monkeypatch):
     assert tuning.gemm_config(512, False, torch.bfloat16, 90).persistent == 0
 
 
+def test_tuning_stages_and_tma_stores():
+    """From 512 rows per expert on SM90 (16-bit): GEMM1 storing z takes 4 stages, the plain
+    GEMMs with a reduction of at most 2048 store through TMA (tuning.py's H100 note); nowhere
+    else, and never without a known reduction length."""
+    bf16 = torch.bfloat16
+    for rpe in (128, 511, 512, 8192):
+        for cc in (None, 80, 90):
+            far = cc == 90 and rpe >= 512
+            stages = tuning.gemm_config(rpe, True, bf16, cc, store_z=True).num_stages
+            assert stages == (4 if far else 3)
+            assert tuning.gemm_config(rpe, True, bf16, cc).num_stages == 3
+            assert not tuning.gemm_config(rpe, True, bf16, cc, kd=768).tma_store
+            for kd, want in ((768, far), (2048, far), (2049, False), (None, False)):
+                assert tuning.gemm_config(rpe, False, bf16, cc, kd=kd).tma_store == want
+    assert not tuning.gemm_config(8192, False, torch.float32, 90, kd=768).tma_store
+
+
+@pytest.mark.parametrize(("inter", "stores"), [(768, True), (2048, False)])
+def test_plan_takes_the_training_and_store_configs(monkeypatch, inter, stores):
+    """An MoE with H = 2048, E = 128, K = 8 at T = 8192 (512 rows per expert) on an SM90
+    (faked): the training GEMM1 has 4 stages, the inference one 3; GEMM2 (K = I) and dX
+    (K = 2I) store through TMA at I = 768 (qwen3-30b-a3b), GEMM2 alone at I = 2048."""
+    grouped_gemm = importlib.import_module("moe_route.grouped_gemm")  # the module, not the op
+    moe = importlib.import_module("moe_route.moe")
+    monkeypatch.setattr(grouped_gemm.arch, "compute_capability", lambda device: 90)
+    grouped_gemm.gemm_configs.cache_clear()
+    try:
+        cfg = moe._plan.__wrapped__(
+            torch.device("cpu"), torch.bfloat16, (128, 2 * inter, 2048), (128, 2048, inter),
+            128, 8, 8192, "swiglu", "concat", "standalone", True, False, "triton", (),
+        ).configs  # fmt: skip
+    finally:
+        grouped_gemm.gemm_configs.cache_clear()
+    assert (cfg.gemm1.num_stages, cfg.gemm1_z.num_stages) == (3, 4)
+    assert not cfg.gemm1.tma_store and not cfg.gemm1_z.tma_store
+    assert cfg.gemm2.tma_store
+    assert cfg.dx.tma_store == stores
+
+
+def test_store_descriptors_fit_shared_memory(monkeypatch):
+    """The TMA stores are taken only where their staging fits beside the main loop (an
+    H100's 232448 B: 3 stages of 128x256x64, not 4), for 16-bit tensors TMA can address, and
+    for z only in the concat layout ([M, 2, N] boxes: a partial column tile stops at N)."""
+    from moe_route.kernels.triton import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "_smem_per_block", lambda device: 232448)
+    bf16 = torch.bfloat16
+    plain = gg.GemmConfig(128, 256, 64, 8, 8, 3, True, 1, tma_store=True)
+    out = torch.empty(1000, 2048, dtype=bf16)
+    stage = (128 + 256) * 64 * 2
+    got_out, got_z = gg._store_descriptors(out, None, gg.IDENTITY, plain, 2048, stage)
+    assert got_out is not None and got_z is None
+    assert got_out.block_shape == [1, 1, 128, 256]
+    four = dataclasses.replace(plain, num_stages=4)
+    assert gg._store_descriptors(out, None, gg.IDENTITY, four, 2048, stage) == (None, None)
+    assert gg._store_descriptors(out.float(), None, gg.IDENTITY, plain, 2048, stage) == (
+        None, None,
+    )  # fmt: skip
+    odd = torch.empty(1000, 2047, dtype=bf16)[:, :2040]  # rows 4094 bytes apart
+    assert gg._store_descriptors(odd, None, gg.IDENTITY, plain, 2040, stage) == (None, None)
+    gated = gg.GemmConfig(128, 128, 64, 8, 8, 3, True, 1, tma_store=True)
+    swiglu = gg.GemmEpilogue(act=1, gated=True)
+    h, z = torch.empty(1000, 136, dtype=bf16), torch.empty(1000, 272, dtype=bf16)
+    got_out, got_z = gg._store_descriptors(h, z, swiglu, gated, 136, stage)
+    assert got_z.shape[-2:] == [2, 136] and got_z.block_shape == [1, 1, 128, 1, 128]
+    inter = dataclasses.replace(swiglu, interleaved=True)
+    assert gg._store_descriptors(h, z, inter, gated, 136, stage) == (None, None)
+
+
 # ----------------------------------------------------------------------------- the GPU sweep
 def test_gemm_sweep_smoke(tmp_path, capsys):
     """scripts/gemm_sweep.py at its --smoke size (the interpreter): every persistent config

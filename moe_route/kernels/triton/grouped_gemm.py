@@ -59,6 +59,7 @@ import triton.language as tl
 
 from . import ThinKernel, cdiv, next_pow2
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
+from .tma import bounded_rows_descriptor, store_rows, store_rows_part, tma_ok
 
 #: Rows per step of the ordered fused finalize's reduction.
 RED_ROWS = 16
@@ -87,6 +88,10 @@ class GemmConfig:
     persistent: int = 0
     #: With ``persistent`` and every operand read through TMA: a warp-specialised loop.
     warp_specialize: bool = False
+    #: With ``persistent`` and ``use_tma`` (GEMM1 / GEMM2): the output and the pre-activation
+    #: stored through TMA (asynchronous, overlapping the next tile's main loop) where shared
+    #: memory holds their staging beside the main loop's stages.
+    tma_store: bool = False
 
 
 @dataclass(frozen=True)
@@ -305,8 +310,8 @@ def _zero_rows(out_ptr, z_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stri
 
 @triton.jit
 def _gemm_tile(
-    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e, first_row,
-    row_end, n_tile, N_OUT, KD, T,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr, dest_to_src_ptr, e,
+    first_row, row_end, n_tile, N_OUT, KD, T,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
@@ -314,10 +319,14 @@ def _gemm_tile(
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr, OUT_DESC: tl.constexpr, Z_DESC: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
-    main loop, bias, pre-activation, activation, store."""
+    main loop, bias, pre-activation, activation, store.
+
+    ``OUT_DESC`` / ``Z_DESC``: ``out`` / ``z`` (``[M, 2, N_OUT]`` when gated) stored through
+    bounded-rows descriptors (:mod:`.tma`) whose bound is ``row_end``: asynchronous copies,
+    which the persistent kernel's next tile overlaps, instead of masked stores."""
     rows = first_row + tl.arange(0, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
@@ -336,21 +345,36 @@ def _gemm_tile(
         if GATED:
             acc_up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
+    n0 = n_tile * BLOCK_N
+    # TMA coordinates are 32-bit (the launcher takes descriptors for fewer than 2^30 rows)
+    size = (row_end - first_row).to(tl.int32)
+    first = first_row.to(tl.int32)
     if STORE_PRE:
         z_rows = z_ptr + rows[:, None].to(tl.int64) * stride_zm
         zg = acc.to(z_ptr.dtype.element_ty)
-        tl.store(z_rows + gate_rows[None, :], zg, mask=mask)
+        if Z_DESC and GATED:
+            store_rows_part(z_desc, first, size, 0, n0, zg, BLOCK_M, BLOCK_N)
+        elif Z_DESC:
+            store_rows(z_desc, first, size, n0, zg, BLOCK_M, BLOCK_N)
+        else:
+            tl.store(z_rows + gate_rows[None, :], zg, mask=mask)
         acc = zg.to(ACC)
         if GATED:
             zu = acc_up.to(z_ptr.dtype.element_ty)
-            tl.store(z_rows + up_rows[None, :], zu, mask=mask)
+            if Z_DESC:
+                store_rows_part(z_desc, first, size, 1, n0, zu, BLOCK_M, BLOCK_N)
+            else:
+                tl.store(z_rows + up_rows[None, :], zu, mask=mask)
             acc_up = zu.to(ACC)
     if GATED:
         h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET)
     else:
         h = plain_forward(acc, ACT)
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+    if OUT_DESC:
+        store_rows(out_desc, first, size, n0, h, BLOCK_M, BLOCK_N)
+    else:
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=_VARYING)
@@ -375,17 +399,18 @@ def _gemm_kernel(
                    stride_zm, GATED, STORE_PRE, BLOCK_M, BLOCK_N)  # fmt: skip
         return
     _gemm_tile(
-        a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e, first_row,
-        row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-        stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
-        UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC,
-        W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 0,
+        a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr,
+        e, first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn,
+        stride_wk, stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA,
+        LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC,
+        W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 0, False, False,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_VARYING)
 def _gemm_persistent_kernel(
-    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr, offsets_ptr,
+    dest_to_src_ptr,
     E, M_ROWS, M_TILES, N_OUT, KD, T,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
@@ -395,7 +420,8 @@ def _gemm_persistent_kernel(
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr, OUT_DESC: tl.constexpr,
+    Z_DESC: tl.constexpr,
 ):  # fmt: skip
     """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
 
@@ -419,11 +445,12 @@ def _gemm_persistent_kernel(
         m_tile, n_tile = _swizzle(tile, routed_tiles, n_tiles, GROUP_M)
         e, first_row, row_end = _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
         _gemm_tile(
-            a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr, e,
-            first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn,
-            stride_wk, stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA,
-            LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION,
-            A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, ONE_DOT,
+            a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr,
+            dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak,
+            stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm, stride_be,
+            stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER,
+            STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N,
+            BLOCK_K, ONE_DOT, OUT_DESC, Z_DESC,
         )  # fmt: skip
     routed = tl.load(offsets_ptr + E)
     zero_tiles = tl.cdiv(M_ROWS - routed, BLOCK_M) * n_tiles
@@ -660,25 +687,16 @@ _ACT_BWD = ThinKernel(_gemm_act_bwd_kernel)
 _FINALIZE = ThinKernel(_gemm_finalize_kernel)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    es = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all((st * es) % 16 == 0 for st in t.stride()[:-1])
-    )
-
-
 def _w_descriptor(w, bn, bk, use_tma):
     """``(w_desc, w_kmajor)`` for ``w [E, N, Kd]`` (n- or k-major), or ``(None, False)``."""
     if not use_tma or w.dtype not in (torch.float16, torch.bfloat16):
         return None, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if _tma_ok(w):
+    if tma_ok(w):
         return TensorDescriptor.from_tensor(w, [1, bn, bk]), False
     wt = w.transpose(1, 2)  # k-major storage, e.g. W2.transpose(1, 2) in the backward
-    if _tma_ok(wt):
+    if tma_ok(wt):
         return TensorDescriptor.from_tensor(wt, [1, bk, bn]), True
     return None, False
 
@@ -691,19 +709,63 @@ def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if interleaved:
-        return (TensorDescriptor.from_tensor(w, [1, 2 * bn, bk]), 2) if _tma_ok(w) else (None, 0)
+        return (TensorDescriptor.from_tensor(w, [1, 2 * bn, bk]), 2) if tma_ok(w) else (None, 0)
     halves = w.unflatten(1, (2, n_out))  # [E, 2, N_out, Kd]: gate rows, then up rows
-    if not _tma_ok(halves):
+    if not tma_ok(halves):
         return None, 0
     return TensorDescriptor.from_tensor(halves, [1, 2, bn, bk]), 1
 
 
 def _a_descriptor(a, bm, bk, use_tma):
-    if not use_tma or a.dtype not in (torch.float16, torch.bfloat16) or not _tma_ok(a):
+    if not use_tma or a.dtype not in (torch.float16, torch.bfloat16) or not tma_ok(a):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(a, [bm, bk])
+
+
+def _store_descriptors(out, z, epilogue: GemmEpilogue, cfg: GemmConfig, n_out: int,
+                       stage_bytes: int):  # fmt: skip
+    """``(out_desc, z_desc)`` for the persistent kernel's TMA stores, or ``(None, None)``
+    where shared memory cannot hold the copies' staging beside the main loop's
+    ``num_stages`` buffers (``stage_bytes`` each): one output tile, two when ``z``'s gate and
+    up halves are stored too (``scripts/kernel_resources.py``: 213080 B for 3 stages of
+    128x256x64 or of gated 128x128x64 with ``z``, no spills; 4 stages do not fit an H100).
+    Only 16-bit tensors TMA can address, ``z`` not in the interleaved gate/up layout, fewer
+    than 2^30 rows (32-bit coordinates)."""
+    tile = cfg.block_m * cfg.block_n * out.element_size()
+    staging = 2 * tile if z is not None and epilogue.gated else tile
+    if cfg.num_stages * stage_bytes + staging + _SMEM_RESERVED > _smem_per_block(out.device):
+        return None, None
+    ok = (torch.float16, torch.bfloat16)
+    if not (out.dtype in ok and tma_ok(out) and out.shape[0] < 2**30):
+        return None, None
+    if z is None:
+        return bounded_rows_descriptor(out, [cfg.block_m, cfg.block_n]), None
+    if not (z.dtype in ok and tma_ok(z)) or (epilogue.gated and epilogue.interleaved):
+        return None, None
+    if epilogue.gated:  # [M, 2, N_OUT]: a partial column tile of the gate half stops at N_OUT
+        z_desc = bounded_rows_descriptor(z.unflatten(1, (2, n_out)),
+                                         [cfg.block_m, 1, cfg.block_n])  # fmt: skip
+    else:
+        z_desc = bounded_rows_descriptor(z, [cfg.block_m, cfg.block_n])
+    return bounded_rows_descriptor(out, [cfg.block_m, cfg.block_n]), z_desc
+
+
+#: Shared memory a kernel takes beside its buffers (barriers, alignment).
+_SMEM_RESERVED = 1 << 10
+
+
+@functools.cache
+def _smem_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def _smem_per_block(device: torch.device) -> int:
+    """Shared memory one block may take on ``device`` (opt-in maximum; 0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return _smem_bytes(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
@@ -785,6 +847,11 @@ def grouped_gemm_triton(
         w_desc, one_dot = _gate_up_descriptor(w, n_out, bn, bk, epilogue.interleaved)
     if w_desc is None and not (epilogue.gated and epilogue.interleaved):
         w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)
+    out_desc = z_desc = None
+    if cfg.persistent and cfg.tma_store and cfg.use_tma:
+        out_desc, z_desc = _store_descriptors(out, pre_activation, epilogue, cfg, n_out,
+                                              stage_bytes=(bm + (2 if epilogue.gated else 1) * bn)
+                                              * bk * a.element_size())  # fmt: skip
     m_tiles = _m_tiles(M, E, bm)
     tiles = m_tiles * cdiv(n_out, bn)
     z = pre_activation if pre_activation is not None else out
@@ -792,7 +859,8 @@ def grouped_gemm_triton(
     key = (
         cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, a.stride(), w.stride(), out.stride(),
         z.stride(0), b.stride() if bias is not None else None, gather, pre_activation is not None,
-        a_desc is not None, w_desc is not None, w_kmajor, one_dot, allow_tf32, E, n_out, kd,
+        a_desc is not None, w_desc is not None, w_kmajor, one_dot, out_desc is not None,
+        z_desc is not None, allow_tf32, E, n_out, kd,
     )  # fmt: skip
 
     def constexprs():
@@ -809,16 +877,21 @@ def grouped_gemm_triton(
             # the automatic warp specialisation wants every load of the loop through TMA
             cx["WARP_SPECIALIZE"] = cfg.warp_specialize and cx["A_DESC"] and cx["W_DESC"]
             cx["ONE_DOT"] = one_dot
+            cx["OUT_DESC"] = out_desc is not None
+            cx["Z_DESC"] = z_desc is not None
         return cx
 
     kernel, grid = _GEMM, tiles
     if cfg.persistent:
         kernel, grid = _GEMM_PERSISTENT, min(tiles, cfg.persistent * num_sms(a.device))
+    descs = ()
+    if cfg.persistent:
+        descs = (out_desc if out_desc is not None else out, z_desc if z_desc is not None else z)
     kernel.launch(
         key, (grid,),
         (
             a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
-            b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
+            *descs, b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
             out.stride(1), z.stride(0), b.stride(0) if bias is not None else 0,
             b.stride(1) if bias is not None else 0,

@@ -55,6 +55,8 @@ class MoEConfigs:
     """Every launch configuration of one ``fused_moe`` call (from :mod:`moe_route.tuning`)."""
 
     gemm1: GemmConfig
+    #: GEMM1 storing its pre-activation ``z`` too (the training forward)
+    gemm1_z: GemmConfig
     gemm2: GemmConfig
     act_bwd: ActBackwardConfig
     dx: GemmConfig
@@ -81,7 +83,8 @@ def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConf
         rows, d2s = x.new_empty(M, H), None
         expand_rows_triton(x, src_to_dest, expert_for_src, rows)
     grouped_gemm_triton(
-        rows, w1, offsets, h, cfg.gemm1, epilogue=cfg.epilogue, bias=b1, dest_to_src=d2s,
+        rows, w1, offsets, h, cfg.gemm1_z if store_z else cfg.gemm1, epilogue=cfg.epilogue,
+        bias=b1, dest_to_src=d2s,
         num_rows=M, pre_activation=z if store_z else None, allow_tf32=cfg.allow_tf32,
     )  # fmt: skip
     del rows  # x_perm, when there is one: not held while GEMM2 writes y

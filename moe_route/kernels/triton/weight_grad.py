@@ -21,7 +21,7 @@ that is not gathered is loaded through TMA.
 On Hopper with 16-bit operands the launch sequence permutes the gathered operand into a buffer
 first (one expand, ~1 % of the GEMM's time) and :func:`_expert_weight_grad_tma_kernel` reads
 both operands through TMA: the rows of an expert are walked in whole ``BLOCK_R`` steps through
-descriptors whose bounds end at the expert's last row (:func:`bounded_rows_descriptor`), so
+descriptors whose bounds end at the expert's last row (:mod:`.tma`), so
 the partial last step reads zeros past it and no row of another expert enters a sum; every
 step is the same software-pipelined code, the MMA reading shared memory directly.
 
@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETING, ThinKernel, cdiv, next_pow2
-from .grouped_gemm import _mma, _tma_ok, num_sms
+from .grouped_gemm import _mma, num_sms
+from .tma import bounded_rows_descriptor, load_rows, tma_ok
 
 
 @dataclass(frozen=True)
@@ -158,37 +159,6 @@ def _expert_weight_grad_kernel(
               BLOCK_N, BLOCK_K)  # fmt: skip
 
 
-#: Rows per expert a bounded descriptor addresses (:func:`bounded_rows_descriptor`).
-_ROW_SPAN = 1 << 30
-
-
-def bounded_rows_descriptor(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor over the rows of ``t [M, C]`` through which :func:`_load_rows` reads a
-    row range ``[lo, lo + size)`` with the hardware's bounds check at ``lo + size``: rows past
-    it read as zeros, like rows past the end of a tensor.
-
-    How: a 4-D view ``[_, _, _ROW_SPAN, C]`` with strides ``(2^64/2^30 - s, s, s, 1)`` (``s``
-    the row stride). At coordinates ``(2^30, lo + size, 2^30 - size + i, c)`` the address is
-    ``(lo + i) * s + c`` modulo 2^64, and the third coordinate is in bounds exactly when
-    ``i < size``. (The trick is the one of ``triton.tools.ragged_tma``.)
-    """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    s = t.stride(0)
-    big = 0x7FFF0000
-    return TensorDescriptor(t, [big, big, _ROW_SPAN, t.shape[1]], [2**34 - s, s, s, 1],
-                            [1, 1, *block])  # fmt: skip
-
-
-@triton.jit
-def _load_rows(desc, lo, size, i, c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows ``lo + i ..`` (columns ``c ..``) of a :func:`bounded_rows_descriptor`, zeros from
-    row ``lo + size`` on."""
-    span: tl.constexpr = 1 << 30
-    block = desc.load([span, lo + size, span - size + i, c])
-    return block.reshape(BLOCK_R, BLOCK_C)
-
-
 @triton.jit
 def _tiles_of(end, pid, programs):
     """How many of the tiles ``pid, pid + P, ...`` lie below ``end`` (``P = programs``)."""
@@ -245,8 +215,8 @@ def _row_step(a_desc, b_desc, acc, col_sum, lo, size, i, n0, k0, dest_to_src_ptr
               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``acc += A^T B`` (and the bias gradient's column sum) over rows ``lo + i ..`` of the
     expert's rows ``[lo, lo + size)``."""
-    a = _load_rows(a_desc, lo, size, i, n0, BLOCK_R, BLOCK_N)
-    b = _load_rows(b_desc, lo, size, i, k0, BLOCK_R, BLOCK_K)
+    a = load_rows(a_desc, lo, size, i, n0, BLOCK_R, BLOCK_N)
+    b = load_rows(b_desc, lo, size, i, k0, BLOCK_R, BLOCK_K)
     if HAS_DBIAS:
         r = lo + i + tl.arange(0, BLOCK_R)
         col_sum = _scaled_col_sum(col_sum, a, r, r < lo + size, dest_to_src_ptr, scale_ptr, T,
@@ -337,7 +307,7 @@ def _expert_weight_grad_tma_kernel(
 def tma_operands_ok(*tensors: torch.Tensor) -> bool:
     """Whether :func:`_expert_weight_grad_tma_kernel` can read these operands (16-bit, unit
     column stride, 16-byte aligned rows)."""
-    return all(t.dtype in (torch.float16, torch.bfloat16) and _tma_ok(t) for t in tensors)
+    return all(t.dtype in (torch.float16, torch.bfloat16) and tma_ok(t) for t in tensors)
 
 
 def expert_weight_grad_triton(

@@ -1,0 +1,98 @@
+"""The tuning tables' refinements of 2026-11-24 on and off, in one process (GPU): GEMM1 storing z
+on 4 stages and the TMA-stored GEMM2 / dX (``moe_route.tuning._gemm_table``), against the same
+tables without them. For each training shape: ``fused_moe`` forward without grad, and forward +
+backward (``torch.autograd.grad`` of x, w1, w2 and the router weights), each timed with CUDA
+events in turns between the two tables over ``--rounds`` rounds (median; the order flips every
+round), and the outputs' bitwise equality.
+
+    PYTHONPATH=. python scripts/tuning_ab.py [--shapes qwen3 mixtral deepseek] [--rounds 7]
+                                             [--tokens T] [--forward-only]
+"""
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+import moe_route
+from moe_route import moe, tuning
+from moe_route.bench.harness import time_cuda
+from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
+from moe_route.reference import topk_routing_reference
+
+_TABLE = tuning._gemm_table
+
+
+def without_refinements(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
+    """The table as it was: no 4-stage GEMM1 for z, no TMA stores."""
+    cfg = _TABLE(rows_per_expert, gated, dtype, cc)
+    return dataclasses.replace(cfg, tma_store=False)
+
+
+def use(table):
+    tuning._gemm_table = table
+    moe.clear_plans()
+
+
+def passes(shape, T):
+    """``[(label, fn)]``: the forward without grad and forward + backward at ``shape``."""
+    H, inter, E, K = shape.H, shape.I, shape.E, shape.K
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=g)
+    w1.mul_(H**-0.5)
+    w2.mul_(inter**-0.5)
+    tw, ids = topk_routing_reference(torch.randn(T, E, device="cuda", generator=g), K,
+                                     renormalize=True)  # fmt: skip
+    leaves = [t.requires_grad_() for t in (x, w1, w2, tw)]
+    dout = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def forward():
+        with torch.no_grad():
+            return (moe_route.fused_moe(x, w1, w2, tw, ids),)
+
+    def step():
+        out = moe_route.fused_moe(x, w1, w2, tw, ids)
+        return torch.autograd.grad(out, leaves, dout)
+
+    return [("forward", forward), ("fwd+bwd", step)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tokens", type=int, help="T instead of each shape's training size")
+    ap.add_argument("--forward-only", action="store_true")
+    args = ap.parse_args()
+    tables = (("before", without_refinements), ("after", _TABLE))
+    print(f"{'shape':<26}{'pass':<10}{'before us':>11}{'after us':>11}{'x':>7}  bitwise")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        T = args.tokens or shape.T
+        chosen = passes(shape, T)[: 1 if args.forward_only else 2]
+        for label, fn in chosen:
+            use(without_refinements)
+            first = [t.cpu() for t in fn()]  # off the GPU: deepseek-v3's gradients are 22 GB
+            use(_TABLE)
+            same = all(torch.equal(p, q.cpu()) for p, q in zip(first, fn(), strict=True))
+            del first
+            times = {key: [] for key, _ in tables}
+            # in turns, the order flipped every round (ABBA): under sustained load the clocks
+            # sag, and whichever runs second in every round would pay for it
+            for r in range(args.rounds):
+                for key, table in tables if r % 2 == 0 else tables[::-1]:
+                    use(table)
+                    times[key].append(time_cuda(fn, use_graph=False, inner=1, outer=3).median_s)
+            before, after = (statistics.median(times[k]) * 1e6 for k in ("before", "after"))
+            print(f"{shape.model + ' T=' + str(T):<26}{label:<10}{before:>11.0f}{after:>11.0f}"
+                  f"{before / after:>7.3f}  {same}")  # fmt: skip
+        del chosen
+        torch.cuda.empty_cache()
+    use(_TABLE)
+
+
+if __name__ == "__main__":
+    main()
