@@ -184,7 +184,7 @@ def h100_limits(monkeypatch, fake_cupy):
 
     maps_module = importlib.import_module("moe_route.maps")
     monkeypatch.setattr(cupy_maps._nvrtc, "max_shared_memory", lambda device: 227 * 1024)
-    monkeypatch.setattr(triton_maps, "_shared_memory_optin", lambda index: 227 * 1024)
+    monkeypatch.setattr(triton_maps, "shared_memory_optin", lambda index: 227 * 1024)
     monkeypatch.setenv("MOE_ROUTE_ARCH", "90")
     maps_module._bucket_maps_backend.cache_clear()
     yield maps_module

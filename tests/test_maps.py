@@ -276,7 +276,7 @@ def test_triton_expert_limit_follows_the_shared_memory_of_the_gpu(monkeypatch):
     """On a GPU the histogram stages 4 bytes per bin in shared memory: 2**15 bins fit an
     H100's 227 KiB, 2**14 a 99 KiB GPU; under the interpreter only Triton's tensor cap."""
     for optin, bins in ((227 * 1024, 2**15), (163 * 1024, 2**15), (99 * 1024, 2**14)):
-        monkeypatch.setattr(triton_maps_module, "_shared_memory_optin", lambda i, b=optin: b)
+        monkeypatch.setattr(triton_maps_module, "shared_memory_optin", lambda i, b=optin: b)
         assert triton_maps_module.max_bins("cuda:0") == bins
         assert triton_maps_module.max_num_experts(8, "cuda:0") == bins - 9
         triton_maps_module.check_num_experts_supported(bins - 9, 8, "cuda:0")

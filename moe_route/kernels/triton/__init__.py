@@ -15,6 +15,8 @@ new ``T`` never compiles a new variant.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -33,6 +35,12 @@ INTERPRETING = interpreting()
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)``; plain Python (``triton.cdiv`` costs 2 µs of host time per call)."""
     return -(-a // b)
+
+
+@functools.cache
+def shared_memory_optin(index: int) -> int:
+    """The most shared memory one block may opt in to on CUDA device ``index``, in bytes."""
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def next_pow2(n: int) -> int:

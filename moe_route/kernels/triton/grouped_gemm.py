@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2, shared_memory_optin
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 from .tma import bounded_rows_descriptor, store_rows, store_rows_part, tma_ok
 
@@ -756,16 +756,13 @@ def _store_descriptors(out, z, epilogue: GemmEpilogue, cfg: GemmConfig, n_out: i
 _SMEM_RESERVED = 1 << 10
 
 
-@functools.cache
-def _smem_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
-
-
 def _smem_per_block(device: torch.device) -> int:
     """Shared memory one block may take on ``device`` (opt-in maximum; 0 off CUDA)."""
     if device.type != "cuda":
         return 0
-    return _smem_bytes(torch.cuda.current_device() if device.index is None else device.index)
+    return shared_memory_optin(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
 
 
 def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:

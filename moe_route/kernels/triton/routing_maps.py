@@ -22,13 +22,11 @@ programs: the maps are the same bits on every run.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2
+from . import ThinKernel, cdiv, next_pow2, shared_memory_optin
 
 #: Triton's cap on the elements of one tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``), on
 #: a GPU and under the interpreter alike. A program holds one counter per *bin* — E experts, K
@@ -51,13 +49,8 @@ def max_bins(device: torch.device | str = "cpu") -> int:
     if device.type != "cuda":  # the interpreter: only Triton's tensor cap
         return MAX_TENSOR_BINS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fit = _shared_memory_optin(index) // SHARED_BYTES_PER_BIN
+    fit = shared_memory_optin(index) // SHARED_BYTES_PER_BIN
     return min(MAX_TENSOR_BINS, 1 << (fit.bit_length() - 1))
-
-
-@functools.cache
-def _shared_memory_optin(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def max_num_experts(top_k: int, device: torch.device | str = "cpu") -> int:
