@@ -342,7 +342,7 @@ def test_store_descriptors_fit_shared_memory(monkeypatch):
     stage = (128 + 256) * 64 * 2
     got_out, got_z = gg._store_descriptors(out, None, gg.IDENTITY, plain, 2048, stage)
     assert got_out is not None and got_z is None
-    assert got_out.block_shape == [1, 1, 128, 256]
+    assert got_out.block_shape == (1, 1, 128, 256)
     four = dataclasses.replace(plain, num_stages=4)
     assert gg._store_descriptors(out, None, gg.IDENTITY, four, 2048, stage) == (None, None)
     assert gg._store_descriptors(out.float(), None, gg.IDENTITY, plain, 2048, stage) == (
@@ -354,9 +354,13 @@ def test_store_descriptors_fit_shared_memory(monkeypatch):
     swiglu = gg.GemmEpilogue(act=1, gated=True)
     h, z = torch.empty(1000, 136, dtype=bf16), torch.empty(1000, 272, dtype=bf16)
     got_out, got_z = gg._store_descriptors(h, z, swiglu, gated, 136, stage)
-    assert got_z.shape[-2:] == [2, 136] and got_z.block_shape == [1, 1, 128, 1, 128]
+    assert got_z.shape[-2:] == (2, 136) and got_z.block_shape == (1, 1, 128, 1, 128)
+    assert got_z.strides[-3:] == (272, 136, 1)  # [M, 2, N] over the [M, 2N] rows
     inter = dataclasses.replace(swiglu, interleaved=True)
     assert gg._store_descriptors(h, z, inter, gated, 136, stage) == (None, None)
+    # rows 400 bytes apart (aligned), but the up half starts 200 bytes in: no z descriptor
+    h, z = torch.empty(1000, 100, dtype=bf16), torch.empty(1000, 200, dtype=bf16)
+    assert gg._store_descriptors(h, z, swiglu, gated, 100, stage) == (None, None)
 
 
 # ----------------------------------------------------------------------------- the GPU sweep

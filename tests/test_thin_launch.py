@@ -119,3 +119,86 @@ def test_scratch_memory_or_profiler_hooks_take_the_wrappers(thin, monkeypatch):
     monkeypatch.setattr(kt, "_hooks_set", lambda: True)  # a profiler hooks launches
     kernel.launch(("s",), (2,), (x, 3), lambda: {"BLOCK": 8})
     assert len(fn.triton_launches) == 2
+
+
+class FakeDescJit(FakeJit):
+    """A kernel ``(x, desc, n, BLOCK)`` whose compiled variants launch through Triton's own
+    descriptor wrapper (``wrap_handle_tensordesc``) around a recording C launcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.params.insert(1, type("P", (), {"name": "desc", "is_constexpr": False})())
+        self.meta = {"swizzle": 3, "elem_size": 2, "elem_type": 1, "block_size": [8, 16],
+                     "fp4_padded": False}  # fmt: skip
+
+    def __getitem__(self, grid):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        def launch(*args, **cx):
+            self.triton_launches.append((grid, args, cx))
+            compiled = FakeCompiled()
+            signature = {0: "*fp16", 1: "tensordesc<fp16[8, 16]>", 2: "i32", 3: "constexpr"}
+            compiled.run.launch = wrap_handle_tensordesc(compiled.run.launch, signature,
+                                                         [self.meta])  # fmt: skip
+            self.compiled.append(compiled)
+            return compiled
+
+        return launch
+
+
+@pytest.fixture
+def encodings(monkeypatch):
+    """Triton's descriptor encoding replaced by a recording stand-in (the real one asks the
+    driver for a CUtensorMap)."""
+    import triton.backends.nvidia.driver as driver
+
+    calls = []
+
+    def encode(desc, meta):
+        calls.append(desc.base.data_ptr())
+        return [("tensormap", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    return calls
+
+
+def test_descriptors_go_to_triton_as_tensor_descriptors_then_encoded_once(thin, encodings):
+    """A :class:`Descriptor` reaches Triton's launch as Triton's ``TensorDescriptor``; later
+    thin launches hand the C launcher what Triton's wrapper would, from an encoding made once
+    per (address, shape, strides)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moe_route.kernels.triton.tma import Descriptor, descriptor
+
+    fn, kernel = thin
+    kernel.fn = fn = FakeDescJit()
+    x, w = torch.zeros(32, dtype=torch.float16), torch.zeros(64, 32, dtype=torch.float16)
+    cx = lambda: {"BLOCK": 16}
+    kernel.launch(("d",), (2,), (x, descriptor(w, (8, 16)), 5), cx)
+    seen = fn.triton_launches[0][1][1]
+    assert type(seen) is TensorDescriptor
+    assert (list(seen.shape), list(seen.strides), list(seen.block_shape)) == (
+        [64, 32], [32, 1], [8, 16],
+    )  # fmt: skip
+    compiled = fn.compiled[0]
+    assert kernel._compiled[(0, ("d",), (x.data_ptr() % 16,))].expands_descriptors
+    for n in (6, 7):
+        kernel.launch(("d",), (2,), (x, descriptor(w, (8, 16)), n), cx)
+    assert len(fn.triton_launches) == 1 and encodings == [w.data_ptr()]
+    # what Triton's own wrapper hands the C launcher for the same call
+    from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+    got = []
+    signature = {0: "*fp16", 1: "tensordesc<fp16[8, 16]>", 2: "i32", 3: "constexpr"}
+    inner = wrap_handle_tensordesc(lambda *a: got.append(a), signature, [fn.meta])
+    base = compiled.run.c_calls[-1][:13]
+    inner(*base, x.data_ptr(), descriptor(w, (8, 16)), 7, 16)
+    assert compiled.run.c_calls[-1] == got[0]
+    assert got[0][13:] == (x.data_ptr(), ("tensormap", w.data_ptr(), 3), 64, 32, 32, 1, 7, 16)
+    encodings.clear()
+    # another tensor (address), or the same seen with other strides: encoded anew
+    w2 = torch.zeros(64, 32, dtype=torch.float16)
+    kernel.launch(("d",), (2,), (x, descriptor(w2, (8, 16)), 8), cx)
+    kernel.launch(("d",), (2,), (x, Descriptor(w, (32, 32), (32, 1), (8, 16)), 9), cx)
+    assert encodings == [w2.data_ptr(), w.data_ptr()]
+    assert len(fn.triton_launches) == 1

@@ -21,6 +21,7 @@ import torch
 import triton
 
 from ..._env import flag
+from .tma import Descriptor
 
 
 def interpreting() -> bool:
@@ -89,7 +90,7 @@ class ThinKernel:
 
     def launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
         if key is None or INTERPRETING:
-            self.fn[grid](*args, **constexprs())
+            self.fn[grid](*_for_triton(args), **constexprs())
             return
         pack = self._packers.get(key)
         if pack is not None and not _hooks_set():
@@ -107,12 +108,13 @@ class ThinKernel:
     def _first_launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
         """Triton's own launch (compiles or finds the variant); remembered for the next one."""
         cx = constexprs()
-        compiled = self.fn[grid](*args, **cx)
+        compiled = self.fn[grid](*_for_triton(args), **cx)
         pack = self._packers.get(key)
         if pack is None:
             pack = self._packers[key] = _packer(args)
         values = tuple(cx[name] for name in self._constexpr_names)
-        self._compiled[(_current_device(), key, pack(args)[1])] = _direct_launch(compiled, values)
+        run = _direct_launch(compiled, values, len(args))
+        self._compiled[(_current_device(), key, pack(args)[1])] = run
 
     def _check_variant(self, run, key, args: tuple, constexprs) -> None:
         """Raise unless Triton's own launch would run the variant the thin launch runs (the key
@@ -124,7 +126,7 @@ class ThinKernel:
         if hasattr(triton.knobs.compilation, "instrumentation_mode"):
             cx["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
         kernel_cache, key_cache, _, _, binder = self.fn.device_caches[_current_device()]
-        _, specialization, options = binder(*args, **cx)
+        _, specialization, options = binder(*_for_triton(args), **cx)
         chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
         if hasattr(chosen, "result"):  # an asynchronous compile's future
             chosen = chosen.result()
@@ -150,21 +152,39 @@ def _packer(args: tuple):
     return scope["pack"]
 
 
-def _direct_launch(compiled, values: tuple):
+def _for_triton(args: tuple) -> tuple:
+    """``args`` with every :class:`.tma.Descriptor` as Triton's own ``TensorDescriptor``."""
+    if not any(type(a) is Descriptor for a in args):
+        return args
+    return tuple(a.triton() if type(a) is Descriptor else a for a in args)
+
+
+def _direct_launch(compiled, values: tuple, n_args: int):
     """``run(gx, gy, gz, stream, args)`` for one compiled variant: its C launcher called
     directly when the variant needs no scratch memory (Triton's Python wrapper around it only
-    allocates that), else its ``run``."""
+    allocates that), else its ``run``. Tensor-descriptor arguments are expanded into what the
+    C launcher takes by :func:`_descriptor_expander` (cached encodings) where Triton's
+    launcher has the known shape, else by Triton's own wrapper."""
     run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
     launch = getattr(run, "launch", None)
     scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
     if launch is not None and scratch == (0, 0):
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        raw, expand = _descriptor_expander(launch, n_args)
+        if expand is not None:
 
-        def direct(gx, gy, gz, stream, args):
-            launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None,
-                   *args, *values)  # fmt: skip
+            def direct(gx, gy, gz, stream, args):
+                raw(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None,
+                    *expand(args), *values)  # fmt: skip
+
+        else:
+
+            def direct(gx, gy, gz, stream, args):
+                launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None,
+                       None, *args, *values)  # fmt: skip
 
         direct.compiled = compiled
+        direct.expands_descriptors = expand is not None
         return direct
 
     def through_run(gx, gy, gz, stream, args):
@@ -172,6 +192,58 @@ def _direct_launch(compiled, values: tuple):
 
     through_run.compiled = compiled
     return through_run
+
+
+#: Encoded descriptors one compiled variant keeps per descriptor argument (then it starts over).
+DESCRIPTOR_CACHE = 256
+
+
+def _descriptor_expander(launch, n_args: int):
+    """``(c_launcher, expand)``: ``expand(args)`` gives the runtime arguments with each
+    tensor-descriptor argument replaced by its encoding (the CUtensorMap, shape and strides:
+    what Triton's ``make_tensordesc_arg`` makes), cached per argument on the descriptor's
+    address, shape and strides (the box, dtype and swizzle are the variant's). ``(launch,
+    None)`` when the variant takes no descriptor or Triton's launch wrapper is not the one
+    this reads (Triton 3.5 / 3.6: ``wrap_handle_tensordesc``'s closure)."""
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or closure is None:  # the C launcher itself: no descriptor arguments
+        return launch, None
+    cells = dict(zip(code.co_freevars, closure, strict=True))
+    try:
+        raw = cells["launcher"].cell_contents
+        where = sorted(cells["tensordesc_indices"].cell_contents)
+        metas = cells["tensordesc_meta"].cell_contents
+    except (KeyError, ValueError):
+        return launch, None
+    if not where or len(metas) != len(where) or any(m is None for m in metas):
+        return launch, None
+    if where[-1] >= n_args:  # a descriptor among the constexprs: not a layout this knows
+        return launch, None
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    scope = {f"e{i}": _encoder(make_tensordesc_arg, m) for i, m in zip(where, metas, strict=True)}
+    items = ", ".join(f"*e{i}(a[{i}])" if i in where else f"a[{i}]" for i in range(n_args))
+    exec(compile(f"def expand(a):\n    return ({items},)\n", "<moe_route expand>", "exec"),
+         scope)  # fmt: skip
+    return raw, scope["expand"]
+
+
+def _encoder(make, meta):
+    """``enc(desc)``: Triton's encoding of ``desc`` for one descriptor argument of a variant,
+    remembered on ``(address, shape, strides)`` (the CUtensorMap holds nothing else that
+    varies; it keeps no reference to the tensor)."""
+    cache: dict = {}
+
+    def enc(d):
+        k = (d.base.data_ptr(), d.shape, d.strides)
+        hit = cache.get(k)
+        if hit is None:
+            if len(cache) >= DESCRIPTOR_CACHE:
+                cache.clear()
+            hit = cache[k] = tuple(make(d, meta))
+        return hit
+
+    return enc
 
 
 # torch.cuda.current_device() in Python around them costs 0.5 µs per launch (CPU builds lack

@@ -59,7 +59,15 @@ import triton.language as tl
 
 from . import ThinKernel, cdiv, next_pow2, shared_memory_optin
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
-from .tma import bounded_rows_descriptor, store_rows, store_rows_part, tma_ok
+from .tma import (
+    Descriptor,
+    bounded_rows_descriptor,
+    descriptor,
+    layout_ok,
+    store_rows,
+    store_rows_part,
+    tma_ok,
+)
 
 #: Rows per step of the ordered fused finalize's reduction.
 RED_ROWS = 16
@@ -687,41 +695,43 @@ _ACT_BWD = ThinKernel(_gemm_act_bwd_kernel)
 _FINALIZE = ThinKernel(_gemm_finalize_kernel)
 
 
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _w_descriptor(w, bn, bk, use_tma):
     """``(w_desc, w_kmajor)`` for ``w [E, N, Kd]`` (n- or k-major), or ``(None, False)``."""
-    if not use_tma or w.dtype not in (torch.float16, torch.bfloat16):
+    if not use_tma or w.dtype not in _TMA_DTYPES:
         return None, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if tma_ok(w):
-        return TensorDescriptor.from_tensor(w, [1, bn, bk]), False
-    wt = w.transpose(1, 2)  # k-major storage, e.g. W2.transpose(1, 2) in the backward
-    if tma_ok(wt):
-        return TensorDescriptor.from_tensor(wt, [1, bk, bn]), True
+        return descriptor(w, (1, bn, bk)), False
+    # k-major storage (e.g. W2.transpose(1, 2) in the backward), seen through its transpose
+    s_e, s_n, s_k = w.stride()
+    if layout_ok(w, (s_e, s_k, s_n)):
+        E, N, KD = w.shape
+        return Descriptor(w, (E, KD, N), (s_e, s_k, s_n), (1, bk, bn)), True
     return None, False
 
 
 def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
     """``(w_desc, one_dot)`` reading a gated ``W1``'s gate and up rows of an n-tile in one TMA
     box (``_mainloop``'s ``ONE_DOT``), or ``(None, 0)``."""
-    if w.dtype not in (torch.float16, torch.bfloat16) or 2 * bn > 256:  # a TMA box side <= 256
+    if w.dtype not in _TMA_DTYPES or 2 * bn > 256:  # a TMA box side <= 256
         return None, 0
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if interleaved:
-        return (TensorDescriptor.from_tensor(w, [1, 2 * bn, bk]), 2) if tma_ok(w) else (None, 0)
-    halves = w.unflatten(1, (2, n_out))  # [E, 2, N_out, Kd]: gate rows, then up rows
-    if not tma_ok(halves):
+        return (descriptor(w, (1, 2 * bn, bk)), 2) if tma_ok(w) else (None, 0)
+    # [E, 2, N_out, Kd]: gate rows, then up rows
+    E, _, KD = w.shape
+    s_e, s_n, s_k = w.stride()
+    halves = (s_e, n_out * s_n, s_n, s_k)
+    if not layout_ok(w, halves):
         return None, 0
-    return TensorDescriptor.from_tensor(halves, [1, 2, bn, bk]), 1
+    return Descriptor(w, (E, 2, n_out, KD), halves, (1, 2, bn, bk)), 1
 
 
 def _a_descriptor(a, bm, bk, use_tma):
-    if not use_tma or a.dtype not in (torch.float16, torch.bfloat16) or not tma_ok(a):
+    if not use_tma or a.dtype not in _TMA_DTYPES or not tma_ok(a):
         return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(a, [bm, bk])
+    return descriptor(a, (bm, bk))
 
 
 def _store_descriptors(out, z, epilogue: GemmEpilogue, cfg: GemmConfig, n_out: int,
@@ -737,19 +747,21 @@ def _store_descriptors(out, z, epilogue: GemmEpilogue, cfg: GemmConfig, n_out: i
     staging = 2 * tile if z is not None and epilogue.gated else tile
     if cfg.num_stages * stage_bytes + staging + _SMEM_RESERVED > _smem_per_block(out.device):
         return None, None
-    ok = (torch.float16, torch.bfloat16)
-    if not (out.dtype in ok and tma_ok(out) and out.shape[0] < 2**30):
+    if not (out.dtype in _TMA_DTYPES and tma_ok(out) and out.shape[0] < 2**30):
         return None, None
     if z is None:
-        return bounded_rows_descriptor(out, [cfg.block_m, cfg.block_n]), None
-    if not (z.dtype in ok and tma_ok(z)) or (epilogue.gated and epilogue.interleaved):
+        return bounded_rows_descriptor(out, (cfg.block_m, cfg.block_n)), None
+    if z.dtype not in _TMA_DTYPES or (epilogue.gated and epilogue.interleaved):
         return None, None
     if epilogue.gated:  # [M, 2, N_OUT]: a partial column tile of the gate half stops at N_OUT
-        z_desc = bounded_rows_descriptor(z.unflatten(1, (2, n_out)),
-                                         [cfg.block_m, 1, cfg.block_n])  # fmt: skip
+        if not layout_ok(z, (z.stride(0), n_out * z.stride(1), z.stride(1))):
+            return None, None
+        z_desc = bounded_rows_descriptor(z, (cfg.block_m, 1, cfg.block_n), parts=2)
+    elif tma_ok(z):
+        z_desc = bounded_rows_descriptor(z, (cfg.block_m, cfg.block_n))
     else:
-        z_desc = bounded_rows_descriptor(z, [cfg.block_m, cfg.block_n])
-    return bounded_rows_descriptor(out, [cfg.block_m, cfg.block_n]), z_desc
+        return None, None
+    return bounded_rows_descriptor(out, (cfg.block_m, cfg.block_n)), z_desc
 
 
 #: Shared memory a kernel takes beside its buffers (barriers, alignment).

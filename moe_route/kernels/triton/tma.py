@@ -11,6 +11,9 @@ How: ``t [M, C...]`` seen as ``[_, _, 2^30, C...]`` with row strides ``(2^64/2^3
 is ``(lo + i) * s + c`` modulo 2^64, and the third coordinate is in bounds exactly when
 ``i < size``. (The trick is the one of ``triton.tools.ragged_tma``; TMA takes 5 dimensions, so
 ``t`` has at most 3.)
+
+The launchers pass :class:`Descriptor` objects (a tensor seen with a shape, strides and a box):
+cheap to build, encoded once per address by the thin launch (see the class).
 """
 
 from __future__ import annotations
@@ -25,25 +28,72 @@ _ROW_SPAN = 1 << 30
 _BIG = 0x7FFF0000
 
 
+class Descriptor:
+    """A host-side TMA descriptor: a tensor, the shape and strides (elements) it is seen with,
+    the box. What :class:`moe_route.kernels.triton.ThinKernel` passes for a
+    ``tl.tensor_descriptor`` argument: Triton's own ``TensorDescriptor`` (:meth:`triton`) for a
+    launch through Triton, and after that the encoded descriptor from a cache keyed on the
+    address, shape and strides, so that a launch neither validates nor re-encodes a
+    descriptor it has seen (the weights' every call; the activations' whenever the allocator
+    hands back the same block).
+
+    NOTE: H100 host, qwen3-30b-a3b T=4096 forward + backward (scripts/backward_host.py,
+    2026-11-24): building ``TensorDescriptor`` objects and encoding them at each launch took
+    ~25 % of the launch sequences' host time (13 descriptors per step).
+
+    The launchers check what TMA needs (:func:`tma_ok`) before they build one."""
+
+    __slots__ = ("base", "block_shape", "shape", "strides")
+    padding = "zero"
+
+    def __init__(self, base: torch.Tensor, shape, strides, block_shape):
+        self.base = base
+        self.shape = tuple(shape)
+        self.strides = tuple(strides)
+        self.block_shape = tuple(block_shape)
+
+    def triton(self):
+        """Triton's ``TensorDescriptor`` of the same view (validated by its constructor)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides),
+                                list(self.block_shape))  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Descriptor(shape={self.shape}, strides={self.strides}, box={self.block_shape})"
+
+
+def descriptor(t: torch.Tensor, block) -> Descriptor:
+    """A descriptor over the whole of ``t`` (``tma_ok``), boxes of ``block``."""
+    return Descriptor(t, t.shape, t.stride(), block)
+
+
+def layout_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether TMA can address ``t``'s storage seen with ``strides`` (elements): unit last
+    stride, 16-byte aligned base and strides."""
+    es = t.element_size()
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return False
+    return all((st * es) % 16 == 0 for st in strides[:-1])
+
+
 def tma_ok(t: torch.Tensor) -> bool:
     """Whether TMA can address ``t``: unit last stride, 16-byte aligned base and strides."""
-    es = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all((st * es) % 16 == 0 for st in t.stride()[:-1])
-    )
+    return layout_ok(t, t.stride())
 
 
-def bounded_rows_descriptor(t: torch.Tensor, block: list[int]):
+def bounded_rows_descriptor(t: torch.Tensor, block, *, parts: int = 0) -> Descriptor:
     """A descriptor over the rows of ``t [M, C]`` or ``[M, P, C]`` (``tma_ok``; at most
     ``2^30`` rows) for :func:`load_rows` / :func:`store_rows`, boxes of ``block`` (one entry per
-    dimension of ``t``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    dimension of ``t``). ``parts``: ``t [M, P*C]`` (row-contiguous columns) seen as ``[M, P, C]``
+    (a ``[M, 2, N]`` pre-activation: gate half, then up half), without a view."""
     s = t.stride(0)
-    return TensorDescriptor(t, [_BIG, _BIG, _ROW_SPAN, *t.shape[1:]], [2**34 - s, s, *t.stride()],
-                            [1, 1, *block])  # fmt: skip
+    if parts:
+        cols = t.shape[1] // parts
+        shape, strides = (parts, cols), (s, cols * t.stride(1), t.stride(1))
+    else:
+        shape, strides = tuple(t.shape[1:]), t.stride()
+    return Descriptor(t, (_BIG, _BIG, _ROW_SPAN, *shape), (2**34 - s, s, *strides), (1, 1, *block))
 
 
 @triton.jit

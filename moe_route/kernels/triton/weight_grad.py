@@ -43,7 +43,7 @@ import triton.language as tl
 
 from . import INTERPRETING, ThinKernel, cdiv, next_pow2
 from .grouped_gemm import _mma, num_sms
-from .tma import bounded_rows_descriptor, load_rows, tma_ok
+from .tma import bounded_rows_descriptor, descriptor, load_rows, tma_ok
 
 
 @dataclass(frozen=True)
@@ -387,8 +387,6 @@ def expert_weight_grad_triton(
 
 def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_db, a_scale,
                 db_strides, scale_strides):  # fmt: skip
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     E, N, KD = dw.shape
     dw_tma = tma_operands_ok(dw)
     tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
@@ -397,12 +395,12 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
         c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
         dw.stride(), dbt.stride(), scale.stride(), has_db, a_scale, N, KD, dw_tma,
     )  # fmt: skip
-    dw_desc = TensorDescriptor.from_tensor(dw, [1, c.block_n, c.block_k]) if dw_tma else dw
+    dw_desc = descriptor(dw, (1, c.block_n, c.block_k)) if dw_tma else dw
     _WEIGHT_GRAD_TMA.launch(
         key, (programs,),
         (
-            bounded_rows_descriptor(a, [c.block_r, c.block_n]),
-            bounded_rows_descriptor(b, [c.block_r, c.block_k]), dw_desc, dw, dbt, offsets, idx,
+            bounded_rows_descriptor(a, (c.block_r, c.block_n)),
+            bounded_rows_descriptor(b, (c.block_r, c.block_k)), dw_desc, dw, dbt, offsets, idx,
             scale, E, N, KD, max(T, 1), dw.stride(0), dw.stride(1), dw.stride(2), *db_strides,
             *scale_strides,
         ),

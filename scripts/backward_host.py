@@ -1,0 +1,283 @@
+"""Where the host time of an eager ``fused_moe`` forward + backward goes (GPU), qwen3-30b-a3b's
+MoE sizes at ``--tokens`` (default 1): the whole step (``torch.autograd.grad`` of the four
+inputs), autograd's own cost around a do-nothing Function with the same leaves, the forward
+alone, the backward op called directly with the arguments autograd gave it, and inside the
+forward and the backward launch sequences each launcher's host µs and, within those, the
+thin launches' (the rest is allocation and glue). Host µs per call over bursts of 8 calls
+(synchronised between bursts, so the launch queue never fills).
+
+    PYTHONPATH=. python scripts/backward_host.py [--tokens 1 8 64]
+    PYTHONPATH=. python scripts/backward_host.py --ab [--rounds 8] [--tokens 1 4096]
+
+``--ab``: the step and the forward alone, timed in alternating rounds (one process, so that
+the host's drift hits both alike) with the launch path before the descriptor cache (Triton's
+``TensorDescriptor`` built and validated per call, encoded per launch: emulated by patching
+the launchers' descriptor constructors and dropping the thin launch's expander) and as it is.
+"""
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+import triton.backends.nvidia.driver as nv_driver
+
+import moe_route
+import moe_route.kernels.triton.grouped_gemm as gg
+import moe_route.kernels.triton.moe as launch_seq
+import moe_route.kernels.triton.weight_grad as wg
+from moe_route import moe as moe_mod
+from moe_route import reference as R
+from moe_route.bench.harness import time_host
+from moe_route.kernels.triton import ThinKernel
+
+H, inter, E, K = 2048, 768, 128, 8
+
+
+def burst(fn, n=8, loops=60) -> float:
+    return time_host(fn, "cuda", calls=n, repeats=loops, warmup=3).median_s * 1e6
+
+
+class _Trivial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b, tw):
+        ctx.save_for_backward(x, a, b, tw)
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+class Timers:
+    """Host seconds spent in wrapped functions, by name (nested wrappers both count)."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.calls = defaultdict(int)
+        self._undo = []
+
+    def wrap(self, owner, name, label=None):
+        fn = getattr(owner, name)
+        label = label or name
+        total, calls = self.total, self.calls
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                total[label] += time.perf_counter() - t0
+                calls[label] += 1
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, fn))
+
+    def undo(self):
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        self._undo.clear()
+
+    def report(self, per, title):
+        print(f"  {title} (host us per call, inside the wrappers):")
+        for label, s in sorted(self.total.items(), key=lambda kv: -kv[1]):
+            print(f"    {s / per * 1e6:8.1f} us  {self.calls[label] / per:4.1f}x  {label}")
+
+
+LAUNCHERS = ("grouped_gemm_triton", "grouped_gemm_act_backward_triton",
+             "act_backward_rows_triton", "router_weight_grad_triton",
+             "expert_weight_grad_triton", "finalize_triton", "expand_rows_triton",
+             "grouped_gemm_finalize_triton")  # fmt: skip
+
+
+def run(T):
+    dev, dt = "cuda", torch.bfloat16
+    w1 = (torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * 0.02).requires_grad_()
+    w2 = (torch.randn(E, H, inter, device=dev, dtype=dt) * 0.02).requires_grad_()
+    x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
+    tw, ids = R.topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
+    tw.requires_grad_()
+    leaves = [x, w1, w2, tw]
+    dout = torch.randn(T, H, device=dev, dtype=dt)
+
+    def fwd():
+        return moe_route.fused_moe(x, w1, w2, tw, ids)
+
+    def step():
+        return torch.autograd.grad(fwd(), leaves, dout)
+
+    def floor():
+        return torch.autograd.grad(_Trivial.apply(*leaves), leaves, dout)
+
+    for _ in range(5):
+        step()
+    # the backward op's arguments, as autograd passes them
+    captured = {}
+    real_impl = moe_mod._MOE_BACKWARD
+
+    def capture(*args):
+        captured["args"] = args
+        return real_impl(*args)
+
+    moe_mod._MOE_BACKWARD = capture
+    step()
+    moe_mod._MOE_BACKWARD = real_impl
+    args = list(captured["args"])
+    args[18] = False  # consume_z: keep z intact across repeated calls
+    real_bwd = launch_seq.moe_backward_triton
+    seq_args = {}
+
+    def capture_seq(*a, **k):
+        seq_args["a"], seq_args["k"] = a, dict(k, dz_out=None)
+        return real_bwd(*a, **k)
+
+    moe_mod.moe_backward_triton = capture_seq
+    real_impl(*args)
+    moe_mod.moe_backward_triton = real_bwd
+
+    idx = torch.arange(T, device=dev)
+    rows = {
+        "index_select": burst(lambda: dout.index_select(0, idx)),
+        "autograd floor (do-nothing Function)": burst(floor),
+        "fwd + bwd (autograd.grad)": burst(step),
+        "forward, grad-requiring inputs": burst(fwd),
+        "backward op (Op call, plan, launches)": burst(lambda: real_impl(*args)),
+        "moe_backward_triton (launches, allocations)": burst(
+            lambda: real_bwd(*seq_args["a"], **seq_args["k"])
+        ),
+    }
+    print(f"T={T}:")
+    for name, us in rows.items():
+        print(f"  {us:8.1f} us  {name}")
+    # the same pieces timed inside the step, where autograd's engine runs the backward
+    timers = Timers()
+    fn_cls = moe_mod.MOE.function
+    real_backward = fn_cls.backward
+    timers.wrap(moe_mod, "_MOE_BACKWARD", "backward op (in autograd)")
+    timers.wrap(moe_mod, "moe_backward_triton", "moe_backward_triton (in autograd)")
+    timers.wrap(moe_mod, "MOE", "forward op (in the step)")
+    timed_backward = Timers()
+    timed_backward.total, timed_backward.calls = timers.total, timers.calls
+    timed_backward.wrap(fn_cls, "backward", "Function.backward (in autograd)")
+    fn_cls.backward = staticmethod(fn_cls.backward)
+    n = 400
+    for i in range(n):
+        t0 = time.perf_counter()
+        out = fwd()
+        t1 = time.perf_counter()
+        torch.autograd.grad(out, leaves, dout)
+        t2 = time.perf_counter()
+        timers.total["step: forward"] += t1 - t0
+        timers.total["step: autograd.grad"] += t2 - t1
+        timers.calls["step: forward"] += 1
+        timers.calls["step: autograd.grad"] += 1
+        del out
+        if i % 8 == 7:
+            torch.cuda.synchronize()
+    timers.undo()
+    fn_cls.backward = real_backward
+    timers.report(n, "the step")
+    for title, fn in (("forward", fwd), ("moe_backward_triton", lambda: real_bwd(
+            *seq_args["a"], **seq_args["k"]))):  # fmt: skip
+        timers = Timers()
+        for name in LAUNCHERS:
+            if hasattr(launch_seq, name):
+                timers.wrap(launch_seq, name)
+        timers.wrap(ThinKernel, "launch", "ThinKernel.launch")
+        # TMA descriptors: built by the launchers, encoded by Triton's launch wrapper
+        for name in ("_a_descriptor", "_w_descriptor", "_gate_up_descriptor",
+                     "_store_descriptors"):  # fmt: skip
+            timers.wrap(gg, name, f"grouped_gemm.{name}")
+        timers.wrap(wg, "bounded_rows_descriptor", "weight_grad: bounded_rows_descriptor")
+        timers.wrap(wg, "tma_operands_ok", "weight_grad: tma_operands_ok")
+        timers.wrap(nv_driver, "make_tensordesc_arg", "triton: make_tensordesc_arg")
+        timers.wrap(moe_mod, "moe_forward_triton")
+        n = 400
+        for i in range(n):
+            fn()
+            if i % 8 == 7:
+                torch.cuda.synchronize()
+        timers.undo()
+        timers.report(n, title)
+
+
+def legacy_descriptors(on: bool) -> None:
+    """Switch the launch path to Triton's descriptors (``on``) or back; every thin kernel
+    forgets its compiled variants' launchers, so the next launch rebuilds them (a cache
+    lookup in Triton, no compile)."""
+    import moe_route.kernels.triton as kt
+    from moe_route.kernels.triton import tma
+
+    if not hasattr(legacy_descriptors, "saved"):
+        legacy_descriptors.saved = {
+            (m, n): getattr(m, n)
+            for m, names in ((gg, ("descriptor", "bounded_rows_descriptor", "Descriptor")),
+                             (wg, ("descriptor", "bounded_rows_descriptor")),
+                             (kt, ("_descriptor_expander",)))
+            for n in names
+        }  # fmt: skip
+    saved = legacy_descriptors.saved
+    for (m, n), fn in saved.items():
+        setattr(m, n, fn)
+    if on:
+        for (m, n), fn in saved.items():
+            if n == "_descriptor_expander":
+                setattr(m, n, lambda launch, n_args: (launch, None))
+            elif n == "Descriptor":
+                setattr(m, n, lambda *a: tma.Descriptor(*a).triton())
+            else:
+                setattr(m, n, lambda *a, _fn=fn, **k: _fn(*a, **k).triton())
+    for kernel in kt.KERNELS:
+        kernel._compiled.clear()
+
+
+def ab(T, rounds):
+    dev, dt = "cuda", torch.bfloat16
+    w1 = (torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * 0.02).requires_grad_()
+    w2 = (torch.randn(E, H, inter, device=dev, dtype=dt) * 0.02).requires_grad_()
+    x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
+    tw, ids = R.topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
+    tw.requires_grad_()
+    leaves = [x, w1, w2, tw]
+    dout = torch.randn(T, H, device=dev, dtype=dt)
+    idx = torch.arange(T, device=dev)
+
+    def fwd():
+        return moe_route.fused_moe(x, w1, w2, tw, ids)
+
+    def step():
+        return torch.autograd.grad(fwd(), leaves, dout)
+
+    samples = defaultdict(list)
+    for r in range(rounds):
+        for mode in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            legacy_descriptors(mode == "before")
+            for _ in range(3):
+                step()
+            samples[("step", mode)].append(burst(step, loops=20))
+            samples[("forward", mode)].append(burst(fwd, loops=20))
+        samples[("index_select", "-")].append(burst(lambda: dout.index_select(0, idx), loops=20))
+    legacy_descriptors(False)
+    med = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+    print(f"T={T}: host us per call, median of {rounds} alternating rounds "
+          f"(index_select {med[('index_select', '-')]:.1f} us)")  # fmt: skip
+    for what in ("step", "forward"):
+        b, a = med[(what, "before")], med[(what, "after")]
+        print(f"  {what:8s} before {b:7.1f}  after {a:7.1f}  ({b / a:.2f}x)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1])
+    ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args()
+    for T in args.tokens:
+        if args.ab:
+            ab(T, args.rounds)
+        else:
+            run(T)
+
+
+if __name__ == "__main__":
+    main()
