@@ -1,9 +1,11 @@
 """Where the host time of an eager ``fused_moe`` forward + backward goes (GPU), qwen3-30b-a3b's
 MoE sizes at ``--tokens`` (default 1): the whole step (``torch.autograd.grad`` of the four
 inputs), autograd's own cost around a do-nothing Function with the same leaves, the forward
-alone, the backward op called directly with the arguments autograd gave it, and inside the
-forward and the backward launch sequences each launcher's host µs and, within those, the
-thin launches' (the rest is allocation and glue). Host µs per call over bursts of 8 calls
+alone, the backward op called directly with the arguments autograd gave it; then the same
+pieces timed inside the step (the backward runs on autograd's device thread: it measured ~2x
+its direct time there, H100 host, 2026-11-24), and inside the forward and the backward launch
+sequences each launcher's host µs and, within those, the thin launches' and the TMA
+descriptors' (the rest is allocation and glue). Host µs per call over bursts of 8 calls
 (synchronised between bursts, so the launch queue never fills).
 
     PYTHONPATH=. python scripts/backward_host.py [--tokens 1 8 64]
@@ -90,21 +92,30 @@ LAUNCHERS = ("grouped_gemm_triton", "grouped_gemm_act_backward_triton",
              "grouped_gemm_finalize_triton")  # fmt: skip
 
 
+class Case:
+    """fused_moe at qwen3-30b-a3b's MoE sizes and ``T`` tokens, every input requiring grad:
+    ``fwd()`` the forward, ``step()`` forward + ``torch.autograd.grad`` of the four inputs."""
+
+    def __init__(self, T):
+        dev, dt = "cuda", torch.bfloat16
+        w1 = (torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * 0.02).requires_grad_()
+        w2 = (torch.randn(E, H, inter, device=dev, dtype=dt) * 0.02).requires_grad_()
+        x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
+        tw, ids = R.topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
+        self.inputs = (x, w1, w2, tw.requires_grad_(), ids)
+        self.leaves = [x, w1, w2, tw]
+        self.dout = torch.randn(T, H, device=dev, dtype=dt)
+
+    def fwd(self):
+        return moe_route.fused_moe(*self.inputs)
+
+    def step(self):
+        return torch.autograd.grad(self.fwd(), self.leaves, self.dout)
+
+
 def run(T):
-    dev, dt = "cuda", torch.bfloat16
-    w1 = (torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * 0.02).requires_grad_()
-    w2 = (torch.randn(E, H, inter, device=dev, dtype=dt) * 0.02).requires_grad_()
-    x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
-    tw, ids = R.topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
-    tw.requires_grad_()
-    leaves = [x, w1, w2, tw]
-    dout = torch.randn(T, H, device=dev, dtype=dt)
-
-    def fwd():
-        return moe_route.fused_moe(x, w1, w2, tw, ids)
-
-    def step():
-        return torch.autograd.grad(fwd(), leaves, dout)
+    case = Case(T)
+    leaves, dout, fwd, step = case.leaves, case.dout, case.fwd, case.step
 
     def floor():
         return torch.autograd.grad(_Trivial.apply(*leaves), leaves, dout)
@@ -135,7 +146,7 @@ def run(T):
     real_impl(*args)
     moe_mod.moe_backward_triton = real_bwd
 
-    idx = torch.arange(T, device=dev)
+    idx = torch.arange(T, device="cuda")
     rows = {
         "index_select": burst(lambda: dout.index_select(0, idx)),
         "autograd floor (do-nothing Function)": burst(floor),
@@ -232,21 +243,9 @@ def legacy_descriptors(on: bool) -> None:
 
 
 def ab(T, rounds):
-    dev, dt = "cuda", torch.bfloat16
-    w1 = (torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * 0.02).requires_grad_()
-    w2 = (torch.randn(E, H, inter, device=dev, dtype=dt) * 0.02).requires_grad_()
-    x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
-    tw, ids = R.topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
-    tw.requires_grad_()
-    leaves = [x, w1, w2, tw]
-    dout = torch.randn(T, H, device=dev, dtype=dt)
-    idx = torch.arange(T, device=dev)
-
-    def fwd():
-        return moe_route.fused_moe(x, w1, w2, tw, ids)
-
-    def step():
-        return torch.autograd.grad(fwd(), leaves, dout)
+    case = Case(T)
+    fwd, step, dout = case.fwd, case.step, case.dout
+    idx = torch.arange(T, device="cuda")
 
     samples = defaultdict(list)
     for r in range(rounds):

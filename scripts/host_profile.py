@@ -1,13 +1,14 @@
 """cProfile of eager calls at decode sizes (where the host time goes), qwen3-30b-a3b's MoE
 sizes: fused_moe at T=1 (decode path), T=8 (decode path) and T=16 (sorted path), its forward
 alone with grad-requiring inputs at T=1, fused_moe forward + backward at T=1 (``.backward()`` into
-``.grad``, or ``autograd.grad`` as the bench's host stage), an inference MoELayer at T=1 and 8,
+``.grad``, or ``autograd.grad`` as the bench's host stage; also at T=8 and 4096, the sorted path
+with TMA), an inference MoELayer at T=1 and 8,
 and (on request) the single-launch ops at T=64: maps, expand, finalize, the two grouped GEMMs,
 and one torch.empty for scale. Prints each call's host µs (no profiler; median of 3 loops of
 200 calls without synchronising, and in bursts of 8 calls, which never fill the launch queue),
 the kernels and CUDA API calls of one call, and the top functions by own time.
 
-    python scripts/host_profile.py [fwd1 fwd8 fwd16 fwdgrad1 train1 grad1 grad8 grad4096 floor1
+    python scripts/host_profile.py [fwd1 fwd8 fwd16 fwdgrad1 train1 grad1 grad8 grad4096
                                     layer1 layer8 maps64 expand64 finalize64 empty64 gemm1_64
                                     gemm2_64]
                                    [--top N] [--trace]
@@ -66,30 +67,6 @@ def grad(T):
     return step
 
 
-class _Trivial(torch.autograd.Function):
-    """What autograd itself costs: one output, four grad-requiring inputs, a backward that
-    returns four new tensors (the size of the inputs, uninitialised)."""
-
-    @staticmethod
-    def forward(ctx, x, a, b, tw):
-        ctx.save_for_backward(x, a, b, tw)
-        return x.new_empty(x.shape)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
-
-
-def floor(T):
-    """:func:`grad`'s loop around :class:`_Trivial` instead of fused_moe: autograd's own host
-    cost with the same leaves (no kernel launched)."""
-    x, tw, _ = inputs(T, grad=True)
-    w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-    leaves = [x, w1g, w2g, tw]
-    dout = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    return lambda: torch.autograd.grad(_Trivial.apply(*leaves), leaves, dout)
-
-
 def fwd_grad(T):
     """The forward alone, with grad-requiring inputs (the training forward: the sorted path,
     z saved, the autograd Function built), its output dropped."""
@@ -127,7 +104,7 @@ def small_op(name, T=64):
 
 CASES = {"fwd1": lambda: fwd(1), "fwd8": lambda: fwd(8), "fwd16": lambda: fwd(16),
          "fwdgrad1": lambda: fwd_grad(1), "train1": lambda: train(1), "grad1": lambda: grad(1),
-         "grad8": lambda: grad(8), "grad4096": lambda: grad(4096), "floor1": lambda: floor(1),
+         "grad8": lambda: grad(8), "grad4096": lambda: grad(4096),
          "layer1": lambda: layer(1), "layer8": lambda: layer(8), "maps64": lambda: small_op("maps"),
          "expand64": lambda: small_op("expand"), "finalize64": lambda: small_op("finalize"),
          "empty64": lambda: small_op("empty"), "gemm1_64": lambda: small_op("gemm1"),
