@@ -247,6 +247,20 @@ def ab(T, rounds):
     fwd, step, dout = case.fwd, case.step, case.dout
     idx = torch.arange(T, device="cuda")
 
+    from moe_route.kernels.triton import tma
+
+    built = [0]
+    init = tma.Descriptor.__init__
+
+    def counting(self, *a):
+        built[0] += 1
+        init(self, *a)
+
+    tma.Descriptor.__init__ = counting
+    step()
+    fwd()
+    tma.Descriptor.__init__ = init
+    print(f"T={T}: {built[0]} TMA descriptors built per forward + step")
     samples = defaultdict(list)
     for r in range(rounds):
         for mode in ("before", "after") if r % 2 == 0 else ("after", "before"):
