@@ -201,4 +201,7 @@ def test_descriptors_go_to_triton_as_tensor_descriptors_then_encoded_once(thin, 
     kernel.launch(("d",), (2,), (x, descriptor(w2, (8, 16)), 8), cx)
     kernel.launch(("d",), (2,), (x, Descriptor(w, (32, 32), (32, 1), (8, 16)), 9), cx)
     assert encodings == [w2.data_ptr(), w.data_ptr()]
+    # Triton's own TensorDescriptor (lists inside) takes the same cache
+    kernel.launch(("d",), (2,), (x, TensorDescriptor.from_tensor(w2, [8, 16]), 10), cx)
+    assert encodings == [w2.data_ptr(), w.data_ptr()]
     assert len(fn.triton_launches) == 1

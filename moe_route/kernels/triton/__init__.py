@@ -230,12 +230,13 @@ def _descriptor_expander(launch, n_args: int):
 
 def _encoder(make, meta):
     """``enc(desc)``: Triton's encoding of ``desc`` for one descriptor argument of a variant,
-    remembered on ``(address, shape, strides)`` (the CUtensorMap holds nothing else that
-    varies; it keeps no reference to the tensor)."""
+    remembered on ``(address, shape, strides, padding)`` (the CUtensorMap holds nothing else
+    that varies; it keeps no reference to the tensor). ``desc``: a :class:`.tma.Descriptor`,
+    or Triton's ``TensorDescriptor`` (its lists made tuples for the key)."""
     cache: dict = {}
 
     def enc(d):
-        k = (d.base.data_ptr(), d.shape, d.strides)
+        k = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
         hit = cache.get(k)
         if hit is None:
             if len(cache) >= DESCRIPTOR_CACHE:
