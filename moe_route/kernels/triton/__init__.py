@@ -38,6 +38,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare ``"cuda"``)."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 @functools.cache
 def shared_memory_optin(index: int) -> int:
     """The most shared memory one block may opt in to on CUDA device ``index``, in bytes."""

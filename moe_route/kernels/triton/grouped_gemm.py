@@ -57,9 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2, shared_memory_optin
+from . import ThinKernel, cdiv, cuda_index, next_pow2, shared_memory_optin
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 from .tma import (
+    TMA_DTYPES,
     Descriptor,
     bounded_rows_descriptor,
     descriptor,
@@ -695,12 +696,9 @@ _ACT_BWD = ThinKernel(_gemm_act_bwd_kernel)
 _FINALIZE = ThinKernel(_gemm_finalize_kernel)
 
 
-_TMA_DTYPES = (torch.float16, torch.bfloat16)
-
-
 def _w_descriptor(w, bn, bk, use_tma):
     """``(w_desc, w_kmajor)`` for ``w [E, N, Kd]`` (n- or k-major), or ``(None, False)``."""
-    if not use_tma or w.dtype not in _TMA_DTYPES:
+    if not use_tma or w.dtype not in TMA_DTYPES:
         return None, False
     if tma_ok(w):
         return descriptor(w, (1, bn, bk)), False
@@ -715,7 +713,7 @@ def _w_descriptor(w, bn, bk, use_tma):
 def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
     """``(w_desc, one_dot)`` reading a gated ``W1``'s gate and up rows of an n-tile in one TMA
     box (``_mainloop``'s ``ONE_DOT``), or ``(None, 0)``."""
-    if w.dtype not in _TMA_DTYPES or 2 * bn > 256:  # a TMA box side <= 256
+    if w.dtype not in TMA_DTYPES or 2 * bn > 256:  # a TMA box side <= 256
         return None, 0
     if interleaved:
         return (descriptor(w, (1, 2 * bn, bk)), 2) if tma_ok(w) else (None, 0)
@@ -729,7 +727,7 @@ def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
 
 
 def _a_descriptor(a, bm, bk, use_tma):
-    if not use_tma or a.dtype not in _TMA_DTYPES or not tma_ok(a):
+    if not use_tma or a.dtype not in TMA_DTYPES or not tma_ok(a):
         return None
     return descriptor(a, (bm, bk))
 
@@ -747,11 +745,11 @@ def _store_descriptors(out, z, epilogue: GemmEpilogue, cfg: GemmConfig, n_out: i
     staging = 2 * tile if z is not None and epilogue.gated else tile
     if cfg.num_stages * stage_bytes + staging + _SMEM_RESERVED > _smem_per_block(out.device):
         return None, None
-    if not (out.dtype in _TMA_DTYPES and tma_ok(out) and out.shape[0] < 2**30):
+    if not (out.dtype in TMA_DTYPES and tma_ok(out) and out.shape[0] < 2**30):
         return None, None
     if z is None:
         return bounded_rows_descriptor(out, (cfg.block_m, cfg.block_n)), None
-    if z.dtype not in _TMA_DTYPES or (epilogue.gated and epilogue.interleaved):
+    if z.dtype not in TMA_DTYPES or (epilogue.gated and epilogue.interleaved):
         return None, None
     if epilogue.gated:  # [M, 2, N_OUT]: a partial column tile of the gate half stops at N_OUT
         if not layout_ok(z, (z.stride(0), n_out * z.stride(1), z.stride(1))):
@@ -772,9 +770,7 @@ def _smem_per_block(device: torch.device) -> int:
     """Shared memory one block may take on ``device`` (opt-in maximum; 0 off CUDA)."""
     if device.type != "cuda":
         return 0
-    return shared_memory_optin(
-        torch.cuda.current_device() if device.index is None else device.index
-    )
+    return shared_memory_optin(cuda_index(device))
 
 
 def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
@@ -806,7 +802,7 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (cached per device); :data:`CPU_SMS` off CUDA."""
     if device.type != "cuda":
         return CPU_SMS
-    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
+    return _cuda_sms(cuda_index(device))
 
 
 def grouped_gemm_triton(
@@ -890,11 +886,9 @@ def grouped_gemm_triton(
             cx["Z_DESC"] = z_desc is not None
         return cx
 
-    kernel, grid = _GEMM, tiles
+    kernel, grid, descs = _GEMM, tiles, ()
     if cfg.persistent:
         kernel, grid = _GEMM_PERSISTENT, min(tiles, cfg.persistent * num_sms(a.device))
-    descs = ()
-    if cfg.persistent:
         descs = (out_desc if out_desc is not None else out, z_desc if z_desc is not None else z)
     kernel.launch(
         key, (grid,),

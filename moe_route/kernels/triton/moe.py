@@ -42,6 +42,7 @@ from .grouped_gemm import (
     grouped_gemm_finalize_triton,
     grouped_gemm_triton,
 )
+from .tma import TMA_DTYPES
 from .weight_grad import (
     WeightGradConfig,
     expert_weight_grad_triton,
@@ -225,7 +226,7 @@ def _wgrad_operand(token_rows, maps, M, cfg: WeightGradConfig, other):
     by the pointer kernel."""
     if cfg.use_tma:
         row_bytes = token_rows.shape[1] * token_rows.element_size()
-        sixteen_bit = token_rows.dtype in (torch.float16, torch.bfloat16)
+        sixteen_bit = token_rows.dtype in TMA_DTYPES
         if not (sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)):
             return token_rows, True  # the launcher takes the pointer kernel
     elif not cfg.permuted:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2, shared_memory_optin
+from . import ThinKernel, cdiv, cuda_index, next_pow2, shared_memory_optin
 
 #: Triton's cap on the elements of one tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``), on
 #: a GPU and under the interpreter alike. A program holds one counter per *bin* — E experts, K
@@ -48,8 +48,7 @@ def max_bins(device: torch.device | str = "cpu") -> int:
     device = torch.device(device)
     if device.type != "cuda":  # the interpreter: only Triton's tensor cap
         return MAX_TENSOR_BINS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    fit = shared_memory_optin(index) // SHARED_BYTES_PER_BIN
+    fit = shared_memory_optin(cuda_index(device)) // SHARED_BYTES_PER_BIN
     return min(MAX_TENSOR_BINS, 1 << (fit.bit_length() - 1))
 
 

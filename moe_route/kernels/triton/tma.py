@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+#: The element types the kernels read and write through TMA.
+TMA_DTYPES = (torch.float16, torch.bfloat16)
 #: Rows per range a bounded descriptor addresses.
 _ROW_SPAN = 1 << 30
 #: The two leading dimensions' extent (any value past what the coordinates reach).

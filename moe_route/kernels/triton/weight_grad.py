@@ -43,7 +43,7 @@ import triton.language as tl
 
 from . import INTERPRETING, ThinKernel, cdiv, next_pow2
 from .grouped_gemm import _mma, num_sms
-from .tma import bounded_rows_descriptor, descriptor, load_rows, tma_ok
+from .tma import TMA_DTYPES, bounded_rows_descriptor, descriptor, load_rows, tma_ok
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def _expert_weight_grad_tma_kernel(
 def tma_operands_ok(*tensors: torch.Tensor) -> bool:
     """Whether :func:`_expert_weight_grad_tma_kernel` can read these operands (16-bit, unit
     column stride, 16-byte aligned rows)."""
-    return all(t.dtype in (torch.float16, torch.bfloat16) and tma_ok(t) for t in tensors)
+    return all(t.dtype in TMA_DTYPES and tma_ok(t) for t in tensors)
 
 
 def expert_weight_grad_triton(
