@@ -62,7 +62,8 @@ def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: 
     return GemmConfigs(
         forward=tuning.gemm_config(rpe, gated, dtype, cc, kd=kd),
         forward_z=tuning.gemm_config(rpe, gated, dtype, cc, kd=kd, store_z=True),
-        act_backward=tuning.act_backward_config(rpe, dtype, cc),
+        # GEMM2's input gradient reduces over GEMM1's Kd (H)
+        act_backward=tuning.act_backward_config(rpe, dtype, cc, kd=kd),
         dx=tuning.gemm_config(rpe, False, dtype, cc, kd=n_w),
         weight_grad=tuning.weight_grad_config(rpe, n_w, kd, dtype, cc),
     )

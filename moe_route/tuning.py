@@ -160,11 +160,12 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     return GemmConfig(128, n, big_k, 8, 8, 3, tma, persistent=persistent, tma_store=tma_store)
 
 
-def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None):
+def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,
+                        kd: int | None = None):  # fmt: skip
     """Step 1 of the backward (GEMM2's input gradient with the activation's backward): the fused
     kernel (z in, w*h and dz out: a register-heavy epilogue, run in two column halves) or the
     split (the forward GEMM2's plain tiles storing ``g``, then a pass over the rows), and the
-    tiles of both."""
+    tiles of both. ``kd``: the GEMM's reduction (``H``), as :func:`gemm_config` takes it."""
     split = (
         cc is not None and cc >= 90 and dtype in (torch.float16, torch.bfloat16)
         and rows_per_expert > 64
@@ -176,9 +177,13 @@ def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | No
     # or 256 columns streamed at 75-93 % of the copy rate. The split rounds g to the input
     # dtype before the activation's backward (dz differs from the fused kernel's by 0.2-0.4 %
     # of its largest value; torch's autograd of the same layer rounds it too).
+    # NOTE: H100 (scripts/tuning_ab.py --change dgemm2-store, 2026-11-24): the split's plain
+    # GEMM storing g through TMA where H <= 2048, as GEMM2 and dX do (gemm_config's kd): qwen3
+    # fwd+bwd 1.001x at T=8192, 1.014x at T=32768 (9 / 5 alternating rounds, same bits); the
+    # GEMM itself 394 -> 382 us at T=8192 (scripts/step_kernels.py, separate runs).
     return ActBackwardConfig(
         fused=_act_backward_fused(rows_per_expert, dtype, cc),
-        gemm=gemm_config(rows_per_expert, False, dtype, cc),
+        gemm=gemm_config(rows_per_expert, False, dtype, cc, kd=kd),
         rows=_ROWS_FP64 if dtype == torch.float64 else RowPassConfig(),
         split=split,
     )

@@ -5,11 +5,14 @@ alone, the backward op called directly with the arguments autograd gave it; then
 pieces timed inside the step (the backward runs on autograd's device thread: it measured ~2x
 its direct time there, H100 host, 2026-11-24), and inside the forward and the backward launch
 sequences each launcher's host µs and, within those, the thin launches' and the TMA
-descriptors' (the rest is allocation and glue). Host µs per call over bursts of 8 calls
+descriptors' (the rest is allocation and glue). The backward launch sequence is also timed on
+another Python thread, under no_grad, and inside a trivial Function's backward, to tell which
+of autograd's circumstances costs. Host µs per call over bursts of 8 calls
 (synchronised between bursts, so the launch queue never fills).
 
     PYTHONPATH=. python scripts/backward_host.py [--tokens 1 8 64]
     PYTHONPATH=. python scripts/backward_host.py --ab [--rounds 8] [--tokens 1 4096]
+    PYTHONPATH=. python scripts/backward_host.py --cprofile [--tokens 4096]
 
 ``--ab``: the step and the forward alone, timed in alternating rounds (one process, so that
 the host's drift hits both alike) with the launch path before the descriptor cache (Triton's
@@ -18,6 +21,7 @@ the launchers' descriptor constructors and dropping the thin launch's expander) 
 """
 
 import argparse
+import threading
 import time
 from collections import defaultdict
 
@@ -49,6 +53,37 @@ class _Trivial(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def _in_thread(fn):
+    """``fn()`` run on a new Python thread (its result)."""
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("r", fn()))
+    worker.start()
+    worker.join()
+    return out["r"]
+
+
+def _in_backward(fn):
+    """A step whose only backward work is ``fn()``, run by autograd's engine (one leaf)."""
+    leaf = torch.zeros(1, device="cuda", requires_grad=True)
+
+    class Runs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            fn()
+            return grad
+
+    return lambda: torch.autograd.grad(Runs.apply(leaf), leaf, torch.ones_like(leaf))
 
 
 class Timers:
@@ -147,8 +182,15 @@ def run(T):
     moe_mod.moe_backward_triton = real_bwd
 
     idx = torch.arange(T, device="cuda")
+    seq = lambda: real_bwd(*seq_args["a"], **seq_args["k"])
     rows = {
         "index_select": burst(lambda: dout.index_select(0, idx)),
+        # where the backward launch sequence runs: autograd runs it on its device thread,
+        # grad mode off, inside a Function's backward
+        "moe_backward_triton, main thread": burst(seq),
+        "moe_backward_triton, main thread, no_grad": burst(lambda: _no_grad(seq)),
+        "moe_backward_triton, another Python thread": _in_thread(lambda: burst(seq)),
+        "moe_backward_triton, in a Function's backward": burst(_in_backward(seq)),
         "autograd floor (do-nothing Function)": burst(floor),
         "fwd + bwd (autograd.grad)": burst(step),
         "forward, grad-requiring inputs": burst(fwd),
@@ -279,14 +321,60 @@ def ab(T, rounds):
         print(f"  {what:8s} before {b:7.1f}  after {a:7.1f}  ({b / a:.2f}x)")
 
 
+def profile_calls(T, calls=400, top=25):
+    """cProfile of ``calls`` forward and backward launch sequences at ``T`` (main thread):
+    the functions by own time."""
+    import cProfile
+    import pstats
+
+    case = Case(T)
+    for _ in range(3):
+        case.step()
+    seq = {}
+    real_bwd = launch_seq.moe_backward_triton
+
+    def capture(*a, **k):
+        seq["a"], seq["k"] = a, dict(k, dz_out=None)
+        return real_bwd(*a, **k)
+
+    moe_mod.moe_backward_triton = capture
+    case.step()
+    moe_mod.moe_backward_triton = real_bwd
+
+    def backward():
+        return real_bwd(*seq["a"], **seq["k"])
+
+    for title, fn in (("forward (fused_moe, grad-requiring inputs)", case.fwd),
+                      ("moe_backward_triton", backward)):  # fmt: skip
+        prof = cProfile.Profile()
+        for i in range(calls):
+            prof.enable()
+            fn()
+            prof.disable()
+            if i % 8 == 7:
+                torch.cuda.synchronize()
+        print(f"T={T}, {title}: per call, by own time")
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        width = max(len(pstats.func_std_string(f)) for f in stats.fcn_list[:top])
+        for f in stats.fcn_list[:top]:
+            _, nc, tt, ct, _ = stats.stats[f]
+            print(
+                f"  {tt / calls * 1e6:7.1f} us own {ct / calls * 1e6:8.1f} us cum "
+                f"{nc / calls:5.1f}x  {pstats.func_std_string(f)[: max(width, 40)]}"
+            )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1])
     ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the launch sequences")
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     for T in args.tokens:
-        if args.ab:
+        if args.cprofile:
+            profile_calls(T)
+        elif args.ab:
             ab(T, args.rounds)
         else:
             run(T)

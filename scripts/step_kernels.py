@@ -6,6 +6,8 @@ the step's kernels (where the GPU waited for the host).
 
     PYTHONPATH=. python scripts/step_kernels.py [--shapes qwen3 mixtral deepseek]
                                                 [--gather auto|yes|no]   # fused_moe's gather
+                                                [--tokens T]   # another T than the shape's
+                                                [--forward]    # the inference forward only
 """
 
 import argparse
@@ -88,10 +90,10 @@ def show(title, kernels):
         print(f"    {us:9.1f} us {us / total:5.1%}  {name[:90]}")
 
 
-def run_shape(name, dense, gather):
+def run_shape(name, dense, gather, tokens=None, forward_only=False):
     dev, dt = "cuda", torch.bfloat16
     s = SHAPES[name]
-    T, H, inter, E, K = s.T, s.H, s.I, s.E, s.K
+    T, H, inter, E, K = tokens or s.T, s.H, s.I, s.E, s.K
     x = torch.randn(T, H, device=dev, dtype=dt)
     w1 = torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * H**-0.5
     w2 = torch.randn(E, H, inter, device=dev, dtype=dt) * inter**-0.5
@@ -114,7 +116,14 @@ def run_shape(name, dense, gather):
     def step():
         return torch.autograd.grad(fwd(), leaves, dout)
 
-    show("forward, inference", kernels_of(inference))
+    kernels = kernels_of(inference)
+    show("forward, inference", kernels)
+    if forward_only:
+        total = sum(us for _, us in kernels)
+        t = triton.testing.do_bench(inference, warmup=5, rep=200, return_mode="median") * 1e3
+        print(f"  forward by do_bench {t:.0f} us ({flops / t * 1e-6:.0f} TFLOP/s), "
+              f"kernels' sum {total:.0f} us ({flops / total * 1e-6:.0f} TFLOP/s)")  # fmt: skip
+        return
     show("forward, saving for the backward", kernels_of(fwd))
     kernels = kernels_of(step)
     show("forward + backward", kernels)
@@ -132,12 +141,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--gather", choices=("auto", "yes", "no"), default="auto")
+    ap.add_argument("--tokens", type=int, help="T instead of the shape's prefill size")
+    ap.add_argument("--forward", action="store_true", help="the inference forward only")
     args = ap.parse_args()
     gather = {"auto": None, "yes": True, "no": False}[args.gather]
     dense = Ceilings.measure("cuda").mm_flops_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
-        run_shape(name, dense, gather)
+        run_shape(name, dense, gather, args.tokens, args.forward)
         torch.cuda.empty_cache()
 
 

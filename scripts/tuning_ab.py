@@ -1,12 +1,19 @@
-"""The tuning tables' refinements of 2026-11-24 on and off, in one process (GPU): GEMM1 storing z
-on 4 stages and the TMA-stored GEMM2 / dX (``moe_route.tuning._gemm_table``), against the same
-tables without them. For each training shape: ``fused_moe`` forward without grad, and forward +
-backward (``torch.autograd.grad`` of x, w1, w2 and the router weights), each timed with CUDA
-events in turns between the two tables over ``--rounds`` rounds (median; the order flips every
-round), and the outputs' bitwise equality.
+"""A tuning-table change on and off, in one process (GPU). For each training shape:
+``fused_moe`` forward without grad, and forward + backward (``torch.autograd.grad`` of x, w1,
+w2 and the router weights), each timed with CUDA events in turns between the two tables over
+``--rounds`` rounds (median; the order flips every round), and the outputs' bitwise equality
+(``False`` is expected where the change rounds differently, e.g. a fused against a split step).
 
-    PYTHONPATH=. python scripts/tuning_ab.py [--shapes qwen3 mixtral deepseek] [--rounds 7]
-                                             [--tokens T] [--forward-only]
+Changes (``--change``):
+
+- ``refinements`` (2026-11-24): GEMM1 storing z on 4 stages and the TMA-stored GEMM2 / dX
+  (``moe_route.tuning._gemm_table``), against the same tables without them;
+- ``dgemm2-store``: the split activation backward's plain GEMM (``g = dout @ W2[e]``) storing
+  through TMA where its reduction allows (``act_backward_config(kd=H)``), against pointer
+  stores.
+
+    PYTHONPATH=. python scripts/tuning_ab.py [--change refinements] [--shapes qwen3 mixtral
+                                             deepseek] [--rounds 7] [--tokens T] [--forward-only]
 """
 
 import argparse
@@ -22,6 +29,7 @@ from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
 
 _TABLE = tuning._gemm_table
+_ACT_BWD = tuning.act_backward_config
 
 
 def without_refinements(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
@@ -30,8 +38,20 @@ def without_refinements(rows_per_expert, gated, dtype, cc, kd=None, store_z=Fals
     return dataclasses.replace(cfg, tma_store=False)
 
 
-def use(table):
-    tuning._gemm_table = table
+def act_backward_without_kd(rows_per_expert, dtype, cc, kd=None):
+    """Step 1's configs as if its reduction were unknown: no TMA store for the plain GEMM."""
+    return _ACT_BWD(rows_per_expert, dtype, cc)
+
+
+#: change -> (attribute of moe_route.tuning, before, after)
+CHANGES = {
+    "refinements": ("_gemm_table", without_refinements, _TABLE),
+    "dgemm2-store": ("act_backward_config", act_backward_without_kd, _ACT_BWD),
+}
+
+
+def use(attr, fn):
+    setattr(tuning, attr, fn)
     moe.clear_plans()
 
 
@@ -62,21 +82,23 @@ def passes(shape, T):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--change", choices=list(CHANGES), default="refinements")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, help="T instead of each shape's training size")
     ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
-    tables = (("before", without_refinements), ("after", _TABLE))
+    attr, before_fn, after_fn = CHANGES[args.change]
+    tables = (("before", before_fn), ("after", after_fn))
     print(f"{'shape':<26}{'pass':<10}{'before us':>11}{'after us':>11}{'x':>7}  bitwise")
     for name in args.shapes:
         shape = SHAPES[name]
         T = args.tokens or shape.T
         chosen = passes(shape, T)[: 1 if args.forward_only else 2]
         for label, fn in chosen:
-            use(without_refinements)
+            use(attr, before_fn)
             first = [t.cpu() for t in fn()]  # off the GPU: deepseek-v3's gradients are 22 GB
-            use(_TABLE)
+            use(attr, after_fn)
             same = all(torch.equal(p, q.cpu()) for p, q in zip(first, fn(), strict=True))
             del first
             times = {key: [] for key, _ in tables}
@@ -84,14 +106,14 @@ def main():
             # sag, and whichever runs second in every round would pay for it
             for r in range(args.rounds):
                 for key, table in tables if r % 2 == 0 else tables[::-1]:
-                    use(table)
+                    use(attr, table)
                     times[key].append(time_cuda(fn, use_graph=False, inner=1, outer=3).median_s)
             before, after = (statistics.median(times[k]) * 1e6 for k in ("before", "after"))
             print(f"{shape.model + ' T=' + str(T):<26}{label:<10}{before:>11.0f}{after:>11.0f}"
                   f"{before / after:>7.3f}  {same}")  # fmt: skip
         del chosen
         torch.cuda.empty_cache()
-    use(_TABLE)
+    use(attr, after_fn)
 
 
 if __name__ == "__main__":

@@ -168,8 +168,8 @@ NAMES = ("x", "w1", "w2", "topk_weights", "b1", "b2", "bias")
 def _force(monkeypatch, split: bool, rows: RowPassConfig = SMALL):
     real = tuning.act_backward_config
 
-    def config(*args):
-        return dataclasses.replace(real(*args), split=split, rows=rows)
+    def config(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), split=split, rows=rows)
 
     monkeypatch.setattr(tuning, "act_backward_config", config)
     clear_plans()

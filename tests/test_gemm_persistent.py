@@ -304,6 +304,10 @@ def test_tuning_stages_and_tma_stores():
             assert not tuning.gemm_config(rpe, True, bf16, cc, kd=768).tma_store
             for kd, want in ((768, far), (2048, far), (2049, False), (None, False)):
                 assert tuning.gemm_config(rpe, False, bf16, cc, kd=kd).tma_store == want
+                # the split activation backward's plain GEMM reduces over H the same way
+                step1 = tuning.act_backward_config(rpe, bf16, cc, kd=kd)
+                assert step1.gemm.tma_store == want
+                assert not step1.fused.tma_store
     assert not tuning.gemm_config(8192, False, torch.float32, 90, kd=768).tma_store
 
 
@@ -311,7 +315,8 @@ def test_tuning_stages_and_tma_stores():
 def test_plan_takes_the_training_and_store_configs(monkeypatch, inter, stores):
     """An MoE with H = 2048, E = 128, K = 8 at T = 8192 (512 rows per expert) on an SM90
     (faked): the training GEMM1 has 4 stages, the inference one 3; GEMM2 (K = I) and dX
-    (K = 2I) store through TMA at I = 768 (qwen3-30b-a3b), GEMM2 alone at I = 2048."""
+    (K = 2I) store through TMA at I = 768 (qwen3-30b-a3b), GEMM2 alone at I = 2048; the
+    backward's ``g = dout @ W2[e]`` (K = H = 2048) at both."""
     grouped_gemm = importlib.import_module("moe_route.grouped_gemm")  # the module, not the op
     moe = importlib.import_module("moe_route.moe")
     monkeypatch.setattr(grouped_gemm.arch, "compute_capability", lambda device: 90)
@@ -327,6 +332,7 @@ def test_plan_takes_the_training_and_store_configs(monkeypatch, inter, stores):
     assert not cfg.gemm1.tma_store and not cfg.gemm1_z.tma_store
     assert cfg.gemm2.tma_store
     assert cfg.dx.tma_store == stores
+    assert cfg.act_bwd.split and cfg.act_bwd.gemm.tma_store
 
 
 def test_store_descriptors_fit_shared_memory(monkeypatch):

@@ -299,8 +299,11 @@ def _force_act_backward(monkeypatch, split):
     from moe_route.moe import clear_plans
 
     real = tuning.act_backward_config
-    monkeypatch.setattr(tuning, "act_backward_config",
-                        lambda *a: dataclasses.replace(real(*a), split=split))  # fmt: skip
+
+    def config(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), split=split)
+
+    monkeypatch.setattr(tuning, "act_backward_config", config)
     clear_plans()
 
 
