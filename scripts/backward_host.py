@@ -281,7 +281,7 @@ def legacy_descriptors(on: bool) -> None:
             else:
                 setattr(m, n, lambda *a, _fn=fn, **k: _fn(*a, **k).triton())
     for kernel in kt.KERNELS:
-        kernel._compiled.clear()
+        kernel.forget()
 
 
 def ab(T, rounds):

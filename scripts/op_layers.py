@@ -46,8 +46,8 @@ def raw_launches(call):
         kt.ThinKernel.launch = orig
     self, key, grid, args, cx = seen[-1]
     device = torch.cuda.current_device()
-    packed, alignment = self._packers[key](args)
-    direct = self._compiled[(device, key, alignment)]
+    packed, alignment = self._entries[key][0](args)
+    direct = self.variant(key, device, alignment)
     stream = torch._C._cuda_getCurrentRawStream(device)
     g = (*grid, 1, 1)
     return {

@@ -181,7 +181,7 @@ def test_descriptors_go_to_triton_as_tensor_descriptors_then_encoded_once(thin, 
         [64, 32], [32, 1], [8, 16],
     )  # fmt: skip
     compiled = fn.compiled[0]
-    assert kernel._compiled[(0, ("d",), (x.data_ptr() % 16,))].expands_descriptors
+    assert kernel.variant(("d",), 0, (x.data_ptr() % 16,)).expands_descriptors
     for n in (6, 7):
         kernel.launch(("d",), (2,), (x, descriptor(w, (8, 16)), n), cx)
     assert len(fn.triton_launches) == 1 and encodings == [w.data_ptr()]
@@ -205,3 +205,39 @@ def test_descriptors_go_to_triton_as_tensor_descriptors_then_encoded_once(thin, 
     kernel.launch(("d",), (2,), (x, TensorDescriptor.from_tensor(w2, [8, 16]), 10), cx)
     assert encodings == [w2.data_ptr(), w.data_ptr()]
     assert len(fn.triton_launches) == 1
+
+
+def test_launch_key_parts_hash_once_and_compare_by_fields():
+    """The configs and epilogues in launch keys keep their hash (computed at first use) and
+    still compare, hash and pickle by their fields: equal configs hash alike, a replaced
+    field gives another key, and a copy from another process would hash the same."""
+    import dataclasses
+    import pickle
+
+    from moe_route.kernels.triton.act_backward import RowPassConfig
+    from moe_route.kernels.triton.decode import DecodeConfig
+    from moe_route.kernels.triton.grouped_gemm import GemmConfig, GemmEpilogue
+    from moe_route.kernels.triton.weight_grad import WeightGradConfig
+
+    made = [
+        lambda: GemmConfig(128, 256, 64, 8, 8, 3, True, persistent=1, tma_store=True),
+        lambda: GemmEpilogue(act=1, gated=True, alpha=1.702, limit=7.0, up_offset=1.0),
+        lambda: WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True),
+        lambda: RowPassConfig(),
+        lambda: DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3),
+    ]
+    for make in made:
+        a, b = make(), make()
+        fields = tuple(getattr(a, f.name) for f in dataclasses.fields(a))
+        assert a == b and a is not b
+        assert hash(a) == hash(b) == hash(fields)
+        assert hash(a) == hash(a)  # the kept value
+        first = dataclasses.fields(a)[0]
+        other = dataclasses.replace(a, **{first.name: getattr(a, first.name) + 1})
+        assert other != a and hash(other) != hash(a)
+        copy = pickle.loads(pickle.dumps(a))
+        assert copy == a and hash(copy) == hash(a)
+        assert {a: 1}[b] == 1
+        assert "_hash" not in repr(a)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            a.__setattr__(first.name, 0)

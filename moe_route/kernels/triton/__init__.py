@@ -15,6 +15,7 @@ new ``T`` never compiles a new variant.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -54,6 +55,25 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def launch_key_part(cls):
+    """Class decorator for a frozen dataclass that launchers put in launch keys (a config, an
+    epilogue): its hash is computed once per object and kept, since a launch hashes its key
+    (the generated ``__hash__`` builds a tuple of every field at each call). Equality stays
+    the dataclass's. Fields must be immutable (frozen), and hash alike in every process
+    (numbers, bools, None, nested such objects; no strings)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def __hash__(self):
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, n) for n in names))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    cls.__hash__ = __hash__
+    return cls
+
+
 #: ``MOE_ROUTE_CHECK_LAUNCHES=1`` (read at import; the GPU tests set it): every thin launch
 #: also asks Triton which variant its own launch would pick, and raises if that is not the one
 #: launched. Slow (Triton's argument binding on every launch); for tests.
@@ -85,8 +105,10 @@ class ThinKernel:
 
     def __init__(self, fn):
         self.fn = fn
-        self._compiled: dict = {}  # (device, key, alignment) -> launch function
-        self._packers: dict = {}  # key -> pack(args) -> (args with addresses, alignment)
+        # key -> (pack, variants): pack(args) -> (args with addresses, alignment); variants
+        # (device, alignment) -> launch function. Keyed on ``key`` alone first, so a launch
+        # hashes the (long) key once.
+        self._entries: dict = {}
         KERNELS.append(self)
         params = getattr(fn, "params", None)
         if params is None:  # the interpreter wraps the function differently
@@ -97,11 +119,11 @@ class ThinKernel:
         if key is None or INTERPRETING:
             self.fn[grid](*_for_triton(args), **constexprs())
             return
-        pack = self._packers.get(key)
-        if pack is not None and not _hooks_set():
-            packed, alignment = pack(args)
+        entry = self._entries.get(key)
+        if entry is not None and not _hooks_set():
+            packed, alignment = entry[0](args)
             device = _current_device()
-            run = self._compiled.get((device, key, alignment))
+            run = entry[1].get((device, alignment))
             if run is not None:
                 if CHECK_LAUNCHES:
                     self._check_variant(run, key, args, constexprs)
@@ -114,12 +136,25 @@ class ThinKernel:
         """Triton's own launch (compiles or finds the variant); remembered for the next one."""
         cx = constexprs()
         compiled = self.fn[grid](*_for_triton(args), **cx)
-        pack = self._packers.get(key)
-        if pack is None:
-            pack = self._packers[key] = _packer(args)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = (_packer(args), {})
         values = tuple(cx[name] for name in self._constexpr_names)
         run = _direct_launch(compiled, values, len(args))
-        self._compiled[(_current_device(), key, pack(args)[1])] = run
+        entry[1][(_current_device(), entry[0](args)[1])] = run
+
+    def variant(self, key, device: int, alignment: tuple):
+        """The launch function of a variant launched before (KeyError if none)."""
+        return self._entries[key][1][(device, alignment)]
+
+    def forget(self) -> None:
+        """Forget every launched variant: the next launch of each key goes through Triton (a
+        cache lookup there, no compile) and builds its launch function again."""
+        self._entries.clear()
+
+    def variants(self) -> int:
+        """How many (device, key, alignment) variants this kernel has launched."""
+        return sum(len(v) for _, v in self._entries.values())
 
     def _check_variant(self, run, key, args: tuple, constexprs) -> None:
         """Raise unless Triton's own launch would run the variant the thin launch runs (the key
@@ -262,7 +297,7 @@ def launch_keys() -> int:
     """How many (device, launch key, alignment) variants all thin kernels have launched: a new
     one means a compile or, at best, Triton's own cache lookup (the tests count them across
     token counts)."""
-    return sum(len(k._compiled) for k in KERNELS)
+    return sum(k.variants() for k in KERNELS)
 
 
 _RUNTIME = triton.knobs.runtime

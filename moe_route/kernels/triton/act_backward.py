@@ -35,11 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv
+from . import ThinKernel, cdiv, launch_key_part
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 from .grouped_gemm import GemmConfig, GemmEpilogue, _acc
 
 
+@launch_key_part
 @dataclass(frozen=True)
 class RowPassConfig:
     """Tiles of the row pass (:func:`act_backward_rows_triton`)."""

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv
+from . import ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
 
@@ -42,6 +42,7 @@ _ROWS = 16
 MAX_SLOTS = 64
 
 
+@launch_key_part
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles of the two decode kernels (chosen by :mod:`moe_route.tuning`)."""

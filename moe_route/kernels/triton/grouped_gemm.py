@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, cuda_index, next_pow2, shared_memory_optin
+from . import ThinKernel, cdiv, cuda_index, launch_key_part, next_pow2, shared_memory_optin
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 from .tma import (
     TMA_DTYPES,
@@ -79,6 +79,7 @@ MAX_EXPERTS = 8192
 _VARYING = ["M_ROWS", "M_TILES", "T"]
 
 
+@launch_key_part
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile configuration of one grouped GEMM launch (chosen by :mod:`moe_route.tuning`)."""
@@ -103,6 +104,7 @@ class GemmConfig:
     tma_store: bool = False
 
 
+@launch_key_part
 @dataclass(frozen=True)
 class GemmEpilogue:
     """What GEMM1's epilogue computes: the activation and its parameters, the layout.
@@ -861,9 +863,12 @@ def grouped_gemm_triton(
     tiles = m_tiles * cdiv(n_out, bn)
     z = pre_activation if pre_activation is not None else out
     b = bias if bias is not None else out
+    # each stride tuple read once (a Tensor.stride() call per element costs more)
+    sa, sw, so, sz = a.stride(), w.stride(), out.stride(), z.stride()
+    sb = b.stride() if bias is not None else (0, 0)
     key = (
-        cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, a.stride(), w.stride(), out.stride(),
-        z.stride(0), b.stride() if bias is not None else None, gather, pre_activation is not None,
+        cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, sa, sw, so, sz[0],
+        sb if bias is not None else None, gather, pre_activation is not None,
         a_desc is not None, w_desc is not None, w_kmajor, one_dot, out_desc is not None,
         z_desc is not None, allow_tf32, E, n_out, kd,
     )  # fmt: skip
@@ -895,9 +900,7 @@ def grouped_gemm_triton(
         (
             a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
             *descs, b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
-            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-            out.stride(1), z.stride(0), b.stride(0) if bias is not None else 0,
-            b.stride(1) if bias is not None else 0,
+            sa[0], sa[1], sw[0], sw[1], sw[2], so[0], so[1], sz[0], sb[0], sb[1],
         ),
         constexprs,
     )  # fmt: skip
@@ -937,19 +940,18 @@ def grouped_gemm_act_backward_triton(
     w_desc, w_kmajor = _w_descriptor(w2t, bn, bk, cfg.use_tma)
     a_desc = _a_descriptor(dout, bm, bk, cfg.use_tma) if permuted else None
     m_tiles = _m_tiles(M, E, bm)
+    sd, sw, sh, sz, st = dout.stride(), w2t.stride(), wh.stride(), z.stride(), topk_weights.stride()
     key = (
-        cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, dout.stride(),
-        w2t.stride(), wh.stride(), z.stride(0), topk_weights.stride(), w_desc is not None,
-        w_kmajor, allow_tf32, E, n_out, kd, permuted, a_desc is not None,
+        cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, sd, sw, sh, sz[0], st,
+        w_desc is not None, w_kmajor, allow_tf32, E, n_out, kd, permuted, a_desc is not None,
     )  # fmt: skip
     _ACT_BWD.launch(
         key, (m_tiles * cdiv(n_out, bn),),
         (
             dout, a_desc if a_desc is not None else dout, w2t,
             w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
-            offsets, dest_to_src, E, M, m_tiles, n_out, kd, T, dout.stride(0), dout.stride(1),
-            w2t.stride(0), w2t.stride(1), w2t.stride(2), wh.stride(0), wh.stride(1), z.stride(0),
-            topk_weights.stride(0), topk_weights.stride(1),
+            offsets, dest_to_src, E, M, m_tiles, n_out, kd, T, sd[0], sd[1], sw[0], sw[1], sw[2],
+            sh[0], sh[1], sz[0], st[0], st[1],
         ),
         lambda: dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,

@@ -41,11 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETING, ThinKernel, cdiv, next_pow2
+from . import INTERPRETING, ThinKernel, cdiv, launch_key_part, next_pow2
 from .grouped_gemm import _mma, num_sms
 from .tma import TMA_DTYPES, bounded_rows_descriptor, descriptor, load_rows, tma_ok
 
 
+@launch_key_part
 @dataclass(frozen=True)
 class WeightGradConfig:
     """Tiles of the weight-gradient kernels (chosen by :mod:`moe_route.tuning`)."""
@@ -364,17 +365,17 @@ def expert_weight_grad_triton(
         precision = "fma"
     else:
         precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
+    sa, sb, sw = a.stride(), b.stride(), dw.stride()
     key = (
-        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
-        dw.stride(), dbt.stride(), scale.stride(), a_gather, b_gather, db_scale is not None,
-        db is not None, allow_tf32, N, KD,
+        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw, dbt.stride(),
+        scale.stride(), a_gather, b_gather, db_scale is not None, db is not None, allow_tf32, N,
+        KD,
     )  # fmt: skip
     _WEIGHT_GRAD.launch(
         key, (cdiv(N, c.block_n) * cdiv(KD, c.block_k), E),
         (
-            a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1), a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1), dw.stride(0), dw.stride(1), dw.stride(2), *db_strides,
-            *scale_strides,
+            a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1), sa[0], sa[1], sb[0], sb[1],
+            sw[0], sw[1], sw[2], *db_strides, *scale_strides,
         ),
         lambda: dict(
             A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
@@ -391,9 +392,10 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
     dw_tma = tma_operands_ok(dw)
     tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
     programs = tiles if not c.persistent else min(tiles, c.persistent * num_sms(a.device))
+    sw = dw.stride()
     key = (
-        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(),
-        dw.stride(), dbt.stride(), scale.stride(), has_db, a_scale, N, KD, dw_tma,
+        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(), sw,
+        dbt.stride(), scale.stride(), has_db, a_scale, N, KD, dw_tma,
     )  # fmt: skip
     dw_desc = descriptor(dw, (1, c.block_n, c.block_k)) if dw_tma else dw
     _WEIGHT_GRAD_TMA.launch(
@@ -401,8 +403,7 @@ def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_
         (
             bounded_rows_descriptor(a, (c.block_r, c.block_n)),
             bounded_rows_descriptor(b, (c.block_r, c.block_k)), dw_desc, dw, dbt, offsets, idx,
-            scale, E, N, KD, max(T, 1), dw.stride(0), dw.stride(1), dw.stride(2), *db_strides,
-            *scale_strides,
+            scale, E, N, KD, max(T, 1), sw[0], sw[1], sw[2], *db_strides, *scale_strides,
         ),
         lambda: dict(
             A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma, K_FASTEST=c.k_fastest,
