@@ -69,7 +69,7 @@ def _in_thread(fn):
     return out["r"]
 
 
-def _in_backward(fn):
+def in_backward_step(fn):
     """A step whose only backward work is ``fn()``, run by autograd's engine (one leaf)."""
     leaf = torch.zeros(1, device="cuda", requires_grad=True)
 
@@ -190,7 +190,7 @@ def run(T):
         "moe_backward_triton, main thread": burst(seq),
         "moe_backward_triton, main thread, no_grad": burst(lambda: _no_grad(seq)),
         "moe_backward_triton, another Python thread": _in_thread(lambda: burst(seq)),
-        "moe_backward_triton, in a Function's backward": burst(_in_backward(seq)),
+        "moe_backward_triton, in a Function's backward": burst(in_backward_step(seq)),
         "autograd floor (do-nothing Function)": burst(floor),
         "fwd + bwd (autograd.grad)": burst(step),
         "forward, grad-requiring inputs": burst(fwd),
