@@ -147,6 +147,23 @@ class Case:
     def step(self):
         return torch.autograd.grad(self.fwd(), self.leaves, self.dout)
 
+    def launch_sequence(self):
+        """``moe_backward_triton`` again with the arguments a step gave it (``dz`` into a new
+        tensor, so repeated calls leave ``z`` as it is)."""
+        real = launch_seq.moe_backward_triton
+        seen = {}
+
+        def capture(*a, **k):
+            seen["a"], seen["k"] = a, dict(k, dz_out=None)
+            return real(*a, **k)
+
+        moe_mod.moe_backward_triton = capture
+        try:
+            self.step()
+        finally:
+            moe_mod.moe_backward_triton = real
+        return lambda: real(*seen["a"], **seen["k"])
+
 
 def run(T):
     case = Case(T)
@@ -170,24 +187,14 @@ def run(T):
     moe_mod._MOE_BACKWARD = real_impl
     args = list(captured["args"])
     args[18] = False  # consume_z: keep z intact across repeated calls
-    real_bwd = launch_seq.moe_backward_triton
-    seq_args = {}
-
-    def capture_seq(*a, **k):
-        seq_args["a"], seq_args["k"] = a, dict(k, dz_out=None)
-        return real_bwd(*a, **k)
-
-    moe_mod.moe_backward_triton = capture_seq
-    real_impl(*args)
-    moe_mod.moe_backward_triton = real_bwd
+    seq = case.launch_sequence()
 
     idx = torch.arange(T, device="cuda")
-    seq = lambda: real_bwd(*seq_args["a"], **seq_args["k"])
     rows = {
         "index_select": burst(lambda: dout.index_select(0, idx)),
         # where the backward launch sequence runs: autograd runs it on its device thread,
         # grad mode off, inside a Function's backward
-        "moe_backward_triton, main thread": burst(seq),
+        "moe_backward_triton (launches, allocations), main thread": burst(seq),
         "moe_backward_triton, main thread, no_grad": burst(lambda: _no_grad(seq)),
         "moe_backward_triton, another Python thread": _in_thread(lambda: burst(seq)),
         "moe_backward_triton, in a Function's backward": burst(in_backward_step(seq)),
@@ -195,9 +202,6 @@ def run(T):
         "fwd + bwd (autograd.grad)": burst(step),
         "forward, grad-requiring inputs": burst(fwd),
         "backward op (Op call, plan, launches)": burst(lambda: real_impl(*args)),
-        "moe_backward_triton (launches, allocations)": burst(
-            lambda: real_bwd(*seq_args["a"], **seq_args["k"])
-        ),
     }
     print(f"T={T}:")
     for name, us in rows.items():
@@ -230,8 +234,7 @@ def run(T):
     timers.undo()
     fn_cls.backward = real_backward
     timers.report(n, "the step")
-    for title, fn in (("forward", fwd), ("moe_backward_triton", lambda: real_bwd(
-            *seq_args["a"], **seq_args["k"]))):  # fmt: skip
+    for title, fn in (("forward", fwd), ("moe_backward_triton", seq)):
         timers = Timers()
         for name in LAUNCHERS:
             if hasattr(launch_seq, name):
@@ -330,19 +333,7 @@ def profile_calls(T, calls=400, top=25):
     case = Case(T)
     for _ in range(3):
         case.step()
-    seq = {}
-    real_bwd = launch_seq.moe_backward_triton
-
-    def capture(*a, **k):
-        seq["a"], seq["k"] = a, dict(k, dz_out=None)
-        return real_bwd(*a, **k)
-
-    moe_mod.moe_backward_triton = capture
-    case.step()
-    moe_mod.moe_backward_triton = real_bwd
-
-    def backward():
-        return real_bwd(*seq["a"], **seq["k"])
+    backward = case.launch_sequence()
 
     for title, fn in (("forward (fused_moe, grad-requiring inputs)", case.fwd),
                       ("moe_backward_triton", backward)):  # fmt: skip
