@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import itertools
 
 import moe_cases
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_cases import (
@@ -199,13 +202,14 @@ def test_persistent_more_programs_than_tiles(monkeypatch, spy):
     drop=st.sampled_from([0.0, 0.3, 1.0]),
     programs=st.integers(1, 5),
     group_m=st.sampled_from([1, 2, 8]),
+    expert_groups=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_persistent_random_routings(T, K, E, drop, programs, group_m, seed):
-    """Any routing, any program count and group size: the persistent kernel writes what the
-    per-tile kernel writes, every element (NaN-poisoned outputs)."""
+def test_persistent_random_routings(T, K, E, drop, programs, group_m, expert_groups, seed):
+    """Any routing, any program count, group size and tile order: the persistent kernel writes
+    what the per-tile kernel writes, every element (NaN-poisoned outputs)."""
     K = min(K, E)
-    cfg = dataclasses.replace(PER_TILE, group_m=group_m)
+    cfg = dataclasses.replace(PER_TILE, group_m=group_m, expert_groups=expert_groups)
     ids = make_ids(T, K, E, drop=drop, seed=seed)
     a, w, b, maps = gemm_case(T, K, E, 18, 9, "swiglu", bias=True, gather=True, ids=ids,
                               seed=seed)  # fmt: skip
@@ -214,6 +218,62 @@ def test_persistent_random_routings(T, K, E, drop, programs, group_m, seed):
                              config=cfg)  # fmt: skip
     assert torch.equal(out, per_tile)
     assert_dropped_rows_zero(out, maps)
+
+
+# ----------------------------------------------------------------------------- tile order
+@triton.jit
+def _order_kernel(offsets_ptr, out_ptr, E, n_tiles, BLOCK_M: tl.constexpr,
+                  GROUP_M: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
+    """Row ``tile`` of ``out``: ``(e, first_row, row_end, n_tile)`` of that routed tile."""
+    tile = tl.program_id(0)
+    ends = gk._expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    e, first_row, row_end, n_tile = gk._expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E,
+                                                            BLOCK_M, GROUP_M, E_POW2)  # fmt: skip
+    tl.store(out_ptr + 4 * tile, e)
+    tl.store(out_ptr + 4 * tile + 1, first_row)
+    tl.store(out_ptr + 4 * tile + 2, row_end)
+    tl.store(out_ptr + 4 * tile + 3, n_tile)
+
+
+def expected_order(counts, n_tiles, block_m, group_m):
+    """The expert-grouped order, written out: expert after expert, its m-tiles in
+    ``cdiv(m_e, group_m)`` groups of near-equal size (the larger ones first), each group's
+    m-tiles sweeping every n-tile, the group's m-tiles fastest."""
+    order, lo = [], 0
+    for e, rows in enumerate(counts):
+        m_e = -(-rows // block_m)
+        if m_e:
+            groups = -(-m_e // group_m)
+            sizes = [m_e // groups + (g < m_e % groups) for g in range(groups)]
+            first = 0
+            for size in sizes:
+                for n in range(n_tiles):
+                    for m in range(first, first + size):
+                        order.append((e, lo + m * block_m, lo + rows, n))
+                first += size
+        lo += rows
+    return order
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 80), min_size=1, max_size=9),
+    n_tiles=st.integers(1, 4),
+    group_m=st.sampled_from([1, 2, 3, 8]),
+)
+def test_expert_grouped_order(counts, n_tiles, group_m):
+    """``_expert_grouped_tile`` over every routed tile gives exactly the order written out in
+    Python: each (m-tile, n-tile) once, a group never mixing experts, at most ``group_m``
+    m-tiles in a group (empty experts own no tile)."""
+    block_m, E = 16, len(counts)
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+    want = expected_order(counts, n_tiles, block_m, group_m)
+    if not want:
+        return
+    out = torch.full((len(want), 4), -1, dtype=torch.int64)
+    _order_kernel[(len(want),)](offsets, out, E, n_tiles, BLOCK_M=block_m, GROUP_M=group_m,
+                                E_POW2=gk.next_pow2(E + 1))  # fmt: skip
+    assert [tuple(r) for r in out.tolist()] == want
 
 
 # ----------------------------------------------------------------------------- selection

@@ -21,11 +21,13 @@ The main loop (:func:`_mainloop`) is shared; each kernel owns one epilogue:
   ``x[dest_to_src[d] mod T]``: ``x_perm`` is never written. Programs past the experts write
   zeros to the dropped rows ``[offset[E], M)``, so every output row is defined.
   :func:`_gemm_persistent_kernel` (``GemmConfig.persistent``) does the same work with a few
-  programs per SM, each looping over the routed tiles with a stride of the grid (the grouped
-  order above; the tiles' experts from one prefix sum per program; an exact loop bound read
-  from ``offsets`` on the device, so no host sync and a routing-independent grid), the
-  loop flattened so that the next tile's loads overlap this tile's epilogue. Each tile is
-  computed by the same :func:`_gemm_tile`: the same arithmetic in both kernels.
+  programs per SM, each looping over the routed tiles with a stride of the grid (the tiles'
+  experts from one prefix sum per program; an exact loop bound read from ``offsets`` on the
+  device, so no host sync and a routing-independent grid), the loop flattened so that the
+  next tile's loads overlap this tile's epilogue. Its tiles come in the grouped order above
+  or (``GemmConfig.expert_groups``) in groups that never mix experts
+  (:func:`_expert_grouped_tile`). Each tile is computed by the same :func:`_gemm_tile`: the
+  same arithmetic in both kernels, whatever the order.
 * :func:`_gemm_act_bwd_kernel` — GEMM2's backward with the activation's backward:
   ``g[d] = dout[t] @ W2[e]`` (``A`` gathered from ``dout``, ``W = W2`` seen as ``[E, I, H]``);
   the epilogue recomputes ``h[d] = act(z[d])``, writes ``w[t,k]·h[d]`` (for ``dW2``), the
@@ -102,6 +104,10 @@ class GemmConfig:
     #: stored through TMA (asynchronous, overlapping the next tile's main loop) where shared
     #: memory holds their staging beside the main loop's stages.
     tma_store: bool = False
+    #: With ``persistent``: the tiles in the expert-grouped order (groups of at most
+    #: ``group_m`` m-tiles of one expert; :func:`_expert_grouped_tile`), else ``group_m``
+    #: consecutive m-tiles whichever experts they belong to (:func:`_swizzle`).
+    expert_groups: bool = False
 
 
 @launch_key_part
@@ -180,6 +186,41 @@ def _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl
     first_row = tl.load(offsets_ptr + e) + (m_tile - start) * BLOCK_M
     row_end = tl.load(offsets_ptr + tl.minimum(e + 1, E))
     return e, first_row, row_end
+
+
+@triton.jit
+def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.constexpr,
+                         GROUP_M: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
+    """``(e, first_row, row_end, n_tile)`` of routed tile ``tile`` in the expert-grouped order:
+    expert after expert (tiles ``[start_e * n_tiles, end_e * n_tiles)`` for the m-tiles
+    ``[start_e, end_e)`` of :func:`_expert_ends`), each expert's ``m_e`` m-tiles cut into
+    ``cdiv(m_e, GROUP_M)`` groups of near-equal size, each group sweeping every n-tile.
+
+    A group never mixes experts, so the programs running at once read one expert's weight
+    columns, each once per group. (:func:`_swizzle`'s fixed groups of ``GROUP_M`` consecutive
+    m-tiles straddle experts wherever a count of rows is not a multiple of ``BLOCK_M``: the
+    straddled experts' columns are then read once per group they are in.)"""
+    ex = tl.arange(0, E_POW2)
+    # as in _find_expert, on the flat index: the experts wholly before `tile` are a prefix
+    before = (ends * n_tiles <= tile) & (ex < E)
+    key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
+    e = (key % E_POW2).to(tl.int32)
+    start = (key // E_POW2).to(tl.int32)  # the expert's first m-tile
+    lo = tl.load(offsets_ptr + e)
+    row_end = tl.load(offsets_ptr + e + 1)
+    m_e = tl.cdiv(row_end - lo, BLOCK_M).to(tl.int32)  # >= 1: `tile` lies in it
+    groups = tl.cdiv(m_e, GROUP_M)
+    size = m_e // groups  # the first `extra` groups take one m-tile more
+    extra = m_e % groups
+    local = tile - start * n_tiles
+    m_at = local // n_tiles  # an m-tile of the group `local` lies in
+    wide = extra * (size + 1)
+    g = tl.where(m_at < wide, m_at // (size + 1), extra + (m_at - wide) // size)
+    g_size = size + (g < extra).to(tl.int32)
+    first_m = g * size + tl.minimum(g, extra)
+    in_group = local - first_m * n_tiles
+    m = first_m + in_group % g_size
+    return e, lo + m * BLOCK_M, row_end, in_group // g_size
 
 
 @triton.jit
@@ -432,7 +473,7 @@ def _gemm_persistent_kernel(
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr, OUT_DESC: tl.constexpr,
-    Z_DESC: tl.constexpr,
+    Z_DESC: tl.constexpr, EXPERT_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
 
@@ -453,8 +494,13 @@ def _gemm_persistent_kernel(
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     for tile in tl.range(pid, routed_tiles * n_tiles, programs, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
-        m_tile, n_tile = _swizzle(tile, routed_tiles, n_tiles, GROUP_M)
-        e, first_row, row_end = _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
+        if EXPERT_GROUPS:
+            e, first_row, row_end, n_tile = _expert_grouped_tile(
+                offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2
+            )
+        else:
+            m_tile, n_tile = _swizzle(tile, routed_tiles, n_tiles, GROUP_M)
+            e, first_row, row_end = _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
         _gemm_tile(
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr,
             dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak,
@@ -889,6 +935,7 @@ def grouped_gemm_triton(
             cx["ONE_DOT"] = one_dot
             cx["OUT_DESC"] = out_desc is not None
             cx["Z_DESC"] = z_desc is not None
+            cx["EXPERT_GROUPS"] = cfg.expert_groups
         return cx
 
     kernel, grid, descs = _GEMM, tiles, ()
