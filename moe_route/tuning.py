@@ -110,7 +110,8 @@ def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     cfg = _gemm_table(rows_per_expert, gated, dtype, cc, kd, store_z)
     forced = persistent_override()
     if forced is not None and forced != cfg.persistent:
-        cfg = dataclasses.replace(cfg, persistent=forced)
+        # the persistent kernel always takes its tiles in expert groups (the tables' order)
+        cfg = dataclasses.replace(cfg, persistent=forced, expert_groups=bool(forced))
     return cfg
 
 
