@@ -90,7 +90,9 @@ def show(title, kernels):
         print(f"    {us:9.1f} us {us / total:5.1%}  {name[:90]}")
 
 
-def run_shape(name, dense, gather, tokens=None, forward_only=False):
+def training_case(name, tokens=None):
+    """``((T, H, I, E, K), x, w1, w2, topk_weights, topk_ids)``: the training shape ``name``
+    (``tokens`` tokens instead of its own), bf16 on CUDA, routing from random logits."""
     dev, dt = "cuda", torch.bfloat16
     s = SHAPES[name]
     T, H, inter, E, K = tokens or s.T, s.H, s.I, s.E, s.K
@@ -98,7 +100,12 @@ def run_shape(name, dense, gather, tokens=None, forward_only=False):
     w1 = torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * H**-0.5
     w2 = torch.randn(E, H, inter, device=dev, dtype=dt) * inter**-0.5
     tw, ids = topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
-    tw = tw.to(dt)
+    return (T, H, inter, E, K), x, w1, w2, tw.to(dt), ids
+
+
+def run_shape(name, dense, gather, tokens=None, forward_only=False):
+    dev, dt = "cuda", torch.bfloat16
+    (T, H, inter, E, K), x, w1, w2, tw, ids = training_case(name, tokens)
     flops = 2 * T * K * 3 * H * inter
     print(f"{name} T={T} H={H} I={inter} E={E} K={K}: forward {flops / 1e9:.0f} GFLOP "
           f"({flops / dense * 1e6:.0f} us at the dense rate)")  # fmt: skip

@@ -15,10 +15,10 @@ import statistics
 
 import torch
 import triton
+from step_kernels import training_case  # scripts/, first on the path when run as a script
 
 import moe_route
 from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
-from moe_route.reference import topk_routing_reference
 
 
 def padding(ids: torch.Tensor, E: int, block_m: int) -> float:
@@ -36,14 +36,8 @@ def balanced_ids(T: int, K: int, E: int, device) -> torch.Tensor:
 
 
 def run_shape(name, tokens, rounds, forward_only):
-    dev, dt = "cuda", torch.bfloat16
-    s = SHAPES[name]
-    T, H, inter, E, K = tokens or s.T, s.H, s.I, s.E, s.K
-    x = torch.randn(T, H, device=dev, dtype=dt)
-    w1 = torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * H**-0.5
-    w2 = torch.randn(E, H, inter, device=dev, dtype=dt) * inter**-0.5
-    tw, rand_ids = topk_routing_reference(torch.randn(T, E, device=dev), K, renormalize=True)
-    tw = tw.to(dt)
+    (T, H, inter, E, K), x, w1, w2, tw, rand_ids = training_case(name, tokens)
+    dev, dt = x.device, x.dtype
     routings = {"random": rand_ids, "balanced": balanced_ids(T, K, E, dev)}
     flops = 2 * T * K * 3 * H * inter
     print(f"\n{name} T={T} H={H} I={inter} E={E} K={K}")
