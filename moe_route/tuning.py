@@ -110,8 +110,7 @@ def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     cfg = _gemm_table(rows_per_expert, gated, dtype, cc, kd, store_z)
     forced = persistent_override()
     if forced is not None and forced != cfg.persistent:
-        # the persistent kernel always takes its tiles in expert groups (the tables' order)
-        cfg = dataclasses.replace(cfg, persistent=forced, expert_groups=bool(forced))
+        cfg = dataclasses.replace(cfg, persistent=forced)
     return cfg
 
 
@@ -153,23 +152,22 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     #   forward 1.024x; mixtral and deepseek-v3 within the noise, which an unchanged mixtral
     #   forward put at 2.5 %.
     long_enough = tma and rows_per_expert >= 512
-    # NOTE: H100, bf16 (scripts/tuning_ab.py --change expert-groups / expert-groups-A-B,
-    # 2026-11-24, random routing, same bits): the persistent kernel's tiles in groups of one
-    # expert's m-tiles instead of 8 consecutive m-tiles across experts (which read a straddled
-    # expert's weight columns once per group it is in): fwd+bwd deepseek-v3 T=4096 1.061x,
-    # mixtral T=4096 1.020x, qwen3 T=8192 1.007x; forward deepseek-v3 T=16384 1.054x, mixtral
-    # T=16384 1.044x, qwen3 T=16384 0.991x. Groups of up to 16 m-tiles against 8: mixtral
-    # T=4096 fwd+bwd 1.024x, T=32768 forward 1.084x, qwen3 T=32768 1.008x (equal elsewhere:
-    # the same order); 32 against 16: mixtral T=16384 0.99x, T=32768 1.06x; 64: T=32768 1.03x.
-    group = 16 if persistent else 8
+    # NOTE: H100, bf16 (scripts/tuning_ab.py, 2026-11-24, random routing, same bits): the
+    # persistent kernel's tiles in groups of one expert's m-tiles instead of 8 consecutive
+    # m-tiles across experts (which read a straddled expert's weight columns once per group it
+    # is in; the kernel's order before commit 60e6299, no longer an option): fwd+bwd
+    # deepseek-v3 T=4096 1.061x, mixtral T=4096 1.020x, qwen3 T=8192 1.007x; forward
+    # deepseek-v3 T=16384 1.054x, mixtral T=16384 1.044x, qwen3 T=16384 0.991x. Groups of up
+    # to 16 m-tiles against 8: mixtral T=4096 fwd+bwd 1.024x, T=32768 forward 1.084x, qwen3
+    # T=32768 1.008x (equal elsewhere: the same order); 32 against 16: mixtral T=16384 0.99x,
+    # T=32768 1.06x; 64: T=32768 1.03x.
+    group = 16 if persistent else 8  # the persistent kernel's expert groups
     if gated:
         stages = 4 if long_enough and store_z else 3
-        return GemmConfig(128, 128, big_k, group, 8, stages, tma, persistent=persistent,
-                          expert_groups=bool(persistent))  # fmt: skip
+        return GemmConfig(128, 128, big_k, group, 8, stages, tma, persistent=persistent)
     n = 256 if dtype != torch.float32 else 128
     tma_store = long_enough and kd is not None and kd <= 2048
-    return GemmConfig(128, n, big_k, group, 8, 3, tma, persistent=persistent,
-                      tma_store=tma_store, expert_groups=bool(persistent))  # fmt: skip
+    return GemmConfig(128, n, big_k, group, 8, 3, tma, persistent=persistent, tma_store=tma_store)
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,

@@ -50,7 +50,7 @@ MISMATCH = 1e-2  # bf16 outputs of the same tile arithmetic: a real bug is O(1)
 
 
 def _cfg(bm, bn, bk, group, warps, stages, programs=1, ws=False):
-    return GemmConfig(bm, bn, bk, group, warps, stages, True, programs, ws, expert_groups=True)
+    return GemmConfig(bm, bn, bk, group, warps, stages, True, programs, ws)
 
 
 # The persistent grid, after triton_kernels' Hopper choices (opt_flags: BLOCK_K a 1024-bit

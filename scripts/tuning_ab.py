@@ -11,9 +11,8 @@ Changes (``--change``):
 - ``dgemm2-store``: the split activation backward's plain GEMM (``g = dout @ W2[e]``) storing
   through TMA where its reduction allows (``act_backward_config(kd=H)``), against pointer
   stores;
-- ``expert-groups``: the persistent GEMMs' tiles in groups of one expert's m-tiles
-  (``GemmConfig.expert_groups``), against groups of 8 consecutive m-tiles across experts;
-- ``expert-groups-A-B``: expert groups of at most A m-tiles against at most B.
+- ``expert-groups-A-B``: the persistent GEMMs' expert groups of at most A m-tiles against at
+  most B.
 
     PYTHONPATH=. python scripts/tuning_ab.py [--change refinements] [--shapes qwen3 mixtral
                                              deepseek] [--rounds 7] [--tokens T] [--forward-only]
@@ -46,26 +45,18 @@ def act_backward_without_kd(rows_per_expert, dtype, cc, kd=None):
     return _ACT_BWD(rows_per_expert, dtype, cc)
 
 
-def without_expert_groups(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
-    """The persistent kernel's tiles as before: groups of 8 consecutive m-tiles across
-    experts."""
-    cfg = _TABLE(rows_per_expert, gated, dtype, cc, kd, store_z)
-    return dataclasses.replace(cfg, expert_groups=False, group_m=8)
-
-
 def expert_groups_of(size):
     """The table with expert groups of at most ``size`` m-tiles."""
 
     def table(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
         cfg = _TABLE(rows_per_expert, gated, dtype, cc, kd, store_z)
-        return dataclasses.replace(cfg, group_m=size) if cfg.expert_groups else cfg
+        return dataclasses.replace(cfg, group_m=size) if cfg.persistent else cfg
 
     return table
 
 
 #: change -> (attribute of moe_route.tuning, before, after)
 CHANGES = {
-    "expert-groups": ("_gemm_table", without_expert_groups, _TABLE),
     "expert-groups-8-16": ("_gemm_table", expert_groups_of(8), expert_groups_of(16)),
     "expert-groups-16-32": ("_gemm_table", expert_groups_of(16), expert_groups_of(32)),
     "expert-groups-16-64": ("_gemm_table", expert_groups_of(16), expert_groups_of(64)),

@@ -450,15 +450,15 @@ def test_offsets_past_int32():
 
 
 # ----------------------------------------------------------------------------- persistent GEMM
-PERSISTENT_CONFIGS = {  # GemmConfig fields, programs per SM, warp specialisation, TMA stores,
-    # tiles in expert groups (GemmConfig.expert_groups, of at most group_m m-tiles)
-    "128x128x64": ((128, 128, 64, 8, 8, 3), 1, False, False, False),
-    "64x64x64-2perSM": ((64, 64, 64, 4, 4, 4), 2, False, False, False),
-    "128x128x64-ws": ((128, 128, 64, 8, 8, 3), 1, True, False, False),
-    "128x128x64-tma-store": ((128, 128, 64, 8, 8, 3), 1, False, True, False),
-    "64x64x64-2perSM-tma-store": ((64, 64, 64, 4, 4, 4), 2, False, True, False),
-    "128x128x64-experts16": ((128, 128, 64, 16, 8, 3), 1, False, False, True),
-    "64x64x64-2perSM-tma-store-experts3": ((64, 64, 64, 3, 4, 4), 2, False, True, True),
+PERSISTENT_CONFIGS = {  # GemmConfig fields (group_m: the m-tiles of one expert group at most),
+    # programs per SM, warp specialisation, TMA stores
+    "128x128x64": ((128, 128, 64, 8, 8, 3), 1, False, False),
+    "64x64x64-2perSM": ((64, 64, 64, 4, 4, 4), 2, False, False),
+    "128x128x64-ws": ((128, 128, 64, 8, 8, 3), 1, True, False),
+    "128x128x64-tma-store": ((128, 128, 64, 8, 8, 3), 1, False, True),
+    "64x64x64-2perSM-tma-store": ((64, 64, 64, 4, 4, 4), 2, False, True),
+    "128x128x64-groups16": ((128, 128, 64, 16, 8, 3), 1, False, False),
+    "64x64x64-2perSM-tma-store-groups3": ((64, 64, 64, 3, 4, 4), 2, False, True),
 }
 
 
@@ -466,12 +466,12 @@ def persistent_config(name):
     """The persistent config ``name``, TMA-fed on SM90+ (the gathered ``A`` by pointers)."""
     from moe_route.kernels.triton.grouped_gemm import GemmConfig
 
-    fields, programs, ws, store, experts = PERSISTENT_CONFIGS[name]
+    fields, programs, ws, store = PERSISTENT_CONFIGS[name]
     tma = torch.cuda.get_device_capability()[0] >= 9
     if (ws or store) and not tma:
         pytest.skip("warp specialisation and TMA stores want SM90+")
     return GemmConfig(*fields, use_tma=tma, persistent=programs, warp_specialize=ws,
-                      tma_store=store, expert_groups=experts)  # fmt: skip
+                      tma_store=store)  # fmt: skip
 
 
 @pytest.mark.parametrize("config", list(PERSISTENT_CONFIGS))
@@ -507,7 +507,7 @@ PERSISTENT_OCCUPANCY = {**OCCUPANCY, "E=1": lambda T: torch.zeros(T, 1, dtype=to
 @pytest.mark.parametrize(
     "config",
     ["128x128x64", "64x64x64-2perSM", "128x128x64-tma-store", "64x64x64-2perSM-tma-store",
-     "128x128x64-experts16", "64x64x64-2perSM-tma-store-experts3"],
+     "128x128x64-groups16", "64x64x64-2perSM-tma-store-groups3"],
 )  # fmt: skip
 def test_persistent_occupancy_store_pre(config, pattern):
     """Empty experts, all rows in one expert (of 8, and E = 1), mostly and wholly dropped

@@ -24,8 +24,7 @@ The main loop (:func:`_mainloop`) is shared; each kernel owns one epilogue:
   programs per SM, each looping over the routed tiles with a stride of the grid (the tiles'
   experts from one prefix sum per program; an exact loop bound read from ``offsets`` on the
   device, so no host sync and a routing-independent grid), the loop flattened so that the
-  next tile's loads overlap this tile's epilogue. Its tiles come in the grouped order above
-  or (``GemmConfig.expert_groups``) in groups that never mix experts
+  next tile's loads overlap this tile's epilogue. Its groups never mix experts
   (:func:`_expert_grouped_tile`). Each tile is computed by the same :func:`_gemm_tile`: the
   same arithmetic in both kernels, whatever the order.
 * :func:`_gemm_act_bwd_kernel` — GEMM2's backward with the activation's backward:
@@ -89,6 +88,9 @@ class GemmConfig:
     block_m: int
     block_n: int
     block_k: int
+    #: m-tiles per group sweeping the n-tiles: ``group_m`` consecutive ones in the per-tile
+    #: kernels (:func:`_swizzle`), at most ``group_m`` of one expert in the persistent kernel
+    #: (:func:`_expert_grouped_tile`)
     group_m: int
     num_warps: int
     num_stages: int
@@ -104,10 +106,6 @@ class GemmConfig:
     #: stored through TMA (asynchronous, overlapping the next tile's main loop) where shared
     #: memory holds their staging beside the main loop's stages.
     tma_store: bool = False
-    #: With ``persistent``: the tiles in the expert-grouped order (groups of at most
-    #: ``group_m`` m-tiles of one expert; :func:`_expert_grouped_tile`), else ``group_m``
-    #: consecutive m-tiles whichever experts they belong to (:func:`_swizzle`).
-    expert_groups: bool = False
 
 
 @launch_key_part
@@ -172,17 +170,24 @@ def _expert_ends(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
 
 
 @triton.jit
+def _expert_at(ends, at, span, E, E_POW2: tl.constexpr):
+    """``(e, start)``: the expert whose tiles hold flat index ``at`` where each m-tile spans
+    ``span`` consecutive indices, and its first m-tile (``ends`` from :func:`_expert_ends`).
+
+    The experts whose tiles all come before ``at`` are a prefix (``ends`` never decreases), of
+    length ``e``; the last of them ends where ``at``'s expert starts. One reduction finds both:
+    the largest ``(end, index + 1)`` pair of that prefix, packed (``index + 1 < E_POW2``)."""
+    ex = tl.arange(0, E_POW2)
+    before = (ends * span <= at) & (ex < E)
+    key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
+    return (key % E_POW2).to(tl.int32), key // E_POW2
+
+
+@triton.jit
 def _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """``(e, first_row, row_end)`` of m-tile ``m_tile`` from :func:`_expert_ends`; ``e == E``
     past the routed tiles (``first_row`` is then the first row of this dropped-row tile)."""
-    ex = tl.arange(0, E_POW2)
-    # The experts whose tiles all come before m_tile are a prefix (ends never decreases), of
-    # length e; the last of them ends where m_tile's expert starts. One reduction finds both:
-    # the largest (end, index + 1) pair of that prefix, packed (index + 1 < E_POW2).
-    before = (ends <= m_tile) & (ex < E)
-    key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
-    e = (key % E_POW2).to(tl.int32)
-    start = key // E_POW2
+    e, start = _expert_at(ends, m_tile, 1, E, E_POW2)
     first_row = tl.load(offsets_ptr + e) + (m_tile - start) * BLOCK_M
     row_end = tl.load(offsets_ptr + tl.minimum(e + 1, E))
     return e, first_row, row_end
@@ -200,12 +205,8 @@ def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.conste
     columns, each once per group. (:func:`_swizzle`'s fixed groups of ``GROUP_M`` consecutive
     m-tiles straddle experts wherever a count of rows is not a multiple of ``BLOCK_M``: the
     straddled experts' columns are then read once per group they are in.)"""
-    ex = tl.arange(0, E_POW2)
-    # as in _find_expert, on the flat index: the experts wholly before `tile` are a prefix
-    before = (ends * n_tiles <= tile) & (ex < E)
-    key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
-    e = (key % E_POW2).to(tl.int32)
-    start = (key // E_POW2).to(tl.int32)  # the expert's first m-tile
+    e, start = _expert_at(ends, tile, n_tiles, E, E_POW2)
+    start = start.to(tl.int32)
     lo = tl.load(offsets_ptr + e)
     row_end = tl.load(offsets_ptr + e + 1)
     m_e = tl.cdiv(row_end - lo, BLOCK_M).to(tl.int32)  # >= 1: `tile` lies in it
@@ -473,12 +474,12 @@ def _gemm_persistent_kernel(
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr, OUT_DESC: tl.constexpr,
-    Z_DESC: tl.constexpr, EXPERT_GROUPS: tl.constexpr,
+    Z_DESC: tl.constexpr,
 ):  # fmt: skip
     """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
 
-    Program ``p`` of ``P`` takes tiles ``p, p + P, ...`` of the routed tiles, numbered
-    ``GROUP_M``-swizzled over ``(m_tile, n_tile)``; the experts' tile ends are summed once per
+    Program ``p`` of ``P`` takes tiles ``p, p + P, ...`` of the routed tiles, numbered in the
+    expert-grouped order (:func:`_expert_grouped_tile`); the experts' tile ends are summed once per
     program, so the loop bound is exact (``routed m-tiles x n-tiles``, read from ``offsets``
     on the device: no host sync, the grid does not depend on the routing) and the loop body has
     no branch, for the compiler to flatten and software-pipeline across tiles. The dropped rows'
@@ -494,13 +495,9 @@ def _gemm_persistent_kernel(
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     for tile in tl.range(pid, routed_tiles * n_tiles, programs, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
-        if EXPERT_GROUPS:
-            e, first_row, row_end, n_tile = _expert_grouped_tile(
-                offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2
-            )
-        else:
-            m_tile, n_tile = _swizzle(tile, routed_tiles, n_tiles, GROUP_M)
-            e, first_row, row_end = _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
+        e, first_row, row_end, n_tile = _expert_grouped_tile(
+            offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2
+        )
         _gemm_tile(
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr,
             dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak,
@@ -935,7 +932,6 @@ def grouped_gemm_triton(
             cx["ONE_DOT"] = one_dot
             cx["OUT_DESC"] = out_desc is not None
             cx["Z_DESC"] = z_desc is not None
-            cx["EXPERT_GROUPS"] = cfg.expert_groups
         return cx
 
     kernel, grid, descs = _GEMM, tiles, ()
