@@ -79,6 +79,20 @@ def test_timers_order_their_percentiles():
     assert t.samples >= 5 and 0 < t.p20_s <= t.median_s <= t.p80_s
 
 
+def test_interleaved_timing_takes_turns_and_rotates_the_order():
+    log = []
+    fns = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    timed = harness.time_interleaved(fns, "cpu", budget_s=0.01, rounds=3)
+    runs = [n for i, n in enumerate(log) if i == 0 or log[i - 1] != n]
+    # sizing (each twice, in order), then three rounds, each starting one later
+    assert runs == list("abc" + "abc" + "bca" + "cab")
+    for name in "abc":
+        t, medians = timed[name]
+        assert len(medians) == 3 and t.samples >= 3 * 2
+        assert t.p20_s <= t.median_s <= t.p80_s
+        assert min(medians) <= t.median_s <= max(medians)
+
+
 # --------------------------------------------------------------------------- CSV / JSON schema
 
 

@@ -98,57 +98,62 @@ def time_cuda(
     replay divided by ``inner``: launch gaps vanish, which is what a CUDA-graph-captured model
     sees (small routing kernels are launch-bound). Without it, calls are launched eagerly.
     """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    if use_graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        previous = torch.cuda.current_stream()
-        previous.wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
+    return _summarise(_CudaSampler(fn, use_graph, inner, warmup).samples(outer))
+
+
+class _CudaSampler:
+    """Samples of one call of ``fn`` (seconds), ``inner`` calls per sample, on demand: the
+    graph (``use_graph``) is captured once, at construction, after ``warmup`` calls."""
+
+    def __init__(self, fn, use_graph: bool, inner: int, warmup: int):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        self.inner = inner
+        if use_graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            previous = torch.cuda.current_stream()
+            previous.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    for _ in range(inner):
+                        fn()
+            finally:  # a capture that fails leaves torch.cuda.graph's stream current
+                torch.cuda.set_stream(previous)
+            self.run = graph.replay
+            self.graph = graph
+        else:
+
+            def run():
                 for _ in range(inner):
                     fn()
-        finally:  # a capture that fails leaves torch.cuda.graph's stream current
-            torch.cuda.set_stream(previous)
 
-        def run():
-            graph.replay()
-    else:
+            self.run = run
+        self.run()
+        torch.cuda.synchronize()
 
-        def run():
-            for _ in range(inner):
-                fn()
-
-    run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(outer):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / inner)
-    return _summarise(samples)
+    def samples(self, outer: int) -> list[float]:
+        out = []
+        for _ in range(outer):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.run()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) * 1e-3 / self.inner)
+        return out
 
 
 def time_cpu(fn, *, inner: int = 1, outer: int = 10, warmup: int = 1) -> Timing:
     """:func:`time_cuda` for the CPU: wall-clock samples of ``inner`` calls each."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(outer):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return _summarise(samples)
+    return _summarise(_CpuSampler(fn, inner).samples(outer))
 
 
 def time_auto(
@@ -169,35 +174,99 @@ def time_auto(
     noted in ``Timing.note``.
     """
     device = torch.device(device)
+    inner, outer = _sized(fn, device, budget_s, max_inner, max_outer, min_outer)
+    sampler, note = _sampler(fn, device, use_graph, inner)
+    return _summarise(sampler.samples(outer), note)
+
+
+def time_interleaved(
+    fns: dict[str, object],
+    device: torch.device | str = "cuda",
+    *,
+    use_graph: bool = True,
+    budget_s: float = 1.0,
+    rounds: int = 3,
+) -> dict[str, tuple[Timing, list[float]]]:
+    """Time several implementations of one computation in turns: ``rounds`` rounds, each
+    timing every implementation once (the order rotated by one each round), about
+    ``budget_s`` seconds per implementation in all, sized as :func:`time_auto` sizes one.
+
+    A GPU's clocks drift over seconds (power and temperature limits: an H100 fell from 1980
+    to 1515 MHz at its 700 W limit during a Mixtral training step), so implementations timed
+    one after the other see different clocks, and their ratio carries that drift; in turns,
+    each sees every state for about as long. Returns ``{name: (timing over every round's
+    samples, [median of each round])}``; every graph is captured before the first round.
+    """
+    device = torch.device(device)
+    samplers, outers, notes = {}, {}, {}
+    for name, fn in fns.items():
+        inner, outer = _sized(fn, device, budget_s, 10, 30, 5)
+        samplers[name], notes[name] = _sampler(fn, device, use_graph, inner)
+        outers[name] = max(2, math.ceil(outer / rounds))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    medians: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            got = samplers[name].samples(outers[name])
+            samples[name] += got
+            medians[name].append(statistics.median(got))
+    return {n: (_summarise(samples[n], notes[n]), medians[n]) for n in names}
+
+
+def _sized(fn, device: torch.device, budget_s: float, max_inner: int, max_outer: int,
+           min_outer: int) -> tuple[int, int]:  # fmt: skip
+    """``(inner, outer)`` for about ``budget_s`` of samples, from one warm-up call (compiles
+    the Triton kernels) and one timed call."""
+    fn()
     if device.type != "cuda":
-        fn()
         start = time.perf_counter()
         fn()
         one = max(time.perf_counter() - start, 1e-7)
         inner = max(1, min(max_inner, math.ceil(1e-3 / one)))
-        outer = max(min_outer, min(max_outer, int(budget_s / (inner * one))))
-        return time_cpu(fn, inner=inner, outer=outer, warmup=0)
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    one = max(start.elapsed_time(end) * 1e-3, 1e-7)
-    # ~ a fifth of the budget per sample at most, so that there are enough samples.
-    inner = max(1, min(max_inner, int(budget_s / 5 / one)))
-    outer = max(min_outer, min(max_outer, int(budget_s / (inner * one))))
+    else:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        one = max(start.elapsed_time(end) * 1e-3, 1e-7)
+        # ~ a fifth of the budget per sample at most, so that there are enough samples.
+        inner = max(1, min(max_inner, int(budget_s / 5 / one)))
+    return inner, max(min_outer, min(max_outer, int(budget_s / (inner * one))))
+
+
+def _sampler(fn, device: torch.device, use_graph: bool, inner: int):
+    """``(sampler, note)``: CUDA events (a graph of ``inner`` calls where asked and capturable,
+    else eager launches, said in ``note``) or the wall clock off CUDA."""
+    if device.type != "cuda":
+        return _CpuSampler(fn, inner), ""
     if use_graph:
         try:
-            return time_cuda(fn, use_graph=True, inner=inner, outer=outer, warmup=1)
+            return _CudaSampler(fn, True, inner, warmup=1), ""
         except Exception as exc:  # e.g. a host sync inside fn: not capturable
             torch.cuda.synchronize()
             note = f"eager (graph capture failed: {type(exc).__name__})"
-            t = time_cuda(fn, use_graph=False, inner=inner, outer=outer, warmup=1)
-            t.note = note
-            return t
-    return time_cuda(fn, use_graph=False, inner=inner, outer=outer, warmup=1)
+            return _CudaSampler(fn, False, inner, warmup=1), note
+    return _CudaSampler(fn, False, inner, warmup=1), ""
+
+
+class _CpuSampler:
+    """:class:`_CudaSampler` for the CPU: wall-clock samples of ``inner`` calls each."""
+
+    def __init__(self, fn, inner: int):
+        self.fn, self.inner = fn, inner
+
+    def samples(self, outer: int) -> list[float]:
+        out = []
+        for _ in range(outer):
+            start = time.perf_counter()
+            for _ in range(self.inner):
+                self.fn()
+            out.append((time.perf_counter() - start) / self.inner)
+        return out
 
 
 def _sync(device: torch.device) -> None:

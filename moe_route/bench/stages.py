@@ -26,7 +26,7 @@ import moe_route
 from . import baselines as B
 from .backward import applies as backward_applies
 from .backward import stage_backward
-from .harness import Ceilings, Row, make_row, time_auto
+from .harness import Ceilings, Row, make_row, time_auto, time_interleaved
 from .host import stage_host
 from .profiling import step_memory
 
@@ -217,6 +217,25 @@ class Inputs:
 # --------------------------------------------------------------------------- context
 
 
+#: rounds of :meth:`Context.measure_together`
+ROUNDS = 3
+
+
+@dataclass
+class Entry:
+    """One implementation for :meth:`Context.measure_together` (the arguments of
+    :meth:`Context.measure`)."""
+
+    impl: str
+    fn: Callable
+    nbytes: float
+    flops: float = 0.0
+    memory: bool = False
+    check: Callable | None = None
+    tol: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
 @dataclass
 class Context:
     """What a stage works with: device, ceilings, settings, and where rows and failures go."""
@@ -306,16 +325,7 @@ class Context:
         is recorded as a failure (the row is still kept, with ``extra["mismatch"]``).
         """
         try:
-            out = fn()  # also the first warm-up: compiles the kernels
-            if check is not None:
-                err = float(check(out))
-                extra["rel_err"] = err
-                if not err <= tol:
-                    extra["mismatch"] = True
-                    self.fail(stage, shape, impl, AssertionError(f"error {err:.3g} > {tol:g}"))
-            del out
-            if memory and self.cuda:
-                extra["peak_mib"] = self.peak_mib(fn)
+            self._prepare(stage, shape, impl, fn, extra, memory, check, tol)
             t = time_auto(fn, self.device, use_graph=graph, budget_s=budget_s or self.budget_s)
         except Exception as exc:
             self.fail(stage, shape, impl, exc)
@@ -323,6 +333,55 @@ class Context:
         row = make_row(stage, shape.label, impl, t, self.ceilings, nbytes, flops, **extra)
         self.rows.append(row)
         return row
+
+    def measure_together(
+        self, stage: str, shape: Shape, entries: list[Entry], *, graph: bool = True
+    ) -> dict[str, Row]:
+        """:meth:`measure` for implementations of one computation, timed in turns
+        (:func:`.harness.time_interleaved`, :data:`ROUNDS` rounds): their ratios then do not
+        carry the clock drift between one timing and the next. Each row's
+        ``extra["round_us"]`` holds its median per round. Rows in ``entries`` order; an entry
+        that fails its check or its first call is recorded as a failure and left out."""
+        ready = {}
+        for e in entries:
+            try:
+                self._prepare(stage, shape, e.impl, e.fn, e.extra, e.memory, e.check, e.tol)
+            except Exception as exc:
+                self.fail(stage, shape, e.impl, exc)
+                continue
+            ready[e.impl] = e
+        if not ready:
+            return {}
+        fns = {impl: e.fn for impl, e in ready.items()}
+        try:
+            timed = time_interleaved(fns, self.device, use_graph=graph, budget_s=self.budget_s,
+                                     rounds=ROUNDS)  # fmt: skip
+        except Exception as exc:
+            for impl in ready:
+                self.fail(stage, shape, impl, exc)
+            return {}
+        rows = {}
+        for impl, e in ready.items():
+            t, medians = timed[impl]
+            extra = {**e.extra, "round_us": [m * 1e6 for m in medians]}
+            rows[impl] = make_row(stage, shape.label, impl, t, self.ceilings, e.nbytes, e.flops,
+                                  **extra)  # fmt: skip
+            self.rows.append(rows[impl])
+        return rows
+
+    def _prepare(self, stage, shape, impl, fn, extra: dict, memory: bool, check, tol) -> None:
+        """The first call (compiles; checked against the baseline where ``check`` is given)
+        and, with ``memory``, the peak memory of another, into ``extra``."""
+        out = fn()
+        if check is not None:
+            err = float(check(out))
+            extra["rel_err"] = err
+            if not err <= tol:
+                extra["mismatch"] = True
+                self.fail(stage, shape, impl, AssertionError(f"error {err:.3g} > {tol:g}"))
+        del out
+        if memory and self.cuda:
+            extra["peak_mib"] = self.peak_mib(fn)
 
     def attempt(self, stage: str, shape: Shape, impl: str, fn: Callable):
         """``fn()``, or ``None`` with a failure recorded."""
@@ -547,23 +606,23 @@ def stage_forward(shape: Shape, ctx: Context) -> None:
         return B.loop_forward(x, w1, w2, tw, ids)
 
     ref = ctx.attempt("forward", shape, "grouped_mm", grouped_mm)
-    if ref is not None:
-        ctx.measure("forward", shape, "grouped_mm", grouped_mm, nbytes, flops, memory=True)
     if ctx.loop_allowed(shape):
         if ref is None:
             ref = ctx.attempt("forward", shape, "loop", loop)
         ctx.measure("forward", shape, "loop", loop, nbytes, flops, graph=False, memory=True)
     check = None if ref is None else (lambda out: rel_err(out, ref))
+    entries = [] if ref is None else [Entry("grouped_mm", grouped_mm, nbytes, flops, memory=True)]
     variants = [("moe_route", {})]
     if ctx.cuda:  # both finalize paths, whichever "auto" picks
         variants.append(("moe_route standalone", {"finalize": "standalone"}))
         variants.append(("moe_route fused", {"finalize": "fused"}))
     for impl, kw in variants:
-        ctx.measure(
-            "forward", shape, impl,
-            lambda kw=kw: moe_route.fused_moe(x, w1, w2, tw, ids, backend=ctx.backend, **kw),
+        entries.append(Entry(
+            impl, lambda kw=kw: moe_route.fused_moe(x, w1, w2, tw, ids, backend=ctx.backend, **kw),
             nbytes, flops, memory=True, check=check, tol=_tol(ctx),
-        )  # fmt: skip
+        ))  # fmt: skip
+    # grouped_mm and moe_route timed in turns (the floors are their ratios)
+    ctx.measure_together("forward", shape, entries)
 
 
 def saved_bytes(fn, inputs) -> int:
@@ -670,12 +729,21 @@ def stage_train(shape: Shape, ctx: Context) -> None:
         return max(errs.values())
 
     impls.append(("moe_route", ours_fwd, leaves))
+    rows = {}
+    if ctx.loop_allowed(shape):
+        rows["loop"] = ctx.measure("train", shape, "loop", step(loop_fwd, loop_wrt), nbytes, flops,
+                                   graph=False, memory=True)  # fmt: skip
+    # grouped_mm and moe_route timed in turns (the floors are their ratios)
+    ours_check = check if ref is not None else None
+    entries = [
+        Entry("grouped_mm", step(grouped_mm_fwd), nbytes, flops, memory=True),
+        Entry("moe_route", step(ours_fwd), nbytes, flops, memory=True, check=ours_check,
+              tol=2.5 * _tol(ctx)),
+    ]  # fmt: skip
+    rows.update(ctx.measure_together("train", shape, entries, graph=False))
     for impl, fwd, wrt in impls:
         is_ours = impl == "moe_route"
-        row = ctx.measure(
-            "train", shape, impl, step(fwd, wrt), nbytes, flops, graph=False, memory=True,
-            check=check if is_ours and ref is not None else None, tol=2.5 * _tol(ctx),
-        )  # fmt: skip
+        row = rows.get(impl)
         if row is None:
             continue
         saved = ctx.attempt(
