@@ -460,13 +460,15 @@ class MoELayer(nn.Module):
         """
         _checks.check_tensor("x", x)
         H = self.hidden_size
+        # each parameter read once (nn.Module.__getattr__ per read)
+        w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(
                 f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}"
             )
-        if x.dtype != self.w1.dtype:
+        if x.dtype != w1.dtype:
             raise TypeError(
-                f"x has dtype {x.dtype} but the layer's parameters are {self.w1.dtype}: convert "
+                f"x has dtype {x.dtype} but the layer's parameters are {w1.dtype}: convert "
                 "one of them (layer.to(dtype) or x.to(dtype))"
             )
         x2 = x.reshape(-1, H)
@@ -477,9 +479,7 @@ class MoELayer(nn.Module):
         fused = None
         if self.router == "softmax":  # eager inference at small T: one launch for the router
             rdt = x2.dtype if self.router_dtype is None else self.router_dtype
-            expert = (
-                math.prod(self.w1.shape[1:]) + math.prod(self.w2.shape[1:])
-            ) * x2.element_size()
+            expert = (math.prod(w1.shape[1:]) + math.prod(w2.shape[1:])) * x2.element_size()
             fused = route_softmax_fused(x2, self.gate.weight, self.top_k, self.renormalize, rdt,
                                         expert, self.backend)  # fmt: skip
         if fused is None:
@@ -509,11 +509,10 @@ class MoELayer(nn.Module):
         # one plan, and the counts come with the experts' launches (the maps' offsets, or the
         # decode path's second kernel): one op instead of eight.
         act, layout = self.activation, self.gate_up_layout
-        plan = moe_plan(x2, self.w1, self.w2, self.top_k, act, layout, self.finalize,
+        plan = moe_plan(x2, w1, w2, self.top_k, act, layout, self.finalize,
                         self.deterministic, None, False, self.backend)  # fmt: skip
         check_interpreter_dtype("x", x2, plan.backend)
         shared = self.shared_expert(x2)
-        w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
         if decode_now(plan, x2, w1, w2, weights, b1, b2, shared):
             out, counts = run_decode(plan, x2, w1, w2, weights, ids, b1, b2, shared, act, layout,
                                      True)  # fmt: skip

@@ -79,8 +79,23 @@ class RoutingMaps:
 
     @classmethod
     def built(cls, tables, num_tokens: int, top_k: int, num_experts: int) -> RoutingMaps:
-        """Maps from the library's own kernels (``tables`` in :meth:`tensors` order)."""
-        return cls(*tables, num_tokens, top_k, num_experts, trusted=True)
+        """Maps from the library's own kernels (``tables`` in :meth:`tensors` order).
+
+        NOTE: filled in directly, not through the frozen dataclass's ``__init__`` (one
+        ``object.__setattr__`` per field and the ``__post_init__`` call): 0.55 against 2.2 us
+        per call on a 2-core CPU host, once per ``fused_moe`` call and per layer call."""
+        maps = object.__new__(cls)
+        d = maps.__dict__
+        (
+            d["expanded_source_row_to_expanded_dest_row"],
+            d["expanded_dest_row_to_expanded_source_row"],
+            d["expert_for_source_row"],
+            d["expert_first_token_offset"],
+        ) = tables
+        d["num_tokens"], d["top_k"], d["num_experts"], d["trusted"] = (
+            num_tokens, top_k, num_experts, True,
+        )  # fmt: skip
+        return maps
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tables in the one order every op takes them: ``(src_to_dest, dest_to_src,
