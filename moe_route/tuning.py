@@ -266,6 +266,15 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
             return WeightGradConfig(32, 128, 128, 4, 4)
         return WeightGradConfig(64, 256 if n >= 8192 else 128, 128, 8, 3)
     if rows_per_expert <= 128:
+        # NOTE: H100, bf16 (scripts/wgrad_sweep.py --extra / --candidates, 2026-11-24, 128 rows
+        # per expert): the <= 512 rows tiles (64x128x256 on 8 warps, one program per SM) ran
+        # qwen3 T=2048 dW1 / dW2 at 359 / 197 us against 404 / 214 here, deepseek-v3 T=2048 at
+        # 7001 / 3368 against 7565 / 3391, but deepseek-v3 T=4096 dW1 at 7185-8014 against 6743
+        # (dW2 3212-3607 against 3572); mixtral T=512 equal. Shorter row steps (16, 32) and 3
+        # programs per SM were slower everywhere. The same config ran up to 12 % apart between
+        # two sweeps (clocks at the power limit), so no change without an alternating A/B.
+        # Writing zeros runs at 3.29 TB/s there (copy 2.97): deepseek-v3's dW1 / dW2 at 6.7 /
+        # 3.6 ms take 1.5x / 1.6x the time of their writes alone (15 / 7.5 GB).
         return WeightGradConfig(64, 128, 128, 4, 4, True, 2, flat=True)
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)

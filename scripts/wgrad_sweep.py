@@ -5,7 +5,7 @@ computing the same per-expert products and a dense ``mm`` of the same FLOPs, all
 process. Relative error of every variant against the first.
 
     PYTHONPATH=. python scripts/wgrad_sweep.py [--shapes mixtral qwen3 deepseek] [--quick]
-                                               [--tokens T]
+                                               [--tokens T] [--extra] [--candidates]
 
 ``--tokens`` replaces each model's training size (e.g. 256: 16 rows per expert at qwen3 and
 deepseek, where the plan takes the pointer kernel; a few pointer tilings are swept there too).
@@ -38,6 +38,19 @@ TMA_CONFIGS = [
     (32, 128, 128, 4, 4, 2, True),
     (32, 128, 256, 8, 4, 1, True),
 ]
+# --extra: more programs per SM and shorter row steps (less padding of short reductions: an
+# expert's last step computes zeros past its rows), for deepseek-v3's 128 rows per expert
+EXTRA_TMA_CONFIGS = [
+    (32, 128, 128, 4, 3, 2, True),
+    (32, 128, 128, 4, 2, 3, True),
+    (64, 128, 128, 4, 2, 3, True),
+    (16, 128, 128, 4, 4, 2, True),
+    (16, 128, 128, 4, 3, 3, True),
+    (32, 256, 128, 8, 4, 1, True),
+]
+# --candidates: only these, each in both tile orders
+CANDIDATES = [(64, 128, 256, 8, 3, 1, True), (64, 256, 128, 8, 3, 1, True),
+              (32, 256, 128, 8, 4, 1, True)]  # fmt: skip
 # block_r, block_n, block_k, warps, stages: the pointer kernel (permuted rows, no gather)
 POINTER_CONFIGS = [
     (32, 128, 128, 4, 4),
@@ -61,11 +74,13 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--quick", action="store_true", help="only the plan's configuration")
     ap.add_argument("--tokens", type=int, help="tokens instead of each model's training size")
+    ap.add_argument("--extra", action="store_true", help="also EXTRA_TMA_CONFIGS")
+    ap.add_argument("--candidates", action="store_true", help="only CANDIDATES, both orders")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     cc = torch.cuda.get_device_capability()
     cc = cc[0] * 10 + cc[1]
-    configs = [] if args.quick else TMA_CONFIGS
+    configs = [] if args.quick else TMA_CONFIGS + (EXTRA_TMA_CONFIGS if args.extra else [])
     ceilings = Ceilings.measure(dev)
     dense, copy = ceilings.mm_flops_per_s, ceilings.copy_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s, "
@@ -119,7 +134,11 @@ def main():
             except Exception as exc:
                 print(f"  _grouped_mm failed: {type(exc).__name__}: {exc}")
             variants = [plan_cfg, dataclasses.replace(plan_cfg, k_fastest=not plan_cfg.k_fastest)]
+            if args.candidates:
+                configs = CANDIDATES
             variants += [WeightGradConfig(*c[:5], True, c[5], flat=c[6]) for c in configs]
+            if args.candidates:
+                variants += [dataclasses.replace(v, k_fastest=False) for v in variants[2:]]
             if rpe <= 16 and not args.quick:
                 variants += [WeightGradConfig(*c) for c in POINTER_CONFIGS]
             for c in variants:
