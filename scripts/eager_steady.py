@@ -25,6 +25,7 @@ from step_kernels import training_case  # scripts/ is on sys.path when this runs
 from torch.profiler import ProfilerActivity, profile
 
 import moe_route
+from moe_route.bench.harness import capture_graph
 
 
 def step_of(name):
@@ -48,19 +49,6 @@ def eager_us(step, n):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / n
-
-
-def graph_of(step):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g
 
 
 def graph_us(g, n):
@@ -105,7 +93,7 @@ def kernel_table(fn, n):
 
 def run(name, n, rounds):
     step = step_of(name)
-    g = graph_of(step)
+    g = capture_graph(step)
     print(f"\n{name}: {n} steps per sample")
     for r in range(rounds):
         t0 = time.strftime("%H:%M:%S")

@@ -18,7 +18,7 @@ import triton
 
 import moe_route
 from moe_route import reference as R
-from moe_route.bench.harness import time_host
+from moe_route.bench.harness import capture_graph, time_host
 
 DEV = torch.device("cuda")
 N = 300
@@ -31,16 +31,7 @@ def host_us(fn, n=N):
 
 
 def graph_us(fn, reps=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    g = capture_graph(fn, reps)
     return triton.testing.do_bench(g.replay, return_mode="median") * 1e3 / reps
 
 

@@ -101,6 +101,26 @@ def time_cuda(
     return _summarise(_CudaSampler(fn, use_graph, inner, warmup).samples(outer))
 
 
+def capture_graph(fn, inner: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``inner`` calls of ``fn``, captured after two calls on a side stream
+    (what capture needs: the allocator's and libraries' first-call work done outside it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    previous = torch.cuda.current_stream()
+    previous.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    finally:  # a capture that fails leaves torch.cuda.graph's stream current
+        torch.cuda.set_stream(previous)
+    return graph
+
+
 class _CudaSampler:
     """Samples of one call of ``fn`` (seconds), ``inner`` calls per sample, on demand: the
     graph (``use_graph``) is captured once, at construction, after ``warmup`` calls."""
@@ -111,22 +131,8 @@ class _CudaSampler:
         torch.cuda.synchronize()
         self.inner = inner
         if use_graph:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            previous = torch.cuda.current_stream()
-            previous.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    for _ in range(inner):
-                        fn()
-            finally:  # a capture that fails leaves torch.cuda.graph's stream current
-                torch.cuda.set_stream(previous)
-            self.run = graph.replay
-            self.graph = graph
+            self.graph = capture_graph(fn, inner)
+            self.run = self.graph.replay
         else:
 
             def run():
