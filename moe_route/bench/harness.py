@@ -162,15 +162,19 @@ def time_cpu(fn, *, inner: int = 1, outer: int = 10, warmup: int = 1) -> Timing:
     return _summarise(_CpuSampler(fn, inner).samples(outer))
 
 
+#: :func:`time_auto`'s and :func:`time_interleaved`'s bounds: calls per sample, samples
+MAX_INNER, MAX_OUTER, MIN_OUTER = 10, 30, 5
+
+
 def time_auto(
     fn,
     device: torch.device | str = "cuda",
     *,
     use_graph: bool = True,
     budget_s: float = 1.0,
-    max_inner: int = 10,
-    max_outer: int = 30,
-    min_outer: int = 5,
+    max_inner: int = MAX_INNER,
+    max_outer: int = MAX_OUTER,
+    min_outer: int = MIN_OUTER,
 ) -> Timing:
     """Time ``fn`` on ``device`` in about ``budget_s`` seconds of measurement.
 
@@ -206,7 +210,7 @@ def time_interleaved(
     device = torch.device(device)
     samplers, outers, notes = {}, {}, {}
     for name, fn in fns.items():
-        inner, outer = _sized(fn, device, budget_s, 10, 30, 5)
+        inner, outer = _sized(fn, device, budget_s, MAX_INNER, MAX_OUTER, MIN_OUTER)
         samplers[name], notes[name] = _sampler(fn, device, use_graph, inner)
         outers[name] = max(2, math.ceil(outer / rounds))
     samples: dict[str, list[float]] = {name: [] for name in fns}

@@ -729,17 +729,16 @@ def stage_train(shape: Shape, ctx: Context) -> None:
         return max(errs.values())
 
     impls.append(("moe_route", ours_fwd, leaves))
-    rows = {}
-    if ctx.loop_allowed(shape):
-        rows["loop"] = ctx.measure("train", shape, "loop", step(loop_fwd, loop_wrt), nbytes, flops,
-                                   graph=False, memory=True)  # fmt: skip
-    # grouped_mm and moe_route timed in turns (the floors are their ratios)
-    ours_check = check if ref is not None else None
-    entries = [
-        Entry("grouped_mm", step(grouped_mm_fwd), nbytes, flops, memory=True),
-        Entry("moe_route", step(ours_fwd), nbytes, flops, memory=True, check=ours_check,
-              tol=2.5 * _tol(ctx)),
-    ]  # fmt: skip
+    rows, entries = {}, []
+    for impl, fwd, wrt in impls:
+        if impl == "loop":  # timed on its own; grouped_mm and moe_route in turns (the floors
+            # are their ratios)
+            rows[impl] = ctx.measure("train", shape, impl, step(fwd, wrt), nbytes, flops,
+                                     graph=False, memory=True)  # fmt: skip
+            continue
+        ours = impl == "moe_route" and ref is not None
+        entries.append(Entry(impl, step(fwd, wrt), nbytes, flops, memory=True,
+                             check=check if ours else None, tol=2.5 * _tol(ctx)))  # fmt: skip
     rows.update(ctx.measure_together("train", shape, entries, graph=False))
     for impl, fwd, wrt in impls:
         is_ours = impl == "moe_route"
