@@ -275,21 +275,21 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # two sweeps (clocks at the power limit), so no change without an alternating A/B.
         # Writing zeros runs at 3.29 TB/s there (copy 2.97): deepseek-v3's dW1 / dW2 at 6.7 /
         # 3.6 ms take 1.5x / 1.6x the time of their writes alone (15 / 7.5 GB).
-        # NOTE: H100 (ncu, scripts/wgrad_ncu.py, 2026-11-24, deepseek-v3 T=4096 dW1): these
-        # tiles take 164 KB of shared memory, so an SM holds ONE program and the "2 per SM"
-        # launch runs as two waves. That one warpgroup issues an instruction every 3.8 cycles
-        # (~776 per warp per output tile, ~20 of them MMAs; scripts/sass_count.py shows the
-        # row step's index arithmetic and the epilogue's register zeroing), while DRAM and L2
-        # run at 67 % / 66 % of peak and the tensor pipe at 43 %: latency- and issue-bound, not
-        # bound by L2 reads. Compile-time N and KD (the kernel's docstring) took ~45
-        # instructions off each row step: same bits, alternating rounds (scripts/
-        # wgrad_occupancy.py, 7 rounds) dW1 / dW2 deepseek-v3 6603 -> 6354 / 3517 -> 3438 us,
-        # qwen3 T=8192 761 -> 726 / 407 -> 384, mixtral (a loop per tile) unchanged. Two
-        # resident programs per SM (32-row steps, 4 stages, 96 KB) then ran deepseek-v3 T=4096
-        # 1.02x / 1.14x, T=2048 1.07x / 1.03x, qwen3 T=2048 1.12x / 1.07x, mixtral T=512
-        # 1.12x / 1.10x, but deepseek-v3 T=3000 0.79x / 0.92x and qwen3 T=1024 1.04x / 0.97x:
-        # not taken. 64-row steps in 2 stages (two resident programs), 128x64 tiles and 8
-        # warps were 1.1-1.6x slower.
+        # NOTE: H100 (ncu on scripts/wgrad_occupancy.py --ncu, 2026-11-24, deepseek-v3 T=4096
+        # dW1): these tiles take 164 KB of shared memory, so an SM holds ONE program and the
+        # "2 per SM" launch runs as two waves. That one warpgroup issues an instruction every
+        # 3.8 cycles (~776 per warp per output tile, ~20 of them MMAs; scripts/sass_count.py
+        # shows the row step's index arithmetic and the epilogue's register zeroing), while
+        # DRAM and L2 run at 67 % / 66 % of peak and the tensor pipe at 43 %: latency- and
+        # issue-bound, not bound by L2 reads. Compile-time N and KD (the kernel's docstring)
+        # took ~45 instructions off each row step: same bits, alternating rounds
+        # (scripts/wgrad_occupancy.py, 7 rounds) dW1 / dW2 deepseek-v3 6603 -> 6354 / 3517 ->
+        # 3438 us, qwen3 T=8192 761 -> 726 / 407 -> 384, mixtral (a loop per tile) unchanged.
+        # Two resident programs per SM (32-row steps, 4 stages, 96 KB) then ran deepseek-v3
+        # T=4096 1.02x / 1.14x, T=2048 1.07x / 1.03x, qwen3 T=2048 1.12x / 1.07x, mixtral
+        # T=512 1.12x / 1.10x, but deepseek-v3 T=3000 0.79x / 0.92x and qwen3 T=1024 1.04x /
+        # 0.97x: not taken. 64-row steps in 2 stages (two resident programs), 128x64 tiles and
+        # 8 warps were 1.1-1.6x slower.
         return WeightGradConfig(64, 128, 128, 4, 4, True, 2, flat=True)
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)

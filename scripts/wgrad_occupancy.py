@@ -1,15 +1,23 @@
 """Weight-gradient tiles against how many programs an SM holds at once (GPU).
 
-``ncu`` showed the plan's tiles at deepseek-v3 T=4096 (64-row steps, 128x128 tiles, 4 warps,
-4 stages, "2 programs per SM") holding one program per SM: 164 KB of shared memory each, so
-the 264 programs run as two waves of one warpgroup per SM, which issues on 26 % of cycles while
-the kernel reaches 67 % of the DRAM and 66 % of the L2 throughput. This times tile configs
-in alternating rounds (one process, CUDA events, medians) and prints each variant's shared
-memory, registers and the programs an SM holds, with the write rate of ``dW`` against a fill of
-the same tensor timed in the same rounds.
+``ncu`` (``--ncu`` below) showed the plan's tiles at deepseek-v3 T=4096 (64-row steps, 128x128
+tiles, 4 warps, 4 stages, "2 programs per SM") holding one program per SM: 164 KB of shared
+memory each, so the 264 programs run as two waves of one warpgroup per SM, which issues an
+instruction every 3.8 cycles while the kernel reaches 67 % of the DRAM and 66 % of the L2
+throughput. This times tile configs in alternating rounds (one process, CUDA events, medians)
+and prints each variant's shared memory, registers and the programs an SM holds, with the write
+rate of ``dW`` against a fill of the same tensor timed in the same rounds.
 
-    PYTHONPATH=. python scripts/wgrad_occupancy.py [--shape deepseek] [--which dw1 dw2]
-                                                   [--rounds 5]
+    PYTHONPATH=. python scripts/wgrad_occupancy.py [--shape deepseek] [--tokens T]
+        [--which dw1 dw2] [--rounds 5] [--only-plan | --configs 0 2]
+    PYTHONPATH=. python scripts/wgrad_occupancy.py --dump DIR   # the plan's TTGIR, PTX, cubin
+    ncu --kernel-name regex:"weight_grad" --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight python scripts/wgrad_occupancy.py --ncu --which dw1
+
+``--ncu``: two launches of the plan's kernel (and two fills), nothing else. A/B against the
+kernel before a change: copy the old ``weight_grad.py`` to
+``moe_route/kernels/triton/_wg_before.py`` (scratch, not committed); its launcher is then timed
+with the plan's tiles as ``before``.
 """
 
 import argparse
@@ -18,16 +26,12 @@ import statistics
 import torch
 
 from moe_route import build_routing_maps
+from moe_route.bench.stages import TRAINING_SHAPES, model_shape
 from moe_route.kernels.triton import weight_grad as wg
-from moe_route.kernels.triton.weight_grad import WeightGradConfig, expert_weight_grad_triton
+from moe_route.kernels.triton.weight_grad import WeightGradConfig
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
 
-SHAPES = {  # T, H, I, E, K
-    "mixtral": (4096, 4096, 14336, 8, 2),
-    "qwen3": (8192, 2048, 768, 128, 8),
-    "deepseek": (4096, 7168, 2048, 256, 8),
-}
 # block_r, block_n, block_k, warps, stages, programs per SM, flat
 CONFIGS = [
     (64, 128, 128, 4, 2, 2, True),
@@ -42,19 +46,10 @@ SMEM_PER_SM = 228 * 1024
 REGS_PER_SM = 65536
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=list(SHAPES), default="deepseek")
-    ap.add_argument("--which", nargs="+", default=["dw1", "dw2"])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--only-plan", action="store_true", help="no other configs")
-    ap.add_argument("--configs", type=int, nargs="+", help="these entries of CONFIGS only")
-    ap.add_argument("--tokens", type=int, help="tokens instead of the model's training size")
-    ap.add_argument("--dump", help="write the plan variant's TTGIR, PTX and cubin here, no timing")
-    args = ap.parse_args()
-    T, H, inter, E, K = SHAPES[args.shape]
-    T = args.tokens or T
-    dev, dt = "cuda", torch.bfloat16
+def operands(shape, which, dev="cuda", dt=torch.bfloat16):
+    """``(a, b, dw, offsets, dest_to_src, planned config)`` of dW1 (``dz^T x_perm``) or dW2
+    (``dout_perm^T (w h)``) at ``shape``, random operands and routing."""
+    T, H, inter, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
     M = T * K
     _, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)
     _, d2s, _, off = build_routing_maps(ids, E).tensors()
@@ -62,81 +57,104 @@ def main():
     w2 = torch.empty(E, H, inter, device=dev, dtype=dt)
     plan = _plan_for(torch.empty(T, H, device=dev, dtype=dt), w1, w2, K, "swiglu", "concat",
                      "standalone", True, False, "auto").configs  # fmt: skip
+    if which == "dw1":
+        a, b = torch.randn(M, 2 * inter, device=dev, dtype=dt), torch.randn(M, H, device=dev,
+                                                                             dtype=dt)  # fmt: skip
+        return a, b, w1, off, d2s, plan.wgrad1
+    a, b = torch.randn(M, H, device=dev, dtype=dt), torch.randn(M, inter, device=dev, dtype=dt)
+    return a, b, w2, off, d2s, plan.wgrad2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(TRAINING_SHAPES), default="deepseek")
+    ap.add_argument("--tokens", type=int, help="tokens instead of the model's training size")
+    ap.add_argument("--which", nargs="+", default=["dw1", "dw2"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only-plan", action="store_true", help="no other configs")
+    ap.add_argument("--configs", type=int, nargs="+", help="these entries of CONFIGS only")
+    ap.add_argument("--dump", help="write the plan variant's TTGIR, PTX and cubin here, no timing")
+    ap.add_argument("--ncu", action="store_true", help="two launches of the plan's kernel only")
+    args = ap.parse_args()
+    shape = TRAINING_SHAPES[args.shape]
+    if args.tokens:
+        shape = model_shape(shape.model, args.tokens)
+    try:  # a scratch copy of the kernel file before a change (see the module doc)
+        from moe_route.kernels.triton import _wg_before as old_module
+    except ImportError:
+        old_module = None
     for which in args.which:
-        if which == "dw1":  # dW1 = dz^T x_perm
-            a, b, dw = torch.randn(M, 2 * inter, device=dev, dtype=dt), None, w1
-            b, planned = torch.randn(M, H, device=dev, dtype=dt), plan.wgrad1
-        else:  # dW2 = dout_perm^T (w h)
-            a, dw = torch.randn(M, H, device=dev, dtype=dt), w2
-            b, planned = torch.randn(M, inter, device=dev, dtype=dt), plan.wgrad2
+        a, b, dw, off, d2s, planned = operands(shape, which)
+        M = a.shape[0]
+
+        def launch(cfg, module=wg, a=a, b=b, dw=dw, off=off, d2s=d2s, M=M):
+            module.expert_weight_grad_triton(a, b, off, dw, cfg, dest_to_src=d2s, num_rows=M)
+
+        if args.ncu:
+            for _ in range(2):
+                dw.fill_(1.0)
+                launch(planned)
+            torch.cuda.synchronize()
+            continue
         cfgs = {"plan": planned}
         chosen = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
         for c in [] if args.only_plan else chosen:
             cfgs[str(c)] = WeightGradConfig(*c[:5], use_tma=True, persistent=c[5], flat=c[6])
-        outs, fns = {}, {}
-        try:  # a scratch copy of the kernel file before a change, for an A/B in one process
-            from moe_route.kernels.triton import _wg_before as old_module
-        except ImportError:
-            old_module = None
+        outs, entries = {}, {}
         for name, cfg in cfgs.items():
-            before = {id(v) for v in _variants()}
-            expert_weight_grad_triton(a, b, off, dw, cfg, dest_to_src=d2s, num_rows=M)
+            seen = {id(v) for v in _variants()}
+            launch(cfg)
             outs[name] = dw[:8].clone()
-            new = [v for v in _variants() if id(v) not in before]
-            fns[name] = (cfg, new[0].compiled if new else None)
-        if old_module is not None:
-            old_module.expert_weight_grad_triton(
-                a, b, off, dw, planned, dest_to_src=d2s, num_rows=M
-            )
-            outs["before"] = dw[:8].clone()
-            fns["before"] = (planned, None)
-        ref = outs["plan"]
+            new = [v for v in _variants() if id(v) not in seen]
+            entries[name] = (lambda cfg=cfg: launch(cfg), new[0].compiled if new else None, cfg)
         if args.dump:
-            compiled = fns["plan"][1]
+            compiled = entries["plan"][1]
             for ext in ("ttgir", "ptx", "cubin"):
-                mode = "wb" if ext == "cubin" else "w"
-                with open(f"{args.dump}/{args.shape}_{which}.{ext}", mode) as f:
+                with open(f"{args.dump}/{args.shape}_{which}.{ext}",
+                          "wb" if ext == "cubin" else "w") as f:  # fmt: skip
                     f.write(compiled.asm[ext])
             continue
-        fns["fill"] = (None, None)
-        samples = {name: [] for name in fns}
-        order = list(fns)
-        for r in range(args.rounds):
-            for name in order[r % len(order) :] + order[: r % len(order)]:
-                cfg = fns[name][0]
-                ev = []
-                for _ in range(4):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                    s.record()
-                    if cfg is None:
-                        dw.fill_(1.0)
-                    elif name == "before":
-                        old_module.expert_weight_grad_triton(a, b, off, dw, cfg, dest_to_src=d2s,
-                                                         num_rows=M)  # fmt: skip
-                    else:
-                        expert_weight_grad_triton(a, b, off, dw, cfg, dest_to_src=d2s,
-                                                  num_rows=M)  # fmt: skip
-                    e.record()
-                    ev.append((s, e))
-                torch.cuda.synchronize()
-                samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev[1:]]
+        if old_module is not None:
+            launch(planned, old_module)
+            outs["before"] = dw[:8].clone()
+            entries["before"] = (lambda c=planned: launch(c, old_module), None, planned)
+        entries["fill"] = (lambda dw=dw: dw.fill_(1.0), None, None)
+        samples = _rounds({name: e[0] for name, e in entries.items()}, args.rounds)
         gb = dw.numel() * dw.element_size() / 1e9
-        print(f"{args.shape} T={T} {which}: dW {list(dw.shape)}, {gb:.2f} GB written")
+        print(f"{args.shape} T={shape.T} {which}: dW {list(dw.shape)}, {gb:.2f} GB written")
         print(f"  plan {planned}")
         print(f"  {'config':36s} {'us':>8s} {'TB/s':>6s} {'smem KB':>8s} {'regs':>5s} "
               f"{'per SM':>6s} {'rel err':>8s}")  # fmt: skip
-        for name, (cfg, compiled) in fns.items():
+        for name, (_, compiled, cfg) in entries.items():
             us = statistics.median(samples[name])
             smem = regs = fit = None
             if compiled is not None:
-                smem = compiled.metadata.shared
-                regs = compiled.n_regs
+                smem, regs = compiled.metadata.shared, compiled.n_regs
                 threads = cfg.num_warps * 32
                 fit = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (regs * threads))
-            err = "" if name == "fill" else f"{_rel(outs[name], ref):.1e}"
+            err = "" if name == "fill" else f"{_rel(outs[name], outs['plan']):.1e}"
             print(f"  {name:36s} {us:8.0f} {gb / us * 1e3:6.2f} "
                   f"{'' if smem is None else smem // 1024:>8} {regs or '':>5} {fit or '':>6} "
                   f"{err:>8s}")  # fmt: skip
+
+
+def _rounds(fns: dict, rounds: int) -> dict:
+    """µs samples per entry: ``rounds`` rounds, the order rotated by one each round, 4 calls per
+    entry per round (the first dropped), CUDA events."""
+    samples = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            events = []
+            for _ in range(4):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                fns[name]()
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize()
+            samples[name] += [s.elapsed_time(e) * 1e3 for s, e in events[1:]]
+    return samples
 
 
 def _variants():
