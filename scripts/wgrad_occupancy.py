@@ -4,8 +4,9 @@
 tiles, 4 warps, 4 stages, "2 programs per SM") holding one program per SM: 164 KB of shared
 memory each, so the 264 programs run as two waves of one warpgroup per SM, which issues an
 instruction every 3.8 cycles while the kernel reaches 67 % of the DRAM and 66 % of the L2
-throughput. This times tile configs in alternating rounds (one process, CUDA events, medians)
-and prints each variant's shared memory, registers and the programs an SM holds, with the write
+throughput. This times tile configs in turns (one process, eager launches,
+:func:`moe_route.bench.harness.time_interleaved`: rounds in a rotating order, medians) and
+prints each variant's shared memory, registers and the programs an SM holds, with the write
 rate of ``dW`` against a fill of the same tensor timed in the same rounds.
 
     PYTHONPATH=. python scripts/wgrad_occupancy.py [--shape deepseek] [--tokens T]
@@ -21,11 +22,11 @@ with the plan's tiles as ``before``.
 """
 
 import argparse
-import statistics
 
 import torch
 
 from moe_route import build_routing_maps
+from moe_route.bench.harness import time_interleaved
 from moe_route.bench.stages import TRAINING_SHAPES, model_shape
 from moe_route.kernels.triton import weight_grad as wg
 from moe_route.kernels.triton.weight_grad import WeightGradConfig
@@ -119,14 +120,15 @@ def main():
             outs["before"] = dw[:8].clone()
             entries["before"] = (lambda c=planned: launch(c, old_module), None, planned)
         entries["fill"] = (lambda dw=dw: dw.fill_(1.0), None, None)
-        samples = _rounds({name: e[0] for name, e in entries.items()}, args.rounds)
+        timed = time_interleaved({name: e[0] for name, e in entries.items()}, "cuda",
+                                 use_graph=False, rounds=args.rounds)  # fmt: skip
         gb = dw.numel() * dw.element_size() / 1e9
         print(f"{args.shape} T={shape.T} {which}: dW {list(dw.shape)}, {gb:.2f} GB written")
         print(f"  plan {planned}")
         print(f"  {'config':36s} {'us':>8s} {'TB/s':>6s} {'smem KB':>8s} {'regs':>5s} "
               f"{'per SM':>6s} {'rel err':>8s}")  # fmt: skip
         for name, (_, compiled, cfg) in entries.items():
-            us = statistics.median(samples[name])
+            us = timed[name][0].median_s * 1e6
             smem = regs = fit = None
             if compiled is not None:
                 smem, regs = compiled.metadata.shared, compiled.n_regs
@@ -136,25 +138,6 @@ def main():
             print(f"  {name:36s} {us:8.0f} {gb / us * 1e3:6.2f} "
                   f"{'' if smem is None else smem // 1024:>8} {regs or '':>5} {fit or '':>6} "
                   f"{err:>8s}")  # fmt: skip
-
-
-def _rounds(fns: dict, rounds: int) -> dict:
-    """µs samples per entry: ``rounds`` rounds, the order rotated by one each round, 4 calls per
-    entry per round (the first dropped), CUDA events."""
-    samples = {name: [] for name in fns}
-    order = list(fns)
-    for r in range(rounds):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
-            events = []
-            for _ in range(4):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                fns[name]()
-                end.record()
-                events.append((start, end))
-            torch.cuda.synchronize()
-            samples[name] += [s.elapsed_time(e) * 1e3 for s, e in events[1:]]
-    return samples
 
 
 def _variants():
