@@ -290,7 +290,20 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # T=512 1.12x / 1.10x, but deepseek-v3 T=3000 0.79x / 0.92x and qwen3 T=1024 1.04x /
         # 0.97x: not taken. 64-row steps in 2 stages (two resident programs), 128x64 tiles and
         # 8 warps were 1.1-1.6x slower.
-        return WeightGradConfig(64, 128, 128, 4, 4, True, 2, flat=True)
+        # NOTE: H100 (scripts/wgrad_occupancy.py --tokens / --balanced / --skew / --module,
+        # ncu, 2026-11-25): those tiles (TMA store, "2 per SM", i.e. two waves) ran deepseek-v3
+        # dW1 from 6.0 ms (T=4096, every expert 128 rows) to 8.5 ms (T=3000, random routing),
+        # the same 15 GB written. ncu at T=3000: 8.28 ms and 6.1 GB read from DRAM at the
+        # boost clock (L2 hit rate 78 %) against 5.88 ms and 0.96 GB at the base clock (96 %):
+        # the dirty dW lines fill L2 faster than DRAM drains them and evict the operand rows
+        # that the next tiles read again. One wave (one program per SM, each operand row read
+        # from DRAM once) and dW written by pointer stores marked evict-first, dW1 + dW2 in
+        # alternating rounds, ms, before -> after: deepseek-v3 T=1024 10.1 -> 8.8, 2048 10.9 ->
+        # 9.1, 3000 11.8 -> 9.1, 3500 10.1-10.9 -> 9.4, 4096 9.9 -> 10.3 (random routing; with
+        # uneven experts, logits offset by N(0, 0.2) per expert, 11.4 -> 10.4); qwen3 T=1536
+        # 0.556 -> 0.518, 2048 0.618 -> 0.565; mixtral T=512 1.26 -> 1.30, 400 1.16 -> 1.13.
+        # One wave with the TMA store was between the two (deepseek-v3 T=3000 9.8, 4096 10.3).
+        return WeightGradConfig(64, 128, 128, 4, 4, True, 1, flat=True, tma_store=False)
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)
     cfg = WeightGradConfig(32, 128, 256, 8, 4, True, 1)

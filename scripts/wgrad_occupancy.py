@@ -22,6 +22,7 @@ with the plan's tiles as ``before``.
 """
 
 import argparse
+import importlib
 
 import torch
 
@@ -47,12 +48,19 @@ SMEM_PER_SM = 228 * 1024
 REGS_PER_SM = 65536
 
 
-def operands(shape, which, dev="cuda", dt=torch.bfloat16):
+def operands(shape, which, balanced=False, skew=0.0, dev="cuda", dt=torch.bfloat16):
     """``(a, b, dw, offsets, dest_to_src, planned config)`` of dW1 (``dz^T x_perm``) or dW2
-    (``dout_perm^T (w h)``) at ``shape``, random operands and routing."""
+    (``dout_perm^T (w h)``) at ``shape``, random operands and routing (``balanced``: token
+    ``t``'s experts ``t*K .. t*K + K-1`` mod ``E``, so every expert gets the same rows, to
+    within one; ``skew``: the router logits get a per-expert offset of that standard deviation,
+    so that the experts' rows spread as a trained router's do)."""
     T, H, inter, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
     M = T * K
-    _, ids = topk_routing_reference(torch.randn(T, E, device=dev), K)
+    if balanced:
+        ids = (torch.arange(M, device=dev) % E).view(T, K)
+    else:
+        logits = torch.randn(T, E, device=dev) + skew * torch.randn(E, device=dev)
+        _, ids = topk_routing_reference(logits, K)
     _, d2s, _, off = build_routing_maps(ids, E).tensors()
     w1 = torch.empty(E, 2 * inter, H, device=dev, dtype=dt)
     w2 = torch.empty(E, H, inter, device=dev, dtype=dt)
@@ -72,11 +80,34 @@ def main():
     ap.add_argument("--tokens", type=int, help="tokens instead of the model's training size")
     ap.add_argument("--which", nargs="+", default=["dw1", "dw2"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--balanced",
+        action="store_true",
+        help="every expert the same rows (T*K/E) instead of random routing",
+    )
+    ap.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="std of a per-expert offset of the router logits (uneven experts)",
+    )
     ap.add_argument("--only-plan", action="store_true", help="no other configs")
-    ap.add_argument("--configs", type=int, nargs="+", help="these entries of CONFIGS only")
+    ap.add_argument("--configs", type=int, nargs="*", help="these entries of CONFIGS only")
+    ap.add_argument(
+        "--extra",
+        nargs="+",
+        default=[],
+        metavar="R,N,K,WARPS,STAGES,PER_SM,FLAT",
+        help="more configs, written as the CONFIGS tuples (FLAT 0 or 1)",
+    )
     ap.add_argument("--dump", help="write the plan variant's TTGIR, PTX and cubin here, no timing")
     ap.add_argument("--ncu", action="store_true", help="two launches of the plan's kernel only")
+    ap.add_argument("--module", help="time the --configs / --extra tiles with the launcher of "
+                    "this (scratch) module of moe_route/kernels/triton instead")  # fmt: skip
     args = ap.parse_args()
+    other = wg
+    if args.module:
+        other = importlib.import_module(f"moe_route.kernels.triton.{args.module}")
     shape = TRAINING_SHAPES[args.shape]
     if args.tokens:
         shape = model_shape(shape.model, args.tokens)
@@ -85,7 +116,7 @@ def main():
     except ImportError:
         old_module = None
     for which in args.which:
-        a, b, dw, off, d2s, planned = operands(shape, which)
+        a, b, dw, off, d2s, planned = operands(shape, which, args.balanced, args.skew)
         M = a.shape[0]
 
         def launch(cfg, module=wg, a=a, b=b, dw=dw, off=off, d2s=d2s, M=M):
@@ -98,16 +129,19 @@ def main():
             torch.cuda.synchronize()
             continue
         cfgs = {"plan": planned}
-        chosen = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
+        chosen = [CONFIGS[i] for i in args.configs] if args.configs is not None else CONFIGS
+        chosen = chosen + [tuple(int(v) for v in e.split(",")) for e in args.extra]
         for c in [] if args.only_plan else chosen:
-            cfgs[str(c)] = WeightGradConfig(*c[:5], use_tma=True, persistent=c[5], flat=c[6])
+            cfgs[str(c)] = WeightGradConfig(*c[:5], use_tma=True, persistent=c[5], flat=bool(c[6]))
         outs, entries = {}, {}
         for name, cfg in cfgs.items():
-            seen = {id(v) for v in _variants()}
-            launch(cfg)
+            module = wg if name == "plan" else other
+            seen = {id(v) for v in _variants(module)}
+            launch(cfg, module)
             outs[name] = dw[:8].clone()
-            new = [v for v in _variants() if id(v) not in seen]
-            entries[name] = (lambda cfg=cfg: launch(cfg), new[0].compiled if new else None, cfg)
+            new = [v for v in _variants(module) if id(v) not in seen]
+            entries[name] = (lambda cfg=cfg, m=module: launch(cfg, m),
+                             new[0].compiled if new else None, cfg)  # fmt: skip
         if args.dump:
             compiled = entries["plan"][1]
             for ext in ("ttgir", "ptx", "cubin"):
@@ -123,7 +157,8 @@ def main():
         timed = time_interleaved({name: e[0] for name, e in entries.items()}, "cuda",
                                  use_graph=False, rounds=args.rounds)  # fmt: skip
         gb = dw.numel() * dw.element_size() / 1e9
-        print(f"{args.shape} T={shape.T} {which}: dW {list(dw.shape)}, {gb:.2f} GB written")
+        routing = " balanced" if args.balanced else f" skew {args.skew}" if args.skew else ""
+        print(f"{args.shape} T={shape.T}{routing} {which}: dW {list(dw.shape)}, {gb:.2f} GB")
         print(f"  plan {planned}")
         print(f"  {'config':36s} {'us':>8s} {'TB/s':>6s} {'smem KB':>8s} {'regs':>5s} "
               f"{'per SM':>6s} {'rel err':>8s}")  # fmt: skip
@@ -140,8 +175,9 @@ def main():
                   f"{err:>8s}")  # fmt: skip
 
 
-def _variants():
-    return [run for _, runs in wg._WEIGHT_GRAD_TMA._entries.values() for run in runs.values()]
+def _variants(module):
+    table = module._WEIGHT_GRAD_TMA._entries.values()
+    return [run for _, runs in table for run in runs.values()]
 
 
 def _rel(x, y):

@@ -54,26 +54,26 @@ def _rel(got, want):
 
 
 @pytest.mark.parametrize(
-    ("use_tma", "persistent", "k_fastest", "flat"),
-    [(False, 0, True, False), (True, 0, True, False), (True, 1, True, False),
-     (True, 2, False, False), (True, 0, True, True), (True, 1, True, True),
-     (True, 3, False, True)],
+    ("use_tma", "persistent", "k_fastest", "flat", "tma_store"),
+    [(False, 0, True, False, True), (True, 0, True, False, True), (True, 1, True, False, True),
+     (True, 2, False, False, True), (True, 0, True, True, True), (True, 1, True, True, True),
+     (True, 3, False, True, True), (True, 1, True, True, False)],
     ids=["pointers", "tma", "tma-persistent", "tma-persistent-along-n", "flat",
-         "flat-persistent", "flat-persistent-along-n"],
+         "flat-persistent", "flat-persistent-along-n", "flat-persistent-pointer-stores"],
 )  # fmt: skip
 @pytest.mark.parametrize(
     ("T", "K", "E", "N", "KD", "drop"),
     [(13, 2, 5, 48, 80, 0.0), (9, 3, 7, 16, 32, 0.2), (20, 1, 2, 80, 48, 0.0)],
     ids=["odd", "dropped+empty", "long-experts"],
 )
-def test_weight_grad_kernels_match_float64(use_tma, persistent, k_fastest, flat, T, K, E, N,
-                                           KD, drop):  # fmt: skip
+def test_weight_grad_kernels_match_float64(use_tma, persistent, k_fastest, flat, tma_store, T, K,
+                                           E, N, KD, drop):  # fmt: skip
     # sizes: multiples of 16 elements (the interpreter's descriptors want 16-element strides),
     # not of the 32-wide tiles; rows per expert not a multiple of the 8-row step
     maps, a, b, w = _setup(T, K, E, N, KD, seed=T + E, drop=drop)
     _, d2s, _, off = maps
     cfg = WeightGradConfig(8, 32, 32, 4, 2, use_tma=use_tma, persistent=persistent,
-                           k_fastest=k_fastest, flat=flat)  # fmt: skip
+                           k_fastest=k_fastest, flat=flat, tma_store=tma_store)  # fmt: skip
     routed = int(off[-1])
     a[routed:] = float("nan")  # the dropped slots' rows: no kernel may read them
     b[routed:] = float("nan")
@@ -107,3 +107,18 @@ def test_gathered_operand_matches_permuted():
                                   num_rows=T * K)  # fmt: skip
         out.append(dw)
     assert _rel(out[1], out[0].double()) < TOL
+
+
+def test_tuning_writes_short_reductions_with_pointer_stores():
+    """The bf16 SM90 tiles for 17-128 rows per expert take one program per SM and pointer
+    stores (see the tuning NOTE: with TMA stores, dW's dirty lines pushed the operands out of
+    L2); longer reductions keep the TMA store; the decode sizes take the pointer kernel."""
+    from moe_route import tuning
+
+    for rows in (17.0, 64.0, 128.0):
+        cfg = tuning.weight_grad_config(rows, 4096, 7168, torch.bfloat16, 90)
+        assert (cfg.use_tma, cfg.persistent, cfg.flat, cfg.tma_store) == (True, 1, True, False)
+    for rows in (256.0, 1024.0):
+        cfg = tuning.weight_grad_config(rows, 4096, 7168, torch.bfloat16, 90)
+        assert cfg.use_tma and cfg.tma_store
+    assert not tuning.weight_grad_config(8.0, 4096, 7168, torch.bfloat16, 90).use_tma

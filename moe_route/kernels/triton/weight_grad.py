@@ -68,6 +68,9 @@ class WeightGradConfig:
     #: the TMA kernel only: one loop over all (tile, row step) pairs of a program, the next
     #: tile's loads overlapping the current tile's last steps (else a loop per tile)
     flat: bool = False
+    #: the TMA kernel only: ``dW`` written through a TMA store where it allows one (else
+    #: through pointer stores marked evict-first, as the pointer kernel writes it)
+    tma_store: bool = True
     #: the pointer kernel: the launch sequence permutes a gathered operand into a buffer first
     #: (an expand), as for the TMA kernel, instead of the kernel gathering its rows through
     #: the maps
@@ -93,7 +96,10 @@ def _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, n0, k0, pid_k, N, KD, st
               stride_wn, stride_wk, stride_dbe, stride_dbn, HAS_DBIAS: tl.constexpr,
               DW_DESC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The tile of ``dW[e]`` (through ``dw_desc`` with ``DW_DESC``: an asynchronous store, the
-    program moves on to its next tile meanwhile) and, from the first ``Kd`` tile, ``db[e]``."""
+    program moves on to its next tile meanwhile) and, from the first ``Kd`` tile, ``db[e]``.
+
+    The pointer stores are marked evict-first: ``dW`` is written once and not read here, and
+    its lines then leave L2 before the operand rows that the next tiles read again."""
     ns = n0 + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     if DW_DESC:
@@ -104,7 +110,8 @@ def _store_dw(dw_ptr, dw_desc, db_ptr, acc, col_sum, e, n0, k0, pid_k, N, KD, st
         dw_ptrs = (
             dw_ptr + e.to(tl.int64) * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk
         )
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :],
+                 eviction_policy="evict_first")  # fmt: skip
     if HAS_DBIAS:  # noqa: SIM102 (a constexpr test, then a run-time one)
         if pid_k == 0:
             db_ptrs = db_ptr + e.to(tl.int64) * stride_dbe + ns * stride_dbn
@@ -395,7 +402,7 @@ def expert_weight_grad_triton(
 def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_db, a_scale,
                 db_strides, scale_strides):  # fmt: skip
     E, N, KD = dw.shape
-    dw_tma = tma_operands_ok(dw)
+    dw_tma = c.tma_store and tma_operands_ok(dw)
     tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
     programs = tiles if not c.persistent else min(tiles, c.persistent * num_sms(a.device))
     sw = dw.stride()
