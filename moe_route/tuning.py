@@ -303,6 +303,8 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # uneven experts, logits offset by N(0, 0.2) per expert, 11.4 -> 10.4); qwen3 T=1536
         # 0.556 -> 0.518, 2048 0.618 -> 0.565; mixtral T=512 1.26 -> 1.30, 400 1.16 -> 1.13.
         # One wave with the TMA store was between the two (deepseek-v3 T=3000 9.8, 4096 10.3).
+        # ncu at T=3000, boost clock, after: dW1 5.63 ms, 0.54 GB read from DRAM (the operands
+        # once), L2 hit rate 97.5 %.
         return WeightGradConfig(64, 128, 128, 4, 4, True, 1, flat=True, tma_store=False)
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)

@@ -16,6 +16,8 @@ import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_route.__main__ import main as cli_main
 from moe_route.bench import backward, harness, host, profiling, report, stages, suite
@@ -564,3 +566,12 @@ def test_runs_split_over_files_render_as_one_table(tmp_path):
     )
     assert md.count("### forward") == 1 and "### forward (`decode.json`, `prefill.json`)" in md
     assert "| m T=8 | 8.0 µs | 72.0 µs (9.00×) |" in md and "| m T=4096 | 4.10 ms |" in md
+
+
+@given(st.lists(st.floats(1e-7, 1e-1), min_size=1, max_size=40), st.integers(0, 3))
+@settings(max_examples=200, deadline=None)
+def test_summary_percentiles_bracket_the_median(samples, repeats):
+    """p20 <= median <= p80 exactly (the report draws median - p20 and p80 - median as error
+    bars); equal samples, whose interpolated percentiles can land an ulp off, included."""
+    t = harness._summarise(samples + [samples[0]] * repeats)
+    assert t.p20_s <= t.median_s <= t.p80_s

@@ -86,7 +86,10 @@ def _summarise(samples: list[float], note: str = "") -> Timing:
     if len(samples) == 1:
         return Timing(samples[0], samples[0], samples[0], 1, note)
     q = statistics.quantiles(samples, n=10, method="inclusive")
-    return Timing(statistics.median(samples), q[1], q[7], len(samples), note)
+    median = statistics.median(samples)
+    # The interpolated percentiles can land an ulp past the median (equal samples): the report's
+    # error bars are median - p20 and p80 - median, which must not be negative.
+    return Timing(median, min(q[1], median), max(q[7], median), len(samples), note)
 
 
 def time_cuda(
