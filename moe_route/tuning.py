@@ -260,6 +260,10 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # torch._grouped_mm 477 / 549 / 542, 7695 / 7924 / 7973 / 8463; 32x64 tiles were 2-3 %
         # faster at qwen3, 1-3 % slower at deepseek-v3). Below a quarter of a row per expert
         # (T <= 4 at qwen3) a call is host-bound and the gather saves the expands' launches.
+        # NOTE: H100 (scripts/wgrad_occupancy.py --only-plan against the kernel before, 6
+        # rounds, 2026-11-25): dW stored evict-first (see _store_dw) took these tiles' dW1 / dW2
+        # at qwen3 T=64 from 282 / 156 to 260 / 134 us, T=256 307 / 171 -> 304 / 159, T=8
+        # 258 / 132 -> 255 / 129; deepseek-v3 T=64, 256 within 0.5 % (3.1-3.2 TB/s already).
         return WeightGradConfig(16, 128, 128, 4, 4, permuted=True)
     if cc is None or cc < 90 or rows_per_expert <= 16:  # the pointer kernel (H200 sweep)
         if rows_per_expert <= 512:
