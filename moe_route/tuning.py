@@ -308,7 +308,9 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # 0.556 -> 0.518, 2048 0.618 -> 0.565; mixtral T=512 1.26 -> 1.30, 400 1.16 -> 1.13.
         # One wave with the TMA store was between the two (deepseek-v3 T=3000 9.8, 4096 10.3).
         # ncu at T=3000, boost clock, after: dW1 5.63 ms, 0.54 GB read from DRAM (the operands
-        # once), L2 hit rate 97.5 %.
+        # once), L2 hit rate 97.5 %. In the <= 512 rows bucket below (4-8 row steps per tile,
+        # compute-bound) pointer stores were 0-7 % slower (deepseek-v3 T=6000 / 8192, qwen3
+        # T=4096 / 8192 with uneven experts), so it keeps its TMA store.
         return WeightGradConfig(64, 128, 128, 4, 4, True, 1, flat=True, tma_store=False)
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)

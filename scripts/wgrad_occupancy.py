@@ -34,7 +34,7 @@ from moe_route.kernels.triton.weight_grad import WeightGradConfig
 from moe_route.moe import _plan_for
 from moe_route.reference import topk_routing_reference
 
-# block_r, block_n, block_k, warps, stages, programs per SM, flat
+# block_r, block_n, block_k, warps, stages, programs per SM, flat[, tma_store (default 1)]
 CONFIGS = [
     (64, 128, 128, 4, 2, 2, True),
     (32, 128, 128, 4, 4, 2, True),
@@ -97,8 +97,8 @@ def main():
         "--extra",
         nargs="+",
         default=[],
-        metavar="R,N,K,WARPS,STAGES,PER_SM,FLAT",
-        help="more configs, written as the CONFIGS tuples (FLAT 0 or 1)",
+        metavar="R,N,K,WARPS,STAGES,PER_SM,FLAT[,TMA_STORE]",
+        help="more configs, written as the CONFIGS tuples (FLAT, TMA_STORE: 0 or 1)",
     )
     ap.add_argument("--dump", help="write the plan variant's TTGIR, PTX and cubin here, no timing")
     ap.add_argument("--ncu", action="store_true", help="two launches of the plan's kernel only")
@@ -132,7 +132,13 @@ def main():
         chosen = [CONFIGS[i] for i in args.configs] if args.configs is not None else CONFIGS
         chosen = chosen + [tuple(int(v) for v in e.split(",")) for e in args.extra]
         for c in [] if args.only_plan else chosen:
-            cfgs[str(c)] = WeightGradConfig(*c[:5], use_tma=True, persistent=c[5], flat=bool(c[6]))
+            cfgs[str(c)] = WeightGradConfig(
+                *c[:5],
+                use_tma=True,
+                persistent=c[5],
+                flat=bool(c[6]),
+                tma_store=bool(c[7]) if len(c) > 7 else True,
+            )
         outs, entries = {}, {}
         for name, cfg in cfgs.items():
             module = wg if name == "plan" else other
