@@ -10,15 +10,23 @@ prints each variant's shared memory, registers and the programs an SM holds, wit
 rate of ``dW`` against a fill of the same tensor timed in the same rounds.
 
     PYTHONPATH=. python scripts/wgrad_occupancy.py [--shape deepseek] [--tokens T]
-        [--which dw1 dw2] [--rounds 5] [--only-plan | --configs 0 2]
+        [--which dw1 dw2] [--rounds 5] [--balanced | --skew 0.2]
+        [--only-plan | --configs [0 2 ...] --extra 64,128,128,4,4,1,1,0 ...] [--module NAME]
     PYTHONPATH=. python scripts/wgrad_occupancy.py --dump DIR   # the plan's TTGIR, PTX, cubin
-    ncu --kernel-name regex:"weight_grad" --launch-skip 1 --launch-count 1 \
-        --section SpeedOfLight python scripts/wgrad_occupancy.py --ncu --which dw1
+    ncu --clock-control none --kernel-name regex:"weight_grad" --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --metrics dram__bytes_read.sum python scripts/wgrad_occupancy.py --ncu --which dw1
 
-``--ncu``: two launches of the plan's kernel (and two fills), nothing else. A/B against the
-kernel before a change: copy the old ``weight_grad.py`` to
-``moe_route/kernels/triton/_wg_before.py`` (scratch, not committed); its launcher is then timed
-with the plan's tiles as ``before``.
+``--ncu``: two launches of the plan's kernel (and two fills), nothing else. Keep
+``--clock-control none``: at ncu's default (base clock) the TMA-stored tiles above read 0.96 GB
+from DRAM at deepseek-v3 T=3000, at the boost clock the kernels run at 6.1 GB (their dirty
+``dW`` lines crowding the operands out of L2), which is what the timing sees (see the tuning
+NOTE of :func:`moe_route.tuning.weight_grad_config`). ``--extra``: configs as the CONFIGS
+tuples; ``--module``: time them with the launcher of a scratch copy of ``weight_grad.py`` in
+``moe_route/kernels/triton/`` (a kernel variant). A/B against the kernel before a change: copy
+the old ``weight_grad.py`` to ``moe_route/kernels/triton/_wg_before.py`` (scratch, not
+committed); its launcher is then timed with the plan's tiles as ``before``. ``--balanced`` /
+``--skew``: routing with equal rows per expert / uneven rows (the default is uniform random).
 """
 
 import argparse
