@@ -1,13 +1,9 @@
-"""Weight-gradient tiles against how many programs an SM holds at once (GPU).
-
-``ncu`` (``--ncu`` below) showed the plan's tiles at deepseek-v3 T=4096 (64-row steps, 128x128
-tiles, 4 warps, 4 stages, "2 programs per SM") holding one program per SM: 164 KB of shared
-memory each, so the 264 programs run as two waves of one warpgroup per SM, which issues an
-instruction every 3.8 cycles while the kernel reaches 67 % of the DRAM and 66 % of the L2
-throughput. This times tile configs in turns (one process, eager launches,
+"""Weight-gradient tiles against how many programs an SM holds at once, and against what they
+do to L2 (GPU). This times tile configs in turns (one process, eager launches,
 :func:`moe_route.bench.harness.time_interleaved`: rounds in a rotating order, medians) and
 prints each variant's shared memory, registers and the programs an SM holds, with the write
-rate of ``dW`` against a fill of the same tensor timed in the same rounds.
+rate of ``dW`` against a fill of the same tensor timed in the same rounds (the write bound of
+these kernels at few rows per expert, where ``dW`` is larger than everything they read).
 
     PYTHONPATH=. python scripts/wgrad_occupancy.py [--shape deepseek] [--tokens T]
         [--which dw1 dw2] [--rounds 5] [--balanced | --skew 0.2]
@@ -18,9 +14,9 @@ rate of ``dW`` against a fill of the same tensor timed in the same rounds.
         --metrics dram__bytes_read.sum python scripts/wgrad_occupancy.py --ncu --which dw1
 
 ``--ncu``: two launches of the plan's kernel (and two fills), nothing else. Keep
-``--clock-control none``: at ncu's default (base clock) the TMA-stored tiles above read 0.96 GB
-from DRAM at deepseek-v3 T=3000, at the boost clock the kernels run at 6.1 GB (their dirty
-``dW`` lines crowding the operands out of L2), which is what the timing sees (see the tuning
+``--clock-control none``: at ncu's default (base clock) the TMA-stored 17-128-row tiles read 0.96 GB
+from DRAM at deepseek-v3 T=3000 and 6.1 GB at the boost clock (their dirty ``dW`` lines
+crowding the operands out of L2), and the timing runs at the boost clock (see the tuning
 NOTE of :func:`moe_route.tuning.weight_grad_config`). ``--extra``: configs as the CONFIGS
 tuples; ``--module``: time them with the launcher of a scratch copy of ``weight_grad.py`` in
 ``moe_route/kernels/triton/`` (a kernel variant). A/B against the kernel before a change: copy
