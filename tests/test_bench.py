@@ -157,6 +157,29 @@ def test_shape_selection():
         stages.custom_shape("1,2,3")
 
 
+def test_skewed_routing_shapes():
+    """``--skew``: every shape carries it in its label and dims; its routing spreads the experts'
+    rows wider than uniform routing, which it leaves bit for bit as it was."""
+    plain = stages.custom_shape("512,64,32,64,8")
+    picked = stages.select_shapes(["deepseek"], tokens=[8], custom=["512,64,32,64,8"], skew=0.5)
+    assert [s.skew for s in picked] == [0.5, 0.5]
+    skewed = picked[-1]
+    assert skewed.label == plain.label + " skew 0.5" and skewed.dims()["skew"] == 0.5
+    assert "skew" not in plain.dims()
+    with pytest.raises(ValueError, match="--skew -1"):
+        stages.select_shapes(skew=-1.0)
+    cpu = torch.device("cpu")
+
+    def counts(shape):
+        ids = stages.Inputs(shape, cpu, torch.float32).topk_ids
+        return torch.bincount(ids.flatten().long(), minlength=shape.E).float()
+
+    again = stages.Inputs(plain, cpu, torch.float32).topk_ids
+    assert torch.equal(again, stages.Inputs(plain, cpu, torch.float32).topk_ids)
+    assert counts(skewed).std() > 2 * counts(plain).std()
+    assert counts(skewed).sum() == counts(plain).sum() == 512 * 8
+
+
 def test_stage_selection():
     assert [s.name for s in stages.select_stages(["routing"])] == ["maps", "expand", "finalize"]
     assert [s.name for s in stages.select_stages(["train,maps"])] == ["maps", "train"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -38,6 +38,8 @@ class Shape:
     """One problem size: ``T`` tokens, hidden ``H``, intermediate ``I``, ``E`` experts, top ``K``.
 
     ``model`` names the dimensions (a model of :data:`MODELS`, ``cpu-tiny`` or ``custom-...``).
+    ``skew``: the router logits get a per-expert offset drawn with this standard deviation, so
+    the experts' rows spread unevenly, as a trained router's do (0: uniform random routing).
     """
 
     model: str
@@ -46,10 +48,11 @@ class Shape:
     I: int  # noqa: E741 - the design's name
     E: int
     K: int
+    skew: float = 0.0
 
     @property
     def label(self) -> str:
-        return f"{self.model} T={self.T}"
+        return f"{self.model} T={self.T}" + (f" skew {self.skew:g}" if self.skew else "")
 
     @property
     def decode(self) -> bool:
@@ -64,6 +67,7 @@ class Shape:
             "I": self.I,
             "E": self.E,
             "K": self.K,
+            **({"skew": self.skew} if self.skew else {}),
         }
 
 
@@ -125,14 +129,17 @@ def custom_shape(spec: str) -> Shape:
 
 
 def select_shapes(
-    words=None, tokens=None, custom=(), quick: bool = False, cpu: bool = False
+    words=None, tokens=None, custom=(), quick: bool = False, cpu: bool = False, skew: float = 0.0
 ) -> list[Shape]:
     """The standard shapes filtered by ``words``, with ``tokens`` replacing the T values.
 
     ``words``: model names or prefixes (``qwen3``), ``decode``, ``prefill``; models are OR-ed,
     the regime filters AND-ed with them. ``tokens``: T values for every selected model.
-    ``custom``: extra ``"T,H,I,E,K"`` shapes, always kept.
+    ``custom``: extra ``"T,H,I,E,K"`` shapes, always kept. ``skew``: :attr:`Shape.skew` of
+    every shape.
     """
+    if skew < 0:
+        raise ValueError(f"--skew {skew}: a standard deviation, expected >= 0")
     words = [w.lower() for w in words or []]
     regimes = {w for w in words if w in ("decode", "prefill")}
     model_words = [w for w in words if w not in regimes]
@@ -153,7 +160,8 @@ def select_shapes(
         shapes = [s for s in shapes if s.decode]
     elif regimes == {"prefill"}:
         shapes = [s for s in shapes if not s.decode]
-    return shapes + [custom_shape(c) for c in custom]
+    shapes += [custom_shape(c) for c in custom]
+    return [replace(s, skew=skew) for s in shapes] if skew else shapes
 
 
 # --------------------------------------------------------------------------- inputs
@@ -190,6 +198,8 @@ class Inputs:
     def routing(self):  # (topk_weights [T, K] float32, topk_ids [T, K] int32): softmax top-k
         s = self.shape
         logits = torch.randn(s.T, s.E, device=self.device, generator=self.gen)
+        if s.skew:
+            logits += s.skew * torch.randn(s.E, device=self.device, generator=self.gen)
         return moe_route.reference.topk_routing_reference(logits, s.K, renormalize=True)
 
     @property

@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokens", nargs="+", type=int, metavar="T", help="T values instead of the standard ones"
     )
     p.add_argument(
+        "--skew", type=float, default=0.0, metavar="S",
+        help="uneven experts: the router logits get a per-expert offset of standard deviation S "
+        "(0.2 spreads deepseek-v3's 128 rows per expert over ~16-400; default 0: uniform)",
+    )  # fmt: skip
+    p.add_argument(
         "--custom",
         action="append",
         default=[],
@@ -193,7 +198,9 @@ def run(args) -> int:
     device = torch.device("cuda" if want_cuda else "cpu")
     try:
         stages = select_stages(args.stages)
-        shapes = select_shapes(args.shapes, args.tokens, args.custom, args.quick, cpu=cpu)
+        shapes = select_shapes(
+            args.shapes, args.tokens, args.custom, args.quick, cpu=cpu, skew=args.skew
+        )
     except ValueError as exc:
         print(f"bench: {exc}")
         return 2
