@@ -27,16 +27,16 @@ committed); its launcher is then timed with the plan's tiles as ``before``. ``--
 
 import argparse
 import importlib
+from dataclasses import replace
 
 import torch
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import time_interleaved
-from moe_route.bench.stages import TRAINING_SHAPES, model_shape
+from moe_route.bench.stages import TRAINING_SHAPES, Inputs, model_shape
 from moe_route.kernels.triton import weight_grad as wg
 from moe_route.kernels.triton.weight_grad import WeightGradConfig
 from moe_route.moe import _plan_for
-from moe_route.reference import topk_routing_reference
 
 # block_r, block_n, block_k, warps, stages, programs per SM, flat[, tma_store (default 1)]
 CONFIGS = [
@@ -56,15 +56,13 @@ def operands(shape, which, balanced=False, skew=0.0, dev="cuda", dt=torch.bfloat
     """``(a, b, dw, offsets, dest_to_src, planned config)`` of dW1 (``dz^T x_perm``) or dW2
     (``dout_perm^T (w h)``) at ``shape``, random operands and routing (``balanced``: token
     ``t``'s experts ``t*K .. t*K + K-1`` mod ``E``, so every expert gets the same rows, to
-    within one; ``skew``: the router logits get a per-expert offset of that standard deviation,
-    so that the experts' rows spread as a trained router's do)."""
+    within one; ``skew``: the bench's uneven routing, :attr:`moe_route.bench.stages.Shape.skew`)."""
     T, H, inter, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
     M = T * K
     if balanced:
         ids = (torch.arange(M, device=dev) % E).view(T, K)
     else:
-        logits = torch.randn(T, E, device=dev) + skew * torch.randn(E, device=dev)
-        _, ids = topk_routing_reference(logits, K)
+        ids = Inputs(replace(shape, skew=skew), torch.device(dev), dt).topk_ids
     _, d2s, _, off = build_routing_maps(ids, E).tensors()
     w1 = torch.empty(E, 2 * inter, H, device=dev, dtype=dt)
     w2 = torch.empty(E, H, inter, device=dev, dtype=dt)
