@@ -244,6 +244,19 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
     115 us), so the launch sequence keeps the expand. Storing the permuted rows from the GEMM
     that gathers them anyway cost about what the expand costs (step 1 fused: +116 us at
     qwen3; its plain GEMM: +88 us).
+
+    NOTE: H100, bf16 (scripts/wgrad_ws.py of commit 243e9c4, a trial kept in the history
+    only, 2026-11-25): a warp-specialised Gluon kernel (one warp issuing the TMA loads into
+    a ring of slots, one wgmma warpgroup multiplying and TMA-storing; bitwise equal to the TMA
+    kernel with the same tiles) against these tables, alternating rounds. 64x128x128 tiles,
+    4 stages: qwen3 T=4096 (256 rows) dW1 / dW2 1.12x / 1.08x (two runs), deepseek-v3 T=4096
+    dW2 1.09-1.14x (three runs) but T=2048 / 3000 0.87x / 0.89x, deepseek-v3 dW1 0.81-0.93x
+    at every T (its TMA store crowds L2 as in the NOTE below; pointer stores from the
+    accumulator's layout ran 2.5x slower, through a layout conversion 0.98x), qwen3 T=8192
+    0.98-1.01x, mixtral T=4096 dW1 1.02-1.06x with 64x256x128 tiles on 8 warps, dW2 0.96x,
+    T=8192 0.87-0.95x. Two MMA warpgroups taking turns (ping-pong, two rings of 2-4 slots)
+    ran 1.3-1.9x slower. With the loads and the epilogue off the MMA warps and no gain, the
+    instruction stream is not what bounds these kernels at the training shapes; not taken.
     """
     if dtype == torch.float64:
         return WeightGradConfig(16, 32, 32, 4, 1)
