@@ -341,7 +341,9 @@ def test_host_and_backward_tables():
         row("host", "m T=64", "fused_moe new T", 2000.0, new_T=[63, 48], first_us=[2000.0, 1500.0],
             repeat_us=500.0, first_over_repeat=4.0),
         row("backward", "m T=4096", "moe_route: total", 200.0, 2e8, step="total", of="moe_route"),
-        row("backward", "m T=4096", "moe_route: dW1", 40.0, 2e7, step="dW1", of="moe_route"),
+        row("backward", "m T=4096", "moe_route: dW1", 40.0, 2e7, step="dW1", of="moe_route",
+            of_dense=0.6, kernels={"_expand_rows_kernel": 10.0,
+                                   "_expert_weight_grad_tma_kernel": 30.0}),
         row("backward", "m T=4096", "grouped_mm: dW1", 60.0, 2e7, step="dW1", of="grouped_mm"),
         row("backward", "m T=4096", "grouped_mm: other", 5.0, step="other", of="grouped_mm"),
     ]  # fmt: skip
@@ -352,9 +354,12 @@ def test_host_and_backward_tables():
     lines = md.split("### backward")[1].splitlines()
     table = [line for line in lines if line.startswith("| m T=4096")]
     assert table == [  # steps in the backward's order, other and total last
-        "| m T=4096 | dW1 | 40.0 µs (50 %) | 60.0 µs (33 %) | 1.50× |",
-        "| m T=4096 | other | — | 5.0 µs | — |",
-        "| m T=4096 | total | 200 µs (100 %) | — | — |",
+        # the GEMM kernels alone: 30 of the step's 40 µs, so 0.6 * 40 / 30 of dense and
+        # 0.5 * 40 / 30 of the step's roofline
+        "| m T=4096 | dW1 | 40.0 µs (50 %) | 60.0 µs (33 %) | 1.50× "
+        "| 30.0 µs (80 % of dense, 67 % roofline) |",
+        "| m T=4096 | other | — | 5.0 µs | — | — |",
+        "| m T=4096 | total | 200 µs (100 %) | — | — | — |",
     ]
     # they have their own tables, and no place in the roofline and speed-up plots
     src = report.Source("x.json", {"gpu": "G"}, rows)

@@ -58,6 +58,9 @@ MOE_ROUTE_KERNELS: dict[str, Rule] = {
     r"_expert_weight_grad": (DW2, DW1),
     r"_finalize": (EXPAND,),  # dx[t] = sum over k of dx_perm
 }
+#: moe_route's GEMM kernels among them (the rest move or reduce memory): the report gives a
+#: GEMM step's own GEMM kernels' rate against the dense matmul rate beside the step's.
+MOE_ROUTE_GEMMS = r"_gemm_kernel|_gemm_persistent|_gemm_act_bwd|_expert_weight_grad"
 # torch._grouped_mm autograd (baselines.grouped_mm_forward), best effort: its backward runs
 # index_add_'s backward (gather dout), the router weight's mul backward (dout·w; (dout·y).sum),
 # the index backward of the weights (sort + accumulate), GEMM2's backward (input, then weight

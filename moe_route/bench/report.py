@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .backward import BACKWARD_STEPS, TOTAL
+from .backward import BACKWARD_STEPS, MOE_ROUTE_GEMMS, TOTAL
 from .harness import BASELINES, Row, add_speedups, row_from_dict
 from .profiling import OTHER
 
@@ -243,7 +243,8 @@ def host_table(rows: list[Row], stage: str = "host") -> str:
 
 def backward_table(rows: list[Row], stage: str = "backward") -> str:
     """The backward stage: a line per (shape, step), a column per implementation with the
-    step's device time and roofline fraction, and how many times faster the first one is."""
+    step's device time and roofline fraction, and how many times faster the first one is; then,
+    for moe_route's GEMM steps, its GEMM kernels alone (:func:`_gemm_kernels_cell`)."""
     rows = [r for r in rows if r.stage == stage]
     of = list(dict.fromkeys(r.extra.get("of", r.impl) for r in rows))
     of.sort(key=lambda i: i != "moe_route")
@@ -254,6 +255,9 @@ def backward_table(rows: list[Row], stage: str = "backward") -> str:
     head = ["shape", "step", *of]
     if len(of) > 1:
         head.append(f"{of[1]} ÷ {of[0]}")
+    gemms = "moe_route" in of
+    if gemms:
+        head.append("moe_route GEMM kernels")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for shape in _shapes(rows):
         for step in steps:
@@ -271,8 +275,27 @@ def backward_table(rows: list[Row], stage: str = "backward") -> str:
             if len(of) > 1:
                 a, b = found[0], found[1]
                 cells.append(_fmt_ratio(b.median_us / a.median_us) if a and b else "—")
+            if gemms:
+                cells.append(_gemm_kernels_cell(by.get((shape, "moe_route", step))))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _gemm_kernels_cell(r: Row | None) -> str:
+    """A GEMM step's GEMM kernels (``MOE_ROUTE_GEMMS``) alone: their device time, the step's
+    FLOPs over it as a fraction of the dense matmul rate, and the step's roofline time over it
+    (the step's time also holds its memory passes, e.g. the expand that feeds ``dW2``, or the
+    split activation backward's pass over the rows; where the weights dominate the bytes, as
+    at deepseek-v3's 128 rows per expert, the roofline is the bound, not the dense rate);
+    ``—`` for the other steps."""
+    if r is None or not r.extra.get("of_dense") or not r.extra.get("kernels"):
+        return "—"
+    us = sum(t for name, t in r.extra["kernels"].items() if re.search(MOE_ROUTE_GEMMS, name))
+    if not us:
+        return "—"
+    dense = r.extra["of_dense"] * r.median_us / us
+    roof = r.roofline_fraction * r.median_us / us
+    return f"{fmt_time(us)} ({100 * dense:.0f} % of dense, {100 * roof:.0f} % roofline)"
 
 
 # Stages with a table of their own (and no place in the roofline / speed-up plots).
@@ -288,7 +311,11 @@ STAGE_NOTES = {
     "one call; CUDA graph: one call of a replayed graph of 10.",
     "backward": "Device time per backward call of each step, from `torch.profiler` (kernels "
     "grouped by name, moe_route/bench/backward.py), and in brackets its roofline fraction "
-    "(the step's own bytes and FLOPs); `other` are kernels no pattern matched, `total` all.",
+    "(the step's own bytes and FLOPs); `other` are kernels no pattern matched, `total` all. "
+    "moe_route GEMM kernels: the GEMM steps' GEMM kernels alone (without the step's memory "
+    "passes: the expands that feed dW1 and dW2, the split activation backward's pass over the "
+    "rows): their time, the step's FLOPs over it against the dense matmul rate, and the step's "
+    "roofline time over it.",
 }
 
 
