@@ -249,14 +249,18 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
     only, 2026-11-25): a warp-specialised Gluon kernel (one warp issuing the TMA loads into
     a ring of slots, one wgmma warpgroup multiplying and TMA-storing; bitwise equal to the TMA
     kernel with the same tiles) against these tables, alternating rounds. 64x128x128 tiles,
-    4 stages: qwen3 T=4096 (256 rows) dW1 / dW2 1.12x / 1.08x (two runs), deepseek-v3 T=4096
-    dW2 1.09-1.14x (three runs) but T=2048 / 3000 0.87x / 0.89x, deepseek-v3 dW1 0.81-0.93x
-    at every T (its TMA store crowds L2 as in the NOTE below; pointer stores from the
-    accumulator's layout ran 2.5x slower, through a layout conversion 0.98x), qwen3 T=8192
-    0.98-1.01x, mixtral T=4096 dW1 1.02-1.06x with 64x256x128 tiles on 8 warps, dW2 0.96x,
-    T=8192 0.87-0.95x. Two MMA warpgroups taking turns (ping-pong, two rings of 2-4 slots)
-    ran 1.3-1.9x slower. With the loads and the epilogue off the MMA warps and no gain, the
-    instruction stream is not what bounds these kernels at the training shapes; not taken.
+    4 stages: qwen3 T=4096 (256 rows) dW1 / dW2 1.12x / 1.08x (two runs), deepseek-v3 T=8192
+    (256 rows) dW2 1.12x, deepseek-v3 T=4096 dW2 1.09-1.14x (three runs) but T=2048 / 3000
+    0.87x / 0.89x, deepseek-v3 dW1 0.78-0.93x at every T (its TMA store crowds L2 as in the
+    NOTE below; pointer stores from the accumulator's layout ran 2.5x slower, through a layout
+    conversion 0.98x), qwen3 T=8192 0.97-1.01x. 64x128x256 on 8 warps, 3 stages: qwen3
+    T=32768 1.05x / 1.08x, deepseek-v3 T=8192 1.07x / 1.05x, 0.79-0.93x at <= 128 rows. Mixtral
+    T=4096 dW1 1.02-1.06x with 64x256x128 tiles on 8 warps, dW2 0.96x, T=8192 0.87-0.95x. Two
+    MMA warpgroups taking turns (ping-pong, two rings of 2-4 slots) ran 1.3-1.9x slower. ncu
+    of these tables' kernels at qwen3 T=8192 (boost clock): tensor pipe active 62 % (dW2) /
+    65 % (dW1), DRAM 59 / 52 %, L2 66 / 61 %, issue slots 22 / 23 %, SM clock 1.73 GHz: bound
+    by neither memory nor issue. With the loads and the epilogue off the MMA warps and no gain,
+    the instruction stream is not what holds them back; not taken.
     """
     if dtype == torch.float64:
         return WeightGradConfig(16, 32, 32, 4, 1)
