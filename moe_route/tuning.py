@@ -250,7 +250,7 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
     a ring of slots, one wgmma warpgroup multiplying and TMA-storing; bitwise equal to the TMA
     kernel with the same tiles) against these tables, alternating rounds. 64x128x128 tiles,
     4 stages: qwen3 T=4096 (256 rows) dW1 / dW2 1.12x / 1.08x (two runs), deepseek-v3 T=8192
-    (256 rows) dW2 1.12x, deepseek-v3 T=4096 dW2 1.09-1.14x (three runs) but T=2048 / 3000
+    (256 rows) dW2 1.12x, deepseek-v3 T=4096 dW2 1.09-1.14x (four runs) but T=2048 / 3000
     0.87x / 0.89x, deepseek-v3 dW1 0.78-0.93x at every T (its TMA store crowds L2 as in the
     NOTE below; pointer stores from the accumulator's layout ran 2.5x slower, through a layout
     conversion 0.98x), qwen3 T=8192 0.97-1.01x. 64x128x256 on 8 warps, 3 stages: qwen3
