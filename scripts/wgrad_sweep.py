@@ -81,6 +81,8 @@ def main():
     cc = torch.cuda.get_device_capability()
     cc = cc[0] * 10 + cc[1]
     configs = [] if args.quick else TMA_CONFIGS + (EXTRA_TMA_CONFIGS if args.extra else [])
+    if args.candidates:
+        configs = CANDIDATES
     ceilings = Ceilings.measure(dev)
     dense, copy = ceilings.mm_flops_per_s, ceilings.copy_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s, "
@@ -134,8 +136,6 @@ def main():
             except Exception as exc:
                 print(f"  _grouped_mm failed: {type(exc).__name__}: {exc}")
             variants = [plan_cfg, dataclasses.replace(plan_cfg, k_fastest=not plan_cfg.k_fastest)]
-            if args.candidates:
-                configs = CANDIDATES
             variants += [WeightGradConfig(*c[:5], True, c[5], flat=c[6]) for c in configs]
             if args.candidates:
                 variants += [dataclasses.replace(v, k_fastest=False) for v in variants[2:]]
