@@ -67,8 +67,6 @@ def main():
     p.add_argument("--near", action="store_true", help="the tiles near the best of a sweep")
     p.add_argument("--layouts", action="store_true", help="current tiles, both weight layouts")
     p.add_argument("--slots", action="store_true", help="current tiles, T*K up to 256")
-    p.add_argument("--pdl", action="store_true",
-                   help="current tiles, plain / programmatic dependent launch / and prefetch")
     args = p.parse_args()
     base = tuning._DECODE
     grid = {
@@ -90,15 +88,6 @@ def main():
         for name, dims in SHAPES.items():
             for layout in ("k-contiguous", "n-contiguous"):
                 sweep_shape(f"{name} {layout}", dims, [base], base, g, layout == "n-contiguous")
-        return
-    if args.pdl:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        variants = [base, dataclasses.replace(base, pdl=True),
-                    dataclasses.replace(base, pdl=True, prefetch=True)]  # fmt: skip
-        for model, tokens in (("qwen3-30b-a3b", (1, 2, 4, 8)), ("olmoe-1b-7b", (1, 4)),
-                              ("deepseek-v3", (1, 2))):  # fmt: skip
-            for T in tokens:
-                sweep_shape(f"{model} T={T}", model_shape(model, T), variants, base, g)
         return
     if args.slots:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -151,16 +140,12 @@ def sweep_shape(name, dims, configs, base, g, n_contiguous=False):
             print(f"   {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
             continue
         rows.append((us, err, cfg))
-        if cfg == base:
-            plain = got
-        elif not torch.equal(got, plain):
-            print(f"   {cfg}: NOT bitwise equal to the plain launch")
     rows.sort(key=lambda r: r[0])
     current = next((r[0] for r in rows if r[2] == base), float("nan"))
     print(f"   current {current:.1f} us")
     for us, err, c in rows[:6]:
         print(f"   {us:7.1f} us  err {err:.1e}  up {c.up_n}x{c.up_k} down {c.down_n}x{c.down_k}"
-              f" w{c.num_warps} s{c.num_stages}{' pdl' * c.pdl}{' prefetch' * c.prefetch}")  # fmt: skip
+              f" w{c.num_warps} s{c.num_stages}")  # fmt: skip
 
 
 if __name__ == "__main__":

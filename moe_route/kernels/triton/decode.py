@@ -17,6 +17,14 @@ from ``topk_ids``:
 With ``counts``, program ``(0, 0)`` of the second launch also writes the routed slots per
 expert (``MoELayer``'s ``tokens_per_expert``): integer sums, no extra launch.
 
+NOTE: H100, bf16, 2026-11-25 (commit e86f9bd, reverted): programmatic dependent launch
+(``griddepcontrol.wait`` and the next kernel's release at each kernel's top, CUDA graphs of 16
+calls) made these kernels slower: qwen3 T=1 48.0 -> 48.8 us, T=4 104 -> 130, olmoe T=1
+59 -> 89, deepseek-v3 T=1 247 -> 324; pulling GEMM2's weight rows into L2 before its wait
+slower still (58.7 / 190 / 98 / 368). The early-launched programs take the SMs GEMM1 leaves
+free, so GEMM2's few programs crowd onto some SMs instead of spreading over all. A chain of
+small copy kernels saved only 0.4-0.6 us per launch that way.
+
 Each output element has one owner and a fixed order: the same bits on every run. Each product
 is one row times a weight tile, computed as an MMA with the row in the first of ``BLOCK_M``
 rows (the others zero): the MMA's operands are what Triton software-pipelines, so the weight
@@ -32,10 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, launch_key_part, next_pow2
+from . import ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .pdl import prefetch_l2, wait_previous
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -56,10 +63,6 @@ class DecodeConfig:
     down_k: int
     num_warps: int
     num_stages: int
-    #: launch both kernels with programmatic dependent launch (SM90+, :mod:`.pdl`)
-    pdl: bool = False
-    #: with ``pdl``: GEMM2's programs pull their weight rows into L2 while GEMM1 finishes
-    prefetch: bool = False
 
 
 @triton.jit
@@ -93,10 +96,9 @@ def _decode_up_kernel(
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]``."""
-    wait_previous(PDL)
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -157,18 +159,9 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, PER_LINE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
-    ``COUNTS``, program ``(0, 0)`` the slots per expert). ``PREFETCH_LINES`` (with ``PDL``,
-    launched right after GEMM1, k-contiguous weights): before waiting for GEMM1, pull the
-    weight rows this program reads into L2, ``PREFETCH_LINES`` 128-byte lines per row."""
-    if PREFETCH_LINES:
-        _prefetch_rows(w_ptr, ids_ptr, tl.program_id(0).to(tl.int64),
-                       tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), H, KD, E,
-                       stride_we, stride_wn, stride_it, stride_ik, TOP_K, PREFETCH_LINES,
-                       PER_LINE)  # fmt: skip
-    wait_previous(PDL)
+    ``COUNTS``, program ``(0, 0)`` the slots per expert)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
@@ -213,21 +206,6 @@ def _decode_down_kernel(
              mask=col_ok)  # fmt: skip
 
 
-@triton.jit
-def _prefetch_rows(w_ptr, ids_ptr, t, cols, H, KD, E, stride_we, stride_wn, stride_it,
-                   stride_ik, TOP_K: tl.constexpr, LINES: tl.constexpr,
-                   PER_LINE: tl.constexpr):  # fmt: skip
-    """Prefetch into L2 the rows ``cols`` of ``W[e]`` (k-contiguous, ``PER_LINE`` elements to
-    a 128-byte line) for token ``t``'s experts."""
-    ks = tl.arange(0, LINES) * PER_LINE
-    ok = (cols < H)[:, None] & (ks < KD)[None, :]
-    for k in range(TOP_K):
-        e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
-        if (e >= 0) & (e < E):
-            ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-            prefetch_l2(tl.where(ok, ptrs + ks[None, :], w_ptr))
-
-
 def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue: GemmEpilogue,
                       cfg: DecodeConfig, counts: torch.Tensor | None = None):  # fmt: skip
     """``fused_moe``'s output ``[T, H]`` through the two decode kernels (inputs checked);
@@ -266,15 +244,11 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue:
                 TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
                 UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
                 ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n,
-                BLOCK_K=cfg.up_k, PDL=cfg.pdl, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, launch_pdl=cfg.pdl,
+                BLOCK_K=cfg.up_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             ),
         )  # fmt: skip
-    # GEMM2's weight rows into L2 before it waits for GEMM1 (which does not write them)
-    lines = next_pow2(cdiv(n_inter * w2.element_size(), 128)) \
-        if cfg.prefetch and cfg.pdl and n_inter and sw2[2] == 1 else 0  # fmt: skip
     _DOWN.launch(
-        (cfg, lines, x.dtype, w2.dtype, b2_arg.dtype, topk_weights.dtype, bias_arg.dtype,
+        (cfg, x.dtype, w2.dtype, b2_arg.dtype, topk_weights.dtype, bias_arg.dtype,
          topk_ids.dtype, sw2, sb2, sid, stw, sbias, K, H, n_inter, E, b2 is not None,
          bias is not None, counts is not None),
         (T, cdiv(H, cfg.down_n)),
@@ -283,9 +257,8 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue:
         lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            COUNTS=counts is not None, SLOTS=MAX_SLOTS, PDL=cfg.pdl, PREFETCH_LINES=lines,
-            PER_LINE=128 // w2.element_size(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=cfg.pdl,
+            COUNTS=counts is not None, SLOTS=MAX_SLOTS, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
     return out
