@@ -21,7 +21,7 @@ never ``x_perm``, ``h`` or GEMM2's output):
 The weight gradients (steps 3 and 5) are the TMA kernel of :mod:`.weight_grad` where the
 operands allow, else its pointer kernel reading ``dout`` / ``x`` through the maps.
 
-NOTE: H100, bf16, 2026-11-25 (commit after 5211c75, reverted; profiler timelines): the memory
+NOTE: H100, bf16, 2026-11-25 (commit efb28dd, reverted; profiler timelines): the memory
 passes on a side stream beside the GEMMs, each launched right after its GEMM with one program
 per SM, hide little. Beside a GEMM a pass runs at a fraction of its rate and slows the GEMM by
 most of what it saves: qwen3 T=8192 x's expand beside dX 679 us (109 alone), dX 749 (662);
