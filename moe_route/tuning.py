@@ -191,6 +191,11 @@ def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | No
     # GEMM storing g through TMA where H <= 2048, as GEMM2 and dX do (gemm_config's kd): qwen3
     # fwd+bwd 1.001x at T=8192, 1.014x at T=32768 (9 / 5 alternating rounds, same bits); the
     # GEMM itself 394 -> 382 us at T=8192 (scripts/step_kernels.py, separate runs).
+    # NOTE: H100 (scripts/tuning_ab.py on a trial patch, not kept, 2026-11-25, 9 rounds): the
+    # split's plain GEMM reading dout through the maps (33 MB at qwen3 T=8192, L2-resident)
+    # instead of its permuted copy (still made for dW2): fwd+bwd qwen3 T=8192 0.982x, T=32768
+    # 1.004x, T=2048 1.015x, deepseek-v3 T=4096 0.985x, mixtral 1.011x (forward passes, which
+    # the change does not touch, moved by up to 2.6 % in the same rounds): not taken.
     return ActBackwardConfig(
         fused=_act_backward_fused(rows_per_expert, dtype, cc),
         gemm=gemm_config(rows_per_expert, False, dtype, cc, kd=kd),
