@@ -21,9 +21,9 @@ NOTE: H100, bf16, 2026-11-25 (commit e86f9bd, reverted): programmatic dependent 
 (``griddepcontrol.wait`` and the next kernel's release at each kernel's top, CUDA graphs of 16
 calls) made these kernels slower: qwen3 T=1 48.0 -> 48.8 us, T=4 104 -> 130, olmoe T=1
 59 -> 89, deepseek-v3 T=1 247 -> 324; pulling GEMM2's weight rows into L2 before its wait
-slower still (58.7 / 190 / 98 / 368). The early-launched programs take the SMs GEMM1 leaves
-free, so GEMM2's few programs crowd onto some SMs instead of spreading over all. A chain of
-small copy kernels saved only 0.4-0.6 us per launch that way.
+slower still (58.7 / 190 / 98 / 368). A likely cause (not profiled): the early-launched
+programs take the SMs GEMM1 leaves free, so GEMM2's few programs crowd onto some SMs instead of
+spreading over all. A chain of small copy kernels saved only 0.4-0.6 us per launch that way.
 
 Each output element has one owner and a fixed order: the same bits on every run. Each product
 is one row times a weight tile, computed as an MMA with the row in the first of ``BLOCK_M``
