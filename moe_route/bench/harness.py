@@ -256,14 +256,14 @@ def _sampler(fn, device: torch.device, use_graph: bool, inner: int):
     else eager launches, said in ``note``) or the wall clock off CUDA."""
     if device.type != "cuda":
         return _CpuSampler(fn, inner), ""
+    note = ""
     if use_graph:
         try:
-            return _CudaSampler(fn, True, inner, warmup=1), ""
+            return _CudaSampler(fn, True, inner, warmup=1), note
         except Exception as exc:  # e.g. a host sync inside fn: not capturable
             torch.cuda.synchronize()
             note = f"eager (graph capture failed: {type(exc).__name__})"
-            return _CudaSampler(fn, False, inner, warmup=1), note
-    return _CudaSampler(fn, False, inner, warmup=1), ""
+    return _CudaSampler(fn, False, inner, warmup=1), note
 
 
 class _CpuSampler:
