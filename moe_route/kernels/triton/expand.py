@@ -22,23 +22,6 @@ from . import ThinKernel, cdiv, next_pow2
 BYTES_PER_PROGRAM = 2048
 
 
-@triton.jit
-def _expand_tile(x_ptr, out_ptr, src_to_dest_ptr, expert_for_src_ptr, t, c, T, H, stride_xt,
-                 stride_xh, stride_od, stride_oh, K: tl.constexpr,
-                 BLOCK_H: tl.constexpr):  # fmt: skip
-    """Columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of token ``t``'s row into its ``K`` dest rows."""
-    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < H
-    row = tl.load(x_ptr + t * stride_xt + cols * stride_xh, mask=in_row)
-    for k in tl.static_range(K):
-        src = k * T + t
-        routed = tl.load(expert_for_src_ptr + src) >= 0
-        dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
-        tl.store(
-            out_ptr + dest * stride_od + cols * stride_oh, tl.where(routed, row, 0.0), mask=in_row
-        )
-
-
 @triton.jit(do_not_specialize=["T"])
 def _expand_rows_kernel(
     x_ptr,
@@ -53,20 +36,18 @@ def _expand_rows_kernel(
     stride_oh,
     K: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    LOOP: tl.constexpr,
 ):
-    """Program ``(t, c)`` takes tile ``(t, c)``; with ``LOOP``, a grid of ``P`` programs
-    takes tiles ``p, p + P, ...`` in token-major order (a few programs beside a GEMM)."""
-    if LOOP:
-        n_cols = tl.cdiv(H, BLOCK_H)
-        for tile in range(tl.program_id(0), T * n_cols, tl.num_programs(0)):
-            _expand_tile(x_ptr, out_ptr, src_to_dest_ptr, expert_for_src_ptr,
-                         (tile // n_cols).to(tl.int64), tile % n_cols, T, H, stride_xt,
-                         stride_xh, stride_od, stride_oh, K, BLOCK_H)  # fmt: skip
-    else:
-        _expand_tile(x_ptr, out_ptr, src_to_dest_ptr, expert_for_src_ptr,
-                     tl.program_id(0).to(tl.int64), tl.program_id(1), T, H, stride_xt, stride_xh,
-                     stride_od, stride_oh, K, BLOCK_H)  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = cols < H
+    row = tl.load(x_ptr + t * stride_xt + cols * stride_xh, mask=in_row)
+    for k in tl.static_range(K):
+        src = k * T + t
+        routed = tl.load(expert_for_src_ptr + src) >= 0
+        dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
+        tl.store(
+            out_ptr + dest * stride_od + cols * stride_oh, tl.where(routed, row, 0.0), mask=in_row
+        )
 
 
 def expand_rows_triton(
@@ -76,10 +57,8 @@ def expand_rows_triton(
     out: torch.Tensor,
     *,
     block_h: int | None = None,
-    programs: int = 0,
 ) -> None:
-    """Scatter ``x [T, H]`` into ``out [T*K, H]`` (preallocated) in permuted order.
-    ``programs``: at most that many programs, each looping over tiles (0: one per tile)."""
+    """Scatter ``x [T, H]`` into ``out [T*K, H]`` (preallocated) in permuted order."""
     T, H = x.shape
     if T == 0 or H == 0:
         return
@@ -87,15 +66,11 @@ def expand_rows_triton(
     if block_h is None:
         block_h = min(next_pow2(H), BYTES_PER_PROGRAM // x.element_size())
     sx, so = x.stride(), out.stride()
-    grid = (T, cdiv(H, block_h))
-    loop = 0 < programs < grid[0] * grid[1]
-    if loop:
-        grid = (programs,)
     _EXPAND.launch(
-        (K, H, block_h, x.dtype, out.dtype, sx, so, loop),
-        grid,
+        (K, H, block_h, x.dtype, out.dtype, sx, so),
+        (T, cdiv(H, block_h)),
         (x, out, src_to_dest, expert_for_src, T, H, *sx, *so),
-        lambda: dict(K=K, BLOCK_H=block_h, LOOP=loop, num_warps=4),
+        lambda: dict(K=K, BLOCK_H=block_h, num_warps=4),
     )
 
 

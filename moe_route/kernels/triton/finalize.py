@@ -23,33 +23,6 @@ from . import ThinKernel, cdiv, next_pow2
 BYTES_PER_PROGRAM = 2048
 
 
-@triton.jit
-def _finalize_tile(y_ptr, w_ptr, src_to_dest_ptr, expert_for_src_ptr, bias_ptr, out_ptr, t, c, T,
-                   H, stride_yd, stride_yh, stride_wt, stride_wk, stride_bt, stride_bh, stride_ot,
-                   stride_oh, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   UNIT_WEIGHTS: tl.constexpr, ACC: tl.constexpr,
-                   BLOCK_H: tl.constexpr):  # fmt: skip
-    """Columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of output token ``t``."""
-    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=ACC)
-    for k in tl.static_range(K):
-        src = k * T + t
-        routed = tl.load(expert_for_src_ptr + src) >= 0
-        dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
-        row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed, other=0.0)
-        if UNIT_WEIGHTS:
-            acc += tl.where(routed, row.to(ACC), 0.0)
-        else:
-            w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(ACC)
-            acc += tl.where(routed, w * row.to(ACC), 0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(ACC)
-    tl.store(
-        out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=in_row
-    )
-
-
 @triton.jit(do_not_specialize=["T"])
 def _finalize_kernel(
     y_ptr,
@@ -73,22 +46,26 @@ def _finalize_kernel(
     UNIT_WEIGHTS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    LOOP: tl.constexpr,
 ):
-    """Program ``(t, c)`` takes tile ``(t, c)``; with ``LOOP``, a grid of ``P`` programs
-    takes tiles ``p, p + P, ...`` in token-major order (a few programs beside a GEMM)."""
-    if LOOP:
-        n_cols = tl.cdiv(H, BLOCK_H)
-        for tile in range(tl.program_id(0), T * n_cols, tl.num_programs(0)):
-            _finalize_tile(y_ptr, w_ptr, src_to_dest_ptr, expert_for_src_ptr, bias_ptr, out_ptr,
-                           (tile // n_cols).to(tl.int64), tile % n_cols, T, H, stride_yd,
-                           stride_yh, stride_wt, stride_wk, stride_bt, stride_bh, stride_ot,
-                           stride_oh, K, HAS_BIAS, UNIT_WEIGHTS, ACC, BLOCK_H)  # fmt: skip
-    else:
-        _finalize_tile(y_ptr, w_ptr, src_to_dest_ptr, expert_for_src_ptr, bias_ptr, out_ptr,
-                       tl.program_id(0).to(tl.int64), tl.program_id(1), T, H, stride_yd,
-                       stride_yh, stride_wt, stride_wk, stride_bt, stride_bh, stride_ot,
-                       stride_oh, K, HAS_BIAS, UNIT_WEIGHTS, ACC, BLOCK_H)  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=ACC)
+    for k in tl.static_range(K):
+        src = k * T + t
+        routed = tl.load(expert_for_src_ptr + src) >= 0
+        dest = tl.load(src_to_dest_ptr + src).to(tl.int64)
+        row = tl.load(y_ptr + dest * stride_yd + cols * stride_yh, mask=in_row & routed, other=0.0)
+        if UNIT_WEIGHTS:
+            acc += tl.where(routed, row.to(ACC), 0.0)
+        else:
+            w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=routed, other=0.0).to(ACC)
+            acc += tl.where(routed, w * row.to(ACC), 0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=in_row).to(ACC)
+    tl.store(
+        out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=in_row
+    )
 
 
 def finalize_triton(
@@ -100,11 +77,9 @@ def finalize_triton(
     out: torch.Tensor,
     *,
     block_h: int | None = None,
-    programs: int = 0,
 ) -> None:
     """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated). ``topk_weights=None``:
-    every weight is 1 (the backward of an expand: no weights tensor to build and fill).
-    ``programs``: at most that many programs, each looping over tiles (0: one per tile)."""
+    every weight is 1 (the backward of an expand: no weights tensor to build and fill)."""
     T, H = out.shape
     if T == 0 or H == 0:
         return
@@ -122,18 +97,14 @@ def finalize_triton(
     acc = tl.float64 if torch.float64 in (y_perm.dtype, w_arg.dtype) else tl.float32
     sy, so = y_perm.stride(), out.stride()
     sw = (0, 0) if unit else topk_weights.stride()
-    grid = (T, cdiv(H, block_h))
-    loop = 0 < programs < grid[0] * grid[1]
-    if loop:
-        grid = (programs,)
     _FINALIZE.launch(
         (K, H, block_h, acc, bias is not None, unit, y_perm.dtype, w_arg.dtype, bias_arg.dtype,
-         out.dtype, sy, sw, sbt, sbh, so, loop),
-        grid,
+         out.dtype, sy, sw, sbt, sbh, so),
+        (T, cdiv(H, block_h)),
         (y_perm, w_arg, src_to_dest, expert_for_src, bias_arg, out, T, H, *sy, *sw, sbt, sbh,
          *so),
         lambda: dict(K=K, HAS_BIAS=bias is not None, UNIT_WEIGHTS=unit, ACC=acc, BLOCK_H=block_h,
-                     LOOP=loop, num_warps=4),
+                     num_warps=4),
     )  # fmt: skip
 
 

@@ -37,7 +37,6 @@ chooses every configuration; nothing here decides policy.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +78,6 @@ class MoEConfigs:
     finalize: str
     gather: bool
     allow_tf32: bool
-    #: the backward's memory passes that need not wait (dW1's expand, dx's sum) on a side
-    #: stream, beside its GEMMs
-    overlap: int = 0
 
 
 def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConfigs, store_z):
@@ -138,38 +134,27 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     T, H = x.shape
     M = dest_to_src.numel()
     tf32 = cfg.allow_tf32
-    side = _Beside(x.device, cfg.overlap) if cfg.overlap and x.is_cuda else None
     # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
-    # With TMA, dout is permuted once (an expand) for this GEMM and dW2 to read through TMA;
-    # with a side stream, the expand runs beside this step, which reads dout through the maps.
+    # With TMA, dout is permuted once (an expand) for this GEMM and dW2 to read through TMA.
     wh = x.new_empty(M, w2.shape[2])
     dz = torch.empty_like(z) if dz_out is None else dz_out
-    permuted = _permute_for_wgrad(dout, cfg.wgrad2, wh)
-    rows = dout.new_empty(M, H) if permuted else dout
-    beside = side is not None and permuted and side.wants(4)
-    if permuted and not beside:
-        expand_rows_triton(dout, src_to_dest, expert_for_src, rows)
-    a1 = rows if permuted and not beside else dout
-    start = side.mark() if beside else None
+    rows, gathered = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
     ab = cfg.act_bwd
     if ab.split:
         # g lives in wh's buffer (no [M, I] more at the backward's peak): the row pass reads
         # each tile of g before it writes w·h over it.
         grouped_gemm_triton(
-            a1, w2.transpose(1, 2), offsets, wh, ab.gemm,
-            dest_to_src=dest_to_src if a1 is dout else None, num_rows=M, allow_tf32=tf32,
+            rows, w2.transpose(1, 2), offsets, wh, ab.gemm,
+            dest_to_src=dest_to_src if gathered else None, num_rows=M, allow_tf32=tf32,
         )  # fmt: skip
-    else:
-        partial = grouped_gemm_act_backward_triton(
-            a1, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, ab.fused,
-            epilogue=cfg.epilogue, allow_tf32=tf32, permuted=a1 is not dout,
-        )  # fmt: skip
-    rows_ready = side.run(start, expand_rows_triton, dout, src_to_dest, expert_for_src, rows) \
-        if beside else None  # fmt: skip
-    if ab.split:
         partial = act_backward_rows_triton(
             wh, z, topk_weights, offsets, dest_to_src, wh, dz, ab.rows, epilogue=cfg.epilogue
         )
+    else:
+        partial = grouped_gemm_act_backward_triton(
+            rows, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, ab.fused,
+            epilogue=cfg.epilogue, allow_tf32=tf32, permuted=not gathered,
+        )  # fmt: skip
     dtopk = dw2 = db2 = dx = dw1 = db1 = None
     if need_dtopk:
         dtopk = torch.empty_like(topk_weights)
@@ -178,53 +163,27 @@ def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoE
     if need_dw2:
         dw2 = torch.empty_like(w2)
         db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
-        if rows_ready is not None:
-            side.main.wait_event(rows_ready)
         expert_weight_grad_triton(
             rows, wh, offsets, dw2, cfg.wgrad2, db=db2,
-            dest_to_src=dest_to_src, a_gather=not permuted, db_scale=topk_weights, num_rows=M,
+            dest_to_src=dest_to_src, a_gather=gathered, db_scale=topk_weights, num_rows=M,
             allow_tf32=tf32,
         )  # fmt: skip
     del wh, rows
-    # dW1's operand: x permuted, beside dX on a side stream (or just before dW1)
-    x_permuted = need_dw1 and _permute_for_wgrad(x, cfg.wgrad1, dz)
-    x_rows = x.new_empty(M, H) if x_permuted else x
-    x_beside = side is not None and x_permuted and side.wants(1) and need_dx
-    start = side.mark() if x_beside else None
     if need_dx:
         dx_perm = x.new_empty(M, H)
         grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, cfg.dx, allow_tf32=tf32)
-        x_ready = side.run(start, expand_rows_triton, x, src_to_dest, expert_for_src, x_rows) \
-            if x_beside else None  # fmt: skip
         dx = x.new_empty(T, H)
-        if side is not None and side.wants(2) and need_dw1:  # dx's K copies summed beside dW1
-            reduce_later, dx_done = dx_perm, side.mark()
-        else:
-            finalize_triton(dx_perm, None, src_to_dest, expert_for_src, None, dx)
-            reduce_later = None
+        finalize_triton(dx_perm, None, src_to_dest, expert_for_src, None, dx)
         del dx_perm
-    else:
-        reduce_later = x_ready = None
-    # dW1 last: dx_perm is freed by then (unless summed beside it), so the peak holds dz, dW1
-    # and dW2 but no [M, H].
+    # dW1 last: dx_perm is freed by then, so the peak holds dz, dW1 and dW2 but no [M, H].
     if need_dw1:
         dw1 = torch.empty_like(w1)
         db1 = torch.empty(w1.shape[:2], dtype=b1.dtype, device=x.device) if b1 is not None else None
-        if x_permuted and not x_beside:
-            expand_rows_triton(x, src_to_dest, expert_for_src, x_rows)
-        if x_ready is not None:
-            side.main.wait_event(x_ready)
+        b, gather = _wgrad_operand(x, maps, M, cfg.wgrad1, dz)
         expert_weight_grad_triton(
-            dz, x_rows, offsets, dw1, cfg.wgrad1, db=db1,
-            dest_to_src=dest_to_src, b_gather=not x_permuted, num_rows=M, allow_tf32=tf32,
+            dz, b, offsets, dw1, cfg.wgrad1, db=db1,
+            dest_to_src=dest_to_src, b_gather=gather, num_rows=M, allow_tf32=tf32,
         )  # fmt: skip
-    if reduce_later is not None:
-        side.run(dx_done, finalize_triton, reduce_later, None, src_to_dest, expert_for_src,
-                 None, dx)  # fmt: skip
-        reduce_later.record_stream(side.side)
-        del reduce_later
-    if side is not None:
-        side.join()
     return dx, dw1, dw2, dtopk, db1, db2
 
 
@@ -272,72 +231,17 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
 
 def _wgrad_operand(token_rows, maps, M, cfg: WeightGradConfig, other):
     """``(operand, gathered)`` of a weight gradient for ``[T, C]`` token rows: permuted into
-    ``[M, C]`` where :func:`_permute_for_wgrad` says so, else the rows themselves, gathered
-    through the maps by the pointer kernel."""
-    if not _permute_for_wgrad(token_rows, cfg, other):
+    ``[M, C]`` when the TMA kernel will read it, or the pointer kernel with ``cfg.permuted``
+    (an expand, ~1 % of the GEMM's time), else the rows themselves, gathered through the maps
+    by the pointer kernel."""
+    if cfg.use_tma:
+        row_bytes = token_rows.shape[1] * token_rows.element_size()
+        sixteen_bit = token_rows.dtype in TMA_DTYPES
+        if not (sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)):
+            return token_rows, True  # the launcher takes the pointer kernel
+    elif not cfg.permuted:
         return token_rows, True
     src_to_dest, _, expert_for_src, _ = maps
     rows = token_rows.new_empty(M, token_rows.shape[1])
     expand_rows_triton(token_rows, src_to_dest, expert_for_src, rows)
     return rows, False
-
-
-def _permute_for_wgrad(token_rows, cfg: WeightGradConfig, other) -> bool:
-    """Whether a weight gradient reads ``[T, C]`` token rows permuted into ``[M, C]`` (an
-    expand, ~1 % of the GEMM's time): when the TMA kernel will read them (16-bit, aligned), or
-    the pointer kernel with ``cfg.permuted``."""
-    if cfg.use_tma:
-        row_bytes = token_rows.shape[1] * token_rows.element_size()
-        sixteen_bit = token_rows.dtype in TMA_DTYPES
-        return sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)
-    return cfg.permuted
-
-
-class _Beside:
-    """A side stream for the backward's memory passes, each launched right after the GEMM it
-    runs beside (so that the GEMM's programs are placed first) with at most one program per
-    SM, looping over its tiles."""
-
-    def __init__(self, device: torch.device, mask: int):
-        self.main = torch.cuda.current_stream(device)
-        self.side = _side_stream(device)
-        self.mask = mask
-        self.programs = _sm_count(device)
-
-    def wants(self, bit: int) -> bool:
-        return bool(self.mask & bit)
-
-    def mark(self) -> torch.cuda.Event:
-        """An event after the current stream's work so far (what a side launch waits for)."""
-        event = torch.cuda.Event()
-        event.record(self.main)
-        return event
-
-    def run(self, after: torch.cuda.Event, launch, *args) -> torch.cuda.Event:
-        """``launch(*args, programs=...)`` on the side stream once ``after`` has happened; the
-        event of its completion."""
-        self.side.wait_event(after)
-        with torch.cuda.stream(self.side):
-            launch(*args, programs=self.programs)
-        done = torch.cuda.Event()
-        done.record(self.side)
-        return done
-
-    def join(self) -> None:
-        self.main.wait_stream(self.side)
-
-
-#: one side stream per CUDA device
-_SIDE: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    side = _SIDE.get(device)
-    if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device)
-    return side
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
