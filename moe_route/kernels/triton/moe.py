@@ -37,7 +37,7 @@ priority), qwen3 T=8192, 8 alternating rounds: eager 20 steps back to back 1.001
 3980-3989 us (1.5-1.8 %). Over 200 steps back to back the board drew 687-694 W of its 700 W
 limit at 1575-1665 MHz, eager and graph alike (overlap 3: eager 4302 against 4315 us, graph
 4132 against 4271): sustained training steps at this shape are power-bound, as mixtral's are
-(stop 30), so overlap, which saves no energy, gains little there. Less energy per step (fewer
+(stop 31), so overlap, which saves no energy, gains little there. Less energy per step (fewer
 padded MMAs, fewer bytes) is what would help.
 
 No float atomics anywhere in the backward: same inputs, same bits. The caller (the plan)
