@@ -333,6 +333,22 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # once), L2 hit rate 97.5 %. In the <= 512 rows bucket below (4-8 row steps per tile,
         # compute-bound) pointer stores were 0-7 % slower (deepseek-v3 T=6000 / 8192, qwen3
         # T=4096 / 8192 with uneven experts), so it keeps its TMA store.
+        # NOTE: H100 (scripts/wgrad_occupancy.py --extra, 5 rounds in turns, same bits,
+        # 2026-11-25): from 65 rows, 128x256 tiles on 8 warps (3 stages, pointer stores) against
+        # these, dW1 / dW2: deepseek-v3 T=4096 6318 / 3240 against 6839 / 3381 us (1.08x /
+        # 1.04x), T=3000 1.09x / 1.03x, T=4096 skewed (0.2) 1.07x / 1.01x; qwen3 T=2048 1.01x /
+        # 1.02x; mixtral T=512 1.02x / 1.08x. The same tiles with the TMA store ran dW1 at 8696
+        # us (as in the NOTE above) and 256x128 tiles 1.0-1.09x. At 64 rows they ran qwen3
+        # T=1024 0.96x / 0.97x, deepseek-v3 T=2048 0.99x / 0.98x (mixtral T=256 1.03x / 1.04x):
+        # those keep 128x128 on 4 warps. Fewer L2 reads per byte of dW written (1.5 against 2)
+        # is the likely reason; not profiled. In the whole step (scripts/step_kernels.py,
+        # deepseek-v3 T=4096, processes alternating before / after, two each): dW1 6649 / 6556
+        # -> 5874 / 5939 us, dW2 3389 / 3204 -> 3085 / 3105, the step by do_bench 28999 /
+        # 28853 -> 28141 / 28053, as a CUDA graph 29096 / 28862 -> 28182 / 28152 (1.03x).
+        # scripts/tuning_ab.py --change wgrad-wide (7 rounds) read fwd+bwd 1.014x there, 0.986x
+        # at T=3000 and 0.984x at qwen3 T=2048: within its rounds' spread.
+        if rows_per_expert > 64:
+            return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True, tma_store=False)
         return WeightGradConfig(64, 128, 128, 4, 4, True, 1, flat=True, tma_store=False)
     if rows_per_expert <= 512:
         return WeightGradConfig(64, 128, 256, 8, 3, True, 1, flat=True)

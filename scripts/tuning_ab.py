@@ -12,7 +12,9 @@ Changes (``--change``):
   through TMA where its reduction allows (``act_backward_config(kd=H)``), against pointer
   stores;
 - ``expert-groups-A-B``: the persistent GEMMs' expert groups of at most A m-tiles against at
-  most B.
+  most B;
+- ``wgrad-wide`` (2026-11-25): the weight gradients' 128x256 tiles on 8 warps from 65 to 128
+  rows per expert (``moe_route.tuning.weight_grad_config``), against 128x128 on 4 warps.
 
     PYTHONPATH=. python scripts/tuning_ab.py [--change refinements] [--shapes qwen3 mixtral
                                              deepseek] [--rounds 7] [--tokens T] [--forward-only]
@@ -32,6 +34,7 @@ from moe_route.reference import topk_routing_reference
 
 _TABLE = tuning._gemm_table
 _ACT_BWD = tuning.act_backward_config
+_WGRAD = tuning.weight_grad_config
 
 
 def without_refinements(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
@@ -55,6 +58,14 @@ def expert_groups_of(size):
     return table
 
 
+def wgrad_narrow(rows_per_expert, n, kd, dtype, cc):
+    """The weight-gradient table with 128x128 tiles on 4 warps up to 128 rows per expert."""
+    cfg = _WGRAD(rows_per_expert, n, kd, dtype, cc)
+    if cfg.use_tma and 64 < rows_per_expert <= 128:
+        return dataclasses.replace(cfg, block_k=128, num_warps=4, num_stages=4)
+    return cfg
+
+
 #: change -> (attribute of moe_route.tuning, before, after)
 CHANGES = {
     "expert-groups-8-16": ("_gemm_table", expert_groups_of(8), expert_groups_of(16)),
@@ -62,6 +73,7 @@ CHANGES = {
     "expert-groups-16-64": ("_gemm_table", expert_groups_of(16), expert_groups_of(64)),
     "refinements": ("_gemm_table", without_refinements, _TABLE),
     "dgemm2-store": ("act_backward_config", act_backward_without_kd, _ACT_BWD),
+    "wgrad-wide": ("weight_grad_config", wgrad_narrow, _WGRAD),
 }
 
 
