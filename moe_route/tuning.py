@@ -334,7 +334,7 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
         # compute-bound) pointer stores were 0-7 % slower (deepseek-v3 T=6000 / 8192, qwen3
         # T=4096 / 8192 with uneven experts), so it keeps its TMA store.
         # NOTE: H100 (scripts/wgrad_occupancy.py --extra, 5 rounds in turns, same bits,
-        # 2026-11-25): from 65 rows, 128x256 tiles on 8 warps (3 stages, pointer stores) against
+        # 2026-11-25): above 64 rows, 128x256 tiles on 8 warps (3 stages, pointer stores) against
         # these, dW1 / dW2: deepseek-v3 T=4096 6318 / 3240 against 6839 / 3381 us (1.08x /
         # 1.04x), T=3000 1.09x / 1.03x, T=4096 skewed (0.2) 1.07x / 1.01x; qwen3 T=2048 1.01x /
         # 1.02x; mixtral T=512 1.02x / 1.08x. The same tiles with the TMA store ran dW1 at 8696

@@ -13,7 +13,7 @@ Changes (``--change``):
   stores;
 - ``expert-groups-A-B``: the persistent GEMMs' expert groups of at most A m-tiles against at
   most B;
-- ``wgrad-wide`` (2026-11-25): the weight gradients' 128x256 tiles on 8 warps from 65 to 128
+- ``wgrad-wide`` (2026-11-25): the weight gradients' 128x256 tiles on 8 warps above 64 up to 128
   rows per expert (``moe_route.tuning.weight_grad_config``), against 128x128 on 4 warps.
 
     PYTHONPATH=. python scripts/tuning_ab.py [--change refinements] [--shapes qwen3 mixtral

@@ -112,14 +112,14 @@ def test_gathered_operand_matches_permuted():
 def test_tuning_writes_short_reductions_with_pointer_stores():
     """The bf16 SM90 tiles for 17-128 rows per expert take one program per SM and pointer
     stores (see the tuning NOTE: with TMA stores, dW's dirty lines pushed the operands out of
-    L2), 128x256 from 65 rows; longer reductions keep the TMA store; the decode sizes take the
+    L2), 128x256 above 64 rows; longer reductions keep the TMA store; the decode sizes take the
     pointer kernel."""
     from moe_route import tuning
 
     for rows in (17.0, 64.0, 65.0, 128.0):
         cfg = tuning.weight_grad_config(rows, 4096, 7168, torch.bfloat16, 90)
         assert (cfg.use_tma, cfg.persistent, cfg.flat, cfg.tma_store) == (True, 1, True, False)
-        # from 65 rows, 128x256 tiles on 8 warps (fewer operand reads per byte of dW)
+        # above 64 rows, 128x256 tiles on 8 warps (fewer operand reads per byte of dW)
         wide = rows > 64
         assert (cfg.block_n, cfg.block_k, cfg.num_warps) == ((128, 256, 8) if wide else
                                                              (128, 128, 4))  # fmt: skip
