@@ -59,11 +59,11 @@ def expert_groups_of(size):
 
 
 def wgrad_narrow(rows_per_expert, n, kd, dtype, cc):
-    """The weight-gradient table with 128x128 tiles on 4 warps up to 128 rows per expert."""
-    cfg = _WGRAD(rows_per_expert, n, kd, dtype, cc)
-    if cfg.use_tma and 64 < rows_per_expert <= 128:
-        return dataclasses.replace(cfg, block_k=128, num_warps=4, num_stages=4)
-    return cfg
+    """The weight-gradient table with its 64-row tiles (128x128 on 4 warps) up to 128 rows per
+    expert."""
+    if 64 < rows_per_expert <= 128:
+        return _WGRAD(64.0, n, kd, dtype, cc)
+    return _WGRAD(rows_per_expert, n, kd, dtype, cc)
 
 
 #: change -> (attribute of moe_route.tuning, before, after)
