@@ -20,6 +20,7 @@ from moe_cases import run_moe as run
 
 import moe_route
 from moe_route import tuning
+from moe_route.kernels.triton.decode import DecodeLaunch
 
 moe_module = importlib.import_module("moe_route.moe")
 maps_module = importlib.import_module("moe_route.maps")
@@ -40,9 +41,12 @@ def sorted_path(monkeypatch):
 
 
 class Launches:
+    """Counts the decode path's runs (a prepared DecodeLaunch called, whether by fused_moe's
+    memo, the layer or the op) and the maps built."""
+
     def __init__(self, monkeypatch):
         self.decode = self.maps = 0
-        real_decode = moe_module.moe_decode_triton
+        real_decode = DecodeLaunch.__call__
         real_maps = maps_module.routing_maps_tables
 
         def decode(*a, **k):
@@ -53,7 +57,7 @@ class Launches:
             self.maps += 1
             return real_maps(*a, **k)
 
-        monkeypatch.setattr(moe_module, "moe_decode_triton", decode)
+        monkeypatch.setattr(DecodeLaunch, "__call__", decode)
         monkeypatch.setattr(maps_module, "routing_maps_tables", maps)
 
 

@@ -21,6 +21,7 @@ from moe_cases import ARG_ORDER, TOL, assert_matches, moe_expected, run_moe
 
 import moe_route
 from moe_route import tuning
+from moe_route.kernels.triton.decode import DecodeLaunch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,8 +69,8 @@ def test_matches_reference_and_sorted_path(monkeypatch, dtype, T, K, E, H, inter
         pytest.skip("experts over 16 MiB in this dtype take the sorted path from 17 slots")
     moe_module.clear_plans()
     calls = []
-    real = moe_module.moe_decode_triton
-    monkeypatch.setattr(moe_module, "moe_decode_triton", lambda *a: calls.append(1) or real(*a))
+    real = DecodeLaunch.__call__
+    monkeypatch.setattr(DecodeLaunch, "__call__", lambda *a: calls.append(1) or real(*a))
     fast = run_moe(case)
     assert calls == [1]  # (20 slots at "odd": over 16, but at most E/2 of small experts)
     assert not fast.isnan().any()
@@ -154,8 +155,8 @@ def test_layer_inference(monkeypatch, T):
                                num_shared_experts=1).eval()  # fmt: skip
     x = rand(T, 2048, dtype=torch.bfloat16, seed=13)
     calls = []
-    real = moe_module.moe_decode_triton
-    monkeypatch.setattr(moe_module, "moe_decode_triton", lambda *a: calls.append(1) or real(*a))
+    real = DecodeLaunch.__call__
+    monkeypatch.setattr(DecodeLaunch, "__call__", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         moe_module.clear_plans()
         fast = layer(x)

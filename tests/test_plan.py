@@ -132,3 +132,96 @@ def test_layer_warmup(launches):
     assert layer.warmup(3, backward=True) == [1, 2, 4]
     assert all(p.grad is None for p in layer.parameters())
     assert "_gemm_act_bwd_kernel" in launches  # the backward ran
+
+
+# --------------------------------------------------------------------------- the call memo
+def _count_checks(monkeypatch):
+    """How many times fused_moe validated its arguments (check_gemm_args runs once per check)."""
+    seen = []
+    real = moe_mod.check_gemm_args
+    monkeypatch.setattr(moe_mod, "check_gemm_args", lambda *a: seen.append(1) or real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("tokens", [1, T], ids=["decode path", "sorted path"])
+def test_repeated_call_skips_the_checks_and_gives_the_same_bits(monkeypatch, tokens):
+    case = moe_case(tokens, K, E, H, INTER)
+    moe_mod.clear_plans()
+    checks = _count_checks(monkeypatch)
+    first = run_moe(case, backend="triton")
+    second = run_moe(case, backend="triton")
+    assert checks == [1]
+    assert torch.equal(first, second)
+    assert_matches(second, moe_expected(case), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("tokens", [1, T], ids=["decode path", "sorted path"])
+def test_call_memo_serves_no_stale_decision(monkeypatch, launches, tokens):
+    """After a memoised call, calls that differ in any one thing the checks or decisions read
+    get their own answer: another dtype, strides, shape, grad mode, requires_grad, ids that
+    are out of range (values: checked on every CPU call), an environment override."""
+    case = moe_case(tokens, K, E, H, INTER)
+    ref = moe_expected(case)
+    moe_mod.clear_plans()
+    run_moe(case, backend="triton")
+    run_moe(case, backend="triton")
+    # another dtype
+    half = {k: (v.half() if v is not None and v.is_floating_point() and k != "topk_weights"
+                else v) for k, v in case.items()}  # fmt: skip
+    out = run_moe(half, backend="triton")
+    assert out.dtype == torch.float16
+    assert_matches(out, ref, TOL[torch.float16])
+    # the same shapes through other strides (a transposed copy seen as [E, 2I, H])
+    w1_t = case["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert w1_t.stride() != case["w1"].stride()
+    assert_matches(run_moe(dict(case, w1=w1_t), backend="triton"), ref, TOL[torch.float32])
+    # a wrong shape still raises, naming the argument
+    with pytest.raises(ValueError, match="w2"):
+        run_moe(dict(case, w2=case["w2"][:, :, :-1]), backend="triton")
+    # an id out of range raises on every CPU call, memoised or not
+    bad = case["topk_ids"].clone()
+    bad[0, 0] = E
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out of range"):
+            run_moe(dict(case, topk_ids=bad), backend="triton")
+    # a gradient wanted: the autograd path, with the gradient of x
+    x = case["x"].clone().requires_grad_()
+    out = run_moe(dict(case, x=x), backend="triton")
+    assert out.grad_fn is not None
+    (dx,) = torch.autograd.grad(out.sum(), x)
+    assert dx.shape == x.shape and torch.isfinite(dx).all()
+    with torch.no_grad():
+        assert run_moe(dict(case, x=x), backend="triton").grad_fn is None
+    # an environment override: the torch backend launches no kernel
+    monkeypatch.setenv("MOE_ROUTE_BACKEND", "torch")
+    launches.clear()
+    assert_matches(run_moe(case), ref, TOL[torch.float32])
+    assert launches == []
+
+
+def test_call_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(moe_mod, "MAX_CALLS", 2)
+    moe_mod.clear_plans()
+    for tokens in (1, 2, 3, 4):
+        run_moe(moe_case(tokens, K, E, H, INTER), backend="triton")
+        assert 1 <= len(moe_mod._CALLS) <= 2
+
+
+def test_call_memo_steps_aside_under_a_dispatch_mode(monkeypatch):
+    """A memoised signature, then the same call under a torch dispatch mode (what opcheck,
+    make_fx and fake tensors run under): the memo is not used, the call is checked and goes
+    through the custom op, and gives the same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    case = moe_case(1, K, E, H, INTER)
+    moe_mod.clear_plans()
+    checks = _count_checks(monkeypatch)
+    first = run_moe(case, backend="triton")
+    with Passthrough():
+        again = run_moe(case, backend="triton")
+    assert checks == [1, 1]
+    assert torch.equal(first, again)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, launch_key_part
+from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
 
@@ -206,62 +206,92 @@ def _decode_down_kernel(
              mask=col_ok)  # fmt: skip
 
 
+class DecodeLaunch:
+    """The two decode launches prepared for one configuration of arguments: what depends only
+    on their metadata (dtypes, strides, sizes other than ``T``, which optional tensors exist,
+    the epilogue and tiles) is computed once, here; a call then allocates ``h`` and ``out``
+    and launches. Keeps no tensor. ``counts``: the second launch also writes the routed slots
+    per expert into the ``counts`` a call passes. A call's tensors must have the metadata of
+    those it was prepared from (``T`` may differ): :func:`moe_route.moe.fused_moe` keeps one
+    per call signature, :func:`moe_decode_triton` prepares one per call.
+    """
+
+    def __init__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
+                 epilogue: GemmEpilogue, cfg: DecodeConfig, counts: bool):  # fmt: skip
+        H = x.shape[1]
+        K = topk_ids.shape[1]
+        E, n_inter = w1.shape[0], w2.shape[2]
+        self.K, self.H, self.n_inter, self.counts = K, H, n_inter, counts
+        self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
+        self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
+        acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+        precision = _precision(x.dtype, False)
+        out_acc = tl.float64 if torch.float64 in (x.dtype, topk_weights.dtype) else tl.float32
+        epi = epilogue
+        sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
+            topk_weights.stride()  # fmt: skip
+        sh, so = (n_inter, 1), (H, 1)  # h and out are new, contiguous
+        sb1 = b1.stride() if b1 is not None else (0, 0)
+        sb2 = b2.stride() if b2 is not None else (0, 0)
+        b1_dtype = b1.dtype if b1 is not None else w1.dtype
+        b2_dtype = b2.dtype if b2 is not None else w2.dtype
+        if bias is None:
+            bias_dtype, sbias = x.dtype, (0, 0)
+        else:
+            bias_dtype = bias.dtype
+            sbias = (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
+        self.up_key = LaunchKey((cfg, epi, x.dtype, w1.dtype, b1_dtype, topk_ids.dtype, sx, sw1,
+                                 sb1, sid, K, n_inter, H, E, b1 is not None))  # fmt: skip
+        self.up_tail = (n_inter, H, E, *sx, *sw1, *sb1, *sid, *sh)
+        self.up_constexprs = lambda: dict(
+            TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
+            UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
+            ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        self.down_key = LaunchKey((
+            cfg, x.dtype, w2.dtype, b2_dtype, topk_weights.dtype, bias_dtype, topk_ids.dtype,
+            sw2, sb2, sid, stw, sbias, K, H, n_inter, E, b2 is not None, bias is not None, counts,
+        ))  # fmt: skip
+        self.down_tail = (H, n_inter, E, *sh, *sw2, *sb2, *sid, *stw, *sbias, *so)
+        self.down_constexprs = lambda: dict(
+            TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
+            DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+            COUNTS=counts, SLOTS=MAX_SLOTS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``fused_moe``'s output ``[T, H]`` (and, prepared with ``counts``, the slots per
+        expert written into ``counts``)."""
+        T = x.shape[0]
+        out = x.new_empty(T, self.H)
+        if T == 0 or self.H == 0:  # (counts are asked for by MoELayer only, whose H >= 1)
+            if counts is not None:
+                counts.zero_()
+            return out
+        h = x.new_empty(T * self.K, self.n_inter)
+        if self.n_inter:  # (I = 0: no h to compute; GEMM2 still adds b2)
+            _UP.launch(self.up_key, (T * self.K, self.up_tiles),
+                       (x, w1, b1 if self.has_b1 else w1, topk_ids, h, T, *self.up_tail),
+                       self.up_constexprs)  # fmt: skip
+        _DOWN.launch(
+            self.down_key, (T, self.down_tiles),
+            (h, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
+             bias if self.has_bias else out, out, counts if self.counts else out, T,
+             *self.down_tail),
+            self.down_constexprs,
+        )  # fmt: skip
+        return out
+
+
 def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue: GemmEpilogue,
                       cfg: DecodeConfig, counts: torch.Tensor | None = None):  # fmt: skip
     """``fused_moe``'s output ``[T, H]`` through the two decode kernels (inputs checked);
-    ``counts`` (``[E] int64``, ``T*K <= MAX_SLOTS``), if given, gets the routed slots per expert."""
-    T, H = x.shape
-    K = topk_ids.shape[1]
-    E, n_inter = w1.shape[0], w2.shape[2]
-    out = x.new_empty(T, H)
-    if T == 0 or H == 0:  # (counts are asked for by MoELayer only, whose H >= 1)
-        if counts is not None:
-            counts.zero_()
-        return out
-    h = x.new_empty(T * K, n_inter)
-    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    precision = _precision(x.dtype, False)
-    out_acc = tl.float64 if torch.float64 in (x.dtype, topk_weights.dtype) else tl.float32
-    epi = epilogue
-    # Each tensor's strides read once (a stride(i) call per use cost ~4 µs per call).
-    sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
-        topk_weights.stride()  # fmt: skip
-    sh, so = (n_inter, 1), (H, 1)  # h and out are new, contiguous
-    b1_arg, sb1 = (b1, b1.stride()) if b1 is not None else (w1, (0, 0))
-    b2_arg, sb2 = (b2, b2.stride()) if b2 is not None else (w2, (0, 0))
-    counts_arg = out if counts is None else counts
-    if bias is None:
-        bias_arg, sbias = out, (0, 0)
-    else:
-        bias_arg, sbias = bias, (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
-    if n_inter:  # (I = 0: no h to compute; GEMM2 still adds b2)
-        _UP.launch(
-            (cfg, epi, x.dtype, w1.dtype, b1_arg.dtype, topk_ids.dtype, sx, sw1, sb1, sid, K,
-             n_inter, H, E, b1 is not None),
-            (T * K, cdiv(n_inter, cfg.up_n)),
-            (x, w1, b1_arg, topk_ids, h, T, n_inter, H, E, *sx, *sw1, *sb1, *sid, *sh),
-            lambda: dict(
-                TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
-                UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
-                ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n,
-                BLOCK_K=cfg.up_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            ),
-        )  # fmt: skip
-    _DOWN.launch(
-        (cfg, x.dtype, w2.dtype, b2_arg.dtype, topk_weights.dtype, bias_arg.dtype,
-         topk_ids.dtype, sw2, sb2, sid, stw, sbias, K, H, n_inter, E, b2 is not None,
-         bias is not None, counts is not None),
-        (T, cdiv(H, cfg.down_n)),
-        (h, w2, b2_arg, topk_ids, topk_weights, bias_arg, out, counts_arg, T, H, n_inter, E,
-         *sh, *sw2, *sb2, *sid, *stw, *sbias, *so),
-        lambda: dict(
-            TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
-            DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            COUNTS=counts is not None, SLOTS=MAX_SLOTS, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        ),
-    )  # fmt: skip
-    return out
+    ``counts`` (``[E] int64``, ``T*K <= MAX_SLOTS``), if given, gets the routed slots per
+    expert. Prepares its :class:`DecodeLaunch` on every call."""
+    args = (x, w1, w2, topk_weights, topk_ids, b1, b2, bias)
+    return DecodeLaunch(*args, epilogue, cfg, counts is not None)(*args, counts)
 
 
 _UP = ThinKernel(_decode_up_kernel)

@@ -1,0 +1,162 @@
+"""Where an eager decode call's host time goes (GPU): an inference ``MoELayer`` and
+``fused_moe`` at qwen3-30b-a3b's MoE sizes, ``T=1``, with inclusive timers around the pieces
+of their path (each wrapper adds ~0.3 µs), next to the host cost of the torch primitives the
+path is made of (allocation, views, stride reads, mode queries, a thin launch). Host µs per
+call in bursts of 8 unsynchronised calls, synchronised between bursts (the launch
+queue never fills, so device time does not leak into the figure).
+
+    PYTHONPATH=.:scripts python scripts/decode_host_split.py [--calls 2000]
+"""
+
+import argparse
+import time
+
+import torch
+from backward_host import Timers  # scripts/, the running script's folder
+
+import moe_route
+import moe_route.layer as layer_mod
+import moe_route.moe as moe_mod
+import moe_route.routing as routing_mod
+from moe_route import reference as R
+from moe_route.kernels.triton import ThinKernel
+from moe_route.kernels.triton import decode as decode_mod
+from moe_route.kernels.triton import router as router_mod
+
+H, INTER, E, K = 2048, 768, 128, 8
+
+
+def per_call_us(fn, calls, burst=8):
+    """Host µs per call: bursts of ``burst`` calls timed, synchronised between bursts (outside
+    the timing) so that the launch queue never fills; the median burst."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(max(calls // burst, 1)):
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        samples.append((time.perf_counter() - t0) / burst * 1e6)
+        torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2]
+
+
+def primitives(calls):
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    buf = torch.empty(1 << 16, device="cuda", dtype=torch.uint8)
+    idx = torch.arange(8, device="cuda") % 1
+    rows = {
+        "index_select (8 rows)": lambda: torch.index_select(x, 0, idx),
+        "torch.empty((8, 768), device=cuda)": lambda: torch.empty((8, 768), device="cuda"),
+        "x.new_empty(8, 768)": lambda: x.new_empty(8, 768),
+        "x.new_empty((8, 768), dtype=int32)": lambda: x.new_empty((8, 768), dtype=torch.int32),
+        "buf[a:b]": lambda: buf[256:1024],
+        "buf[a:b].view(bf16).view(1, 2048)": lambda: buf[0:4096].view(torch.bfloat16).view(1, H),
+        "buf.as_strided": lambda: buf.as_strided((8, 64), (64, 1), 128),
+        "x.view(1, 2048)": lambda: x.view(1, H),
+        "x.reshape(-1, 2048)": lambda: x.reshape(-1, H),
+        "x.stride()": lambda: x.stride(),
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled,
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "_cuda_isCurrentStreamCapturing": torch._C._cuda_isCurrentStreamCapturing,
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "_cuda_getCurrentRawStream(0)": lambda: torch._C._cuda_getCurrentRawStream(0),
+    }
+    print("primitives, host us per call:")
+    for name, fn in rows.items():
+        print(f"  {per_call_us(fn, calls):7.2f}  {name}")
+
+
+def launch_pieces(calls, w1, w2, tw, ids, x):
+    """The decode up kernel's thin launch in pieces: the whole launch as the launcher calls it,
+    the key's lookup, the argument packing, and the C launcher with packed arguments."""
+    real = ThinKernel.launch
+    seen = {}
+
+    def capture(self, key, grid, args, constexprs):
+        if self is decode_mod._UP:
+            seen.update(key=key, grid=grid, args=args, cx=constexprs)
+        return real(self, key, grid, args, constexprs)
+
+    ThinKernel.launch = capture
+    moe_route.fused_moe(x, w1, w2, tw, ids)
+    ThinKernel.launch = real
+    up, key, grid, args, cx = decode_mod._UP, seen["key"], seen["grid"], seen["args"], seen["cx"]
+    pack, variants = up._entries[key]
+    packed, align = pack(args)
+    run = variants[(torch.cuda.current_device(), align)]
+    g = (*grid, 1, 1)
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    rows = {
+        f"ThinKernel.launch (up kernel, {len(args)} args)": lambda: up.launch(key, grid, args, cx),
+        "key lookup (hash of the key)": lambda: up._entries.get(key),
+        "pack (data_ptr of each tensor)": lambda: pack(args),
+        "C launcher, packed args": lambda: run(g[0], g[1], g[2], stream, packed),
+    }
+    print("thin launch pieces, host us per call:")
+    for name, fn in rows.items():
+        print(f"  {per_call_us(fn, calls):7.2f}  {name}")
+
+
+def split(title, fn, wraps, calls):
+    total = per_call_us(fn, calls)
+    timers = Timers()
+    for owner, name, label in wraps:
+        timers.wrap(owner, name, label)
+    try:
+        for i in range(calls):
+            fn()
+            if i % 8 == 7:
+                torch.cuda.synchronize()
+    finally:
+        timers.undo()
+    print(f"{title}: {total:.1f} us host per call unwrapped")
+    timers.report(calls, title)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    calls = ap.parse_args().calls
+    primitives(calls)
+    torch.set_grad_enabled(False)
+    layer = moe_route.MoELayer(H, INTER, E, K, device="cuda", dtype=torch.bfloat16)
+    layer.requires_grad_(False)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    w1, w2 = layer.w1.detach(), layer.w2.detach()
+    tw, ids = R.topk_routing_reference(torch.randn(1, E, device="cuda"), K, renormalize=True)
+    common = [
+        (ThinKernel, "launch", "ThinKernel.launch (all)"),
+        (torch.Tensor, "new_empty", "Tensor.new_empty (all)"),
+        (moe_mod, "moe_decode_triton", "moe_decode_triton (launcher)"),
+        (moe_mod, "run_decode", "run_decode"),
+        (moe_mod, "decode_now", "decode_now"),
+        (moe_mod, "moe_plan", "moe_plan"),
+    ]
+    # the layer imported its helpers by name: wrap them where it looks them up
+    layer_wraps = [
+        (layer_mod, "route_softmax_fused", "route_softmax_fused"),
+        (routing_mod, "gate_softmax_topk_triton", "gate_softmax_topk_triton (launcher)"),
+        (layer_mod, "moe_plan", "moe_plan"),
+        (layer_mod, "decode_now", "decode_now"),
+        (layer_mod, "run_decode", "run_decode"),
+        (moe_mod, "moe_decode_triton", "moe_decode_triton (launcher)"),
+        (layer_mod, "check_interpreter_dtype", "check_interpreter_dtype"),
+        (layer_mod._checks, "check_tensor", "check_tensor"),
+        (layer_mod.MoELayer, "shared_expert", "shared_expert"),
+        (layer_mod.MoELayer, "_zero_loss", "_zero_loss"),
+        (layer_mod.MoELayer, "forward", "MoELayer.forward"),
+        (ThinKernel, "launch", "ThinKernel.launch (all)"),
+        (torch.Tensor, "new_empty", "Tensor.new_empty (all)"),
+    ]
+    assert router_mod
+    launch_pieces(calls, w1, w2, tw, ids, x)
+    split("MoELayer T=1", lambda: layer(x), layer_wraps, calls)
+    fused_wraps = [(moe_route, "fused_moe", "fused_moe"), *common]
+    split("fused_moe T=1", lambda: moe_route.fused_moe(x, w1, w2, tw, ids), fused_wraps, calls)
+
+
+if __name__ == "__main__":
+    main()
