@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from . import arch
+from ._env import reader
 
 
 class Op:
@@ -126,3 +127,20 @@ def _autograd_function(name, impl, setup_context, backward):
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward_)},
     )
+
+
+# --------------------------------------------------------------------------- call memos
+#: The most call signatures a memo keeps (``fused_moe``'s, each layer's) before starting over.
+MAX_CALLS = 256
+
+#: The environment a memoised decision depends on: the plans' overrides and the ids' checks.
+memo_env = reader((*arch.ENV_OVERRIDES, "MOE_ROUTE_CHECK_IDS"))
+
+
+def tensor_key(t: torch.Tensor | None):
+    """What a call's checks and decisions read of one tensor argument, for a memo's key: its
+    type, shape, strides, dtype, device and ``requires_grad`` (None stays None; a non-tensor
+    raises ``AttributeError``)."""
+    if t is None:
+        return None
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)

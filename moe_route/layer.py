@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
+from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
 from .activations import Activation, as_activation
 from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
+from .kernels.triton.decode import DecodeLaunch
 from .maps import maps_op
 from .moe import decode_now, moe_plan, run_decode, run_experts
 from .parallel import expert_parallel
@@ -31,10 +33,10 @@ from .routing import (
     apply_capacity,
     check_groups,
     expert_capacity,
+    fused_router,
     load_balancing_loss,
     route_sigmoid_grouped,
     route_softmax,
-    route_softmax_fused,
     router_z_loss,
 )
 from .tuning import token_buckets
@@ -73,6 +75,38 @@ class MoEOutput(NamedTuple):
     load_balancing_loss: torch.Tensor
     #: Unscaled router z-loss; zero unless ``z_loss_coef > 0``.
     z_loss: torch.Tensor
+
+
+class _LayerCall:
+    """What an eager :meth:`MoELayer.forward` decided for one call signature (the layer keeps
+    it, :meth:`MoELayer._eager_call`): the plan, the router's prepared launch where the one
+    launch serves, and the decode path's, prepared at the first call that takes it (from the
+    router's outputs, whose layout the signature fixes; checked on each use). Keeps no tensor.
+
+    NOTE: H100 host (scripts/decode_host_split.py, 2026-11-25, qwen3-30b-a3b sizes, T=1): the
+    plan, the router's and the decode path's decisions and launch keys were ~60 of an
+    inference layer call's 145 us.
+    """
+
+    __slots__ = ("_decode", "_decode_meta", "ask_capture", "plan", "router")
+
+    def __init__(self, plan, router, ask_capture: bool):
+        self.plan, self.router, self.ask_capture = plan, router, ask_capture
+        self._decode = self._decode_meta = None
+
+    def decode_launch(self, x, w1, w2, weights, ids, b1, b2, shared):
+        """The decode path's :class:`DecodeLaunch` (with counts) for this call, or None where
+        the call takes another path (gradients, compile, tensors needing the dispatcher)."""
+        meta = (weights.dtype, weights.stride(), ids.dtype, ids.stride(),
+                None if shared is None else shared.stride())  # fmt: skip
+        if self._decode is not None and meta == self._decode_meta:
+            return self._decode
+        args = (x, w1, w2, weights, ids, b1, b2, shared)
+        if not decode_now(self.plan, x, w1, w2, weights, b1, b2, shared) or needs_dispatcher(args):
+            return None
+        self._decode = DecodeLaunch(*args, self.plan.configs.epilogue, self.plan.decode, True)
+        self._decode_meta = meta
+        return self._decode
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -292,6 +326,7 @@ class MoELayer(nn.Module):
         bias_buf = torch.zeros(E, device=device) if router == "sigmoid_grouped" else None
         self.register_buffer("expert_bias", bias_buf)
         self._zeros: dict = {}  # see _zero_loss
+        self._calls: dict = {}  # see _eager_call
         self.reset_parameters()
 
     # ------------------------------------------------------------------ parameters
@@ -476,12 +511,13 @@ class MoELayer(nn.Module):
             out, *rest = expert_parallel.forward(self, x2)
             return MoEOutput(out.view(x.shape), *rest)
         T, E = x2.shape[0], self.num_experts
+        gate_w = self.gate.weight
+        call = self._eager_call(x2, w1, w2, b1, b2, gate_w)
+        # CUDA-graph capture is asked per call (on CUDA, eager)
+        capturing = call.ask_capture and torch._C._cuda_isCurrentStreamCapturing()
         fused = None
-        if self.router == "softmax":  # eager inference at small T: one launch for the router
-            rdt = x2.dtype if self.router_dtype is None else self.router_dtype
-            expert = (math.prod(w1.shape[1:]) + math.prod(w2.shape[1:])) * x2.element_size()
-            fused = route_softmax_fused(x2, self.gate.weight, self.top_k, self.renormalize, rdt,
-                                        expert, self.backend)  # fmt: skip
+        if call.router is not None and not capturing:  # eager inference: one router launch
+            fused = call.router(x2, gate_w)
         if fused is None:
             logits = self.router_logits(x2)
             weights, ids = self.route(logits)
@@ -508,12 +544,13 @@ class MoELayer(nn.Module):
         # construction, load_state_dict checks them): none of fused_moe's argument checks,
         # one plan, and the counts come with the experts' launches (the maps' offsets, or the
         # decode path's second kernel): one op instead of eight.
-        act, layout = self.activation, self.gate_up_layout
-        plan = moe_plan(x2, w1, w2, self.top_k, act, layout, self.finalize,
-                        self.deterministic, None, False, self.backend)  # fmt: skip
-        check_interpreter_dtype("x", x2, plan.backend)
+        act, layout, plan = self.activation, self.gate_up_layout, call.plan
         shared = self.shared_expert(x2)
-        if decode_now(plan, x2, w1, w2, weights, b1, b2, shared):
+        decode = None if capturing else call.decode_launch(x2, w1, w2, weights, ids, b1, b2, shared)
+        if decode is not None:
+            counts = ids.new_empty(E, dtype=torch.int64)
+            out = decode(x2, w1, w2, weights, ids, b1, b2, shared, counts)
+        elif decode_now(plan, x2, w1, w2, weights, b1, b2, shared):
             out, counts = run_decode(plan, x2, w1, w2, weights, ids, b1, b2, shared, act, layout,
                                      True)  # fmt: skip
         else:
@@ -530,6 +567,37 @@ class MoELayer(nn.Module):
             load_balancing_loss=lb,
             z_loss=z,
         )
+
+    def _eager_call(self, x2, w1, w2, b1, b2, gate_w) -> _LayerCall:
+        """The decisions of a forward on ``x2`` (:class:`_LayerCall`): kept per call signature
+        in eager mode, made afresh under torch.compile and a torch dispatch mode."""
+        key = None
+        if not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack():
+            key = (tensor_key(x2), tensor_key(w1), tensor_key(w2), tensor_key(b1),
+                   tensor_key(b2), tensor_key(gate_w), self.shared_w1 is None, self.router,
+                   self.top_k, self.renormalize, self.router_dtype, self.activation,
+                   self.gate_up_layout, self.finalize, self.deterministic, self.backend,
+                   torch.is_grad_enabled(), memo_env())  # fmt: skip
+            call = self._calls.get(key)
+            if call is not None:
+                return call
+        plan = moe_plan(x2, w1, w2, self.top_k, self.activation, self.gate_up_layout,
+                        self.finalize, self.deterministic, None, False, self.backend)  # fmt: skip
+        check_interpreter_dtype("x", x2, plan.backend)
+        router = None
+        if self.router == "softmax":  # eager inference at small T: one launch for the router
+            rdt = x2.dtype if self.router_dtype is None else self.router_dtype
+            expert = (math.prod(w1.shape[1:]) + math.prod(w2.shape[1:])) * x2.element_size()
+            router = fused_router(x2, gate_w, self.top_k, self.renormalize, rdt, expert,
+                                  self.backend)  # fmt: skip
+        # (under torch.compile nothing is prepared, and no capture query is traced)
+        eager = not torch.compiler.is_compiling()
+        call = _LayerCall(plan, router, x2.is_cuda and eager)
+        if key is not None and not needs_dispatcher((x2, w1, w2, b1, b2, gate_w)):
+            if len(self._calls) >= MAX_CALLS:
+                self._calls.clear()
+            self._calls[key] = call
+        return call
 
     def _zero_loss(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The zero scalar the switched-off losses report: in eager mode one tensor per dtype

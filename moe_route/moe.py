@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, arch, tuning
-from ._dispatch import Op, needs_dispatcher
-from ._env import reader
+from ._dispatch import MAX_CALLS, Op, memo_env, needs_dispatcher, tensor_key
 from .activations import Activation, as_activation
 from .grouped_gemm import (
     bias_dtypes,
@@ -401,7 +400,7 @@ def fused_moe(
     call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
                      gate_up_layout, allow_tf32)  # fmt: skip
     if key is not None and not needs_dispatcher((x, w1, w2, topk_weights, ids, b1, b2, bias)):
-        if len(_CALLS) >= MAX_CALLS:
+        if len(_CALLS) >= MAX_CALLS:  # (a serving process meets few signatures)
             _CALLS.clear()
         _CALLS[key] = call
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
@@ -462,15 +461,6 @@ class FusedCall:
 
 #: :func:`fused_moe`'s decisions by call signature (bounded: cleared when full)
 _CALLS: dict = {}
-MAX_CALLS = 256
-_memo_env = reader((*arch.ENV_OVERRIDES, "MOE_ROUTE_CHECK_IDS"))
-
-
-def _tensor_key(t):
-    """What a call's checks and decisions read of one tensor argument (None stays None)."""
-    if t is None:
-        return None
-    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tuple | None:
@@ -481,9 +471,9 @@ def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tupl
     if torch._C._len_torch_dispatch_stack():
         return None
     try:
-        key = (_tensor_key(x), _tensor_key(w1), _tensor_key(w2), _tensor_key(topk_weights),
-               _tensor_key(topk_ids), _tensor_key(b1), _tensor_key(b2), _tensor_key(bias),
-               *options, torch.is_grad_enabled(), _memo_env())  # fmt: skip
+        key = (tensor_key(x), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
+               tensor_key(topk_ids), tensor_key(b1), tensor_key(b2), tensor_key(bias),
+               *options, torch.is_grad_enabled(), memo_env())  # fmt: skip
         hash(key)
     except (AttributeError, TypeError):
         return None

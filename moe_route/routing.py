@@ -37,8 +37,8 @@ from . import _checks, arch
 from ._dispatch import Op, needs_dispatcher
 from ._env import getenv
 from .kernels.triton.router import (
+    GateLaunch,
     gate_fits,
-    gate_softmax_topk_triton,
     sigmoid_grouped_topk_triton,
     sigmoid_topk_backward_triton,
     softmax_topk_backward_triton,
@@ -119,6 +119,30 @@ FUSED_ROUTER_TOUCHED = 256 << 20
 _GATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def fused_router(x: torch.Tensor, gate_weight: torch.Tensor, k: int, renormalize: bool,
+                 logits_dtype: torch.dtype, expert_bytes: int, backend: str):  # fmt: skip
+    """The prepared launch (:class:`moe_route.kernels.triton.router.GateLaunch`) of
+    :func:`route_softmax_fused` for this call, or None where it does not serve it: everything
+    that decides it except CUDA-graph capture, which the caller asks per call (the layer keeps
+    the answer per call signature)."""
+    T, E = x.shape[0], gate_weight.shape[0]
+    if not 0 < T <= FUSED_ROUTER_TOKENS or x.dtype != gate_weight.dtype:
+        return None
+    if T * k * expert_bytes > FUSED_ROUTER_TOUCHED:
+        return None
+    if x.dtype not in _GATE_DTYPES or logits_dtype not in (torch.float32, x.dtype):
+        return None
+    if not gate_fits(E, gate_weight.numel() * gate_weight.element_size()):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad):
+        return None
+    if torch.compiler.is_compiling() or needs_dispatcher((x, gate_weight)):
+        return None
+    if router_backend(x.device, backend, E) != "triton":
+        return None
+    return GateLaunch(x, gate_weight, k, renormalize, logits_dtype)
+
+
 def route_softmax_fused(x: torch.Tensor, gate_weight: torch.Tensor, k: int, renormalize: bool,
                         logits_dtype: torch.dtype, expert_bytes: int, backend: str):  # fmt: skip
     """``(logits, weights, ids)``: ``logits = x @ gate_weight^T`` in ``logits_dtype`` and
@@ -139,28 +163,10 @@ def route_softmax_fused(x: torch.Tensor, gate_weight: torch.Tensor, k: int, reno
     time: hence the bound on the experts' bytes (qwen3 up to T=3, olmoe up to T=2, none at
     mixtral's size).
     """
-    T, E = x.shape[0], gate_weight.shape[0]
-    if not 0 < T <= FUSED_ROUTER_TOKENS or x.dtype != gate_weight.dtype:
+    launch = fused_router(x, gate_weight, k, renormalize, logits_dtype, expert_bytes, backend)
+    if launch is None or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing()):
         return None
-    if T * k * expert_bytes > FUSED_ROUTER_TOUCHED:
-        return None
-    if x.dtype not in _GATE_DTYPES or logits_dtype not in (torch.float32, x.dtype):
-        return None
-    if not gate_fits(E, gate_weight.numel() * gate_weight.element_size()):
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad):
-        return None
-    if torch.compiler.is_compiling() or needs_dispatcher((x, gate_weight)):
-        return None
-    if x.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
-        return None
-    if router_backend(x.device, backend, E) != "triton":
-        return None
-    logits = x.new_empty(T, E, dtype=logits_dtype)
-    weights = x.new_empty(T, k, dtype=torch.float32)
-    ids = x.new_empty(T, k, dtype=torch.int32)
-    gate_softmax_topk_triton(x, gate_weight, k, renormalize, logits, weights, ids)
-    return logits, weights, ids
+    return launch(x, gate_weight)
 
 
 def softmax_topk_torch(

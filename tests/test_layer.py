@@ -629,3 +629,43 @@ def test_router_matmul_falls_back_without_mm_out_dtype(monkeypatch):
     assert layer_module._mm_float32(a, b) is None
     assert calls == [{"out_dtype": torch.float32}]  # tried once
     assert layer_module._MM_OUT_DTYPE is False
+
+
+@needs_interpreter
+def test_eager_call_memo_serves_no_stale_decision(monkeypatch):
+    """An inference layer keeps its decisions per call signature: a repeated call decides
+    nothing again and gives the same bits; a call with other weights' strides, another token
+    count, a gradient wanted or another finalize request gets its own decisions and the
+    right output (the naive loop's, to the float32 tolerance)."""
+    layer_mod = importlib.import_module("moe_route.layer")
+    torch.manual_seed(3)
+    layer = moe_route.MoELayer(32, 16, 4, 2, backend="triton").eval()
+    plans = []
+    real = layer_mod.moe_plan
+    monkeypatch.setattr(layer_mod, "moe_plan", lambda *a: plans.append(1) or real(*a))
+    x = torch.randn(1, 32)
+
+    def expected(x):
+        w, ids = reference.topk_routing_reference(layer.router_logits(x), 2, renormalize=True)
+        return reference.moe_forward_reference(x.double(), layer.w1.double(), layer.w2.double(),
+                                               w.double(), ids)  # fmt: skip
+
+    with torch.no_grad():
+        first, again = layer(x), layer(x)
+        assert plans == [1]
+        assert torch.equal(first.output, again.output)
+        assert torch.equal(first.tokens_per_expert, again.tokens_per_expert)
+        assert_matches(first.output, expected(x), 1e-5)
+        # the same weights through other strides
+        w1 = layer.w1.detach().transpose(1, 2).contiguous().transpose(1, 2)
+        layer.w1 = nn.Parameter(w1, requires_grad=False)
+        assert_matches(layer(x).output, expected(x), 1e-5)
+        assert plans == [1, 1]
+        x3 = torch.randn(3, 32)
+        assert_matches(layer(x3).output, expected(x3), 1e-5)
+        layer.finalize = "standalone"
+        layer(x)
+        assert len(plans) == 4
+    out = layer(x.clone().requires_grad_())
+    assert out.output.grad_fn is not None
+    assert_matches(out.output.detach(), expected(x), 1e-5)

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import INTERPRETING, ThinKernel, cdiv, int_key, next_pow2
+from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, int_key, next_pow2
 
 #: Most experts one program holds (``BLOCK_E``, registers: a few ``[BLOCK_E]`` tiles over up to
 #: 16 warps; the grouped sigmoid kernel's padded tile is at most twice as wide). Wider rows
@@ -282,6 +282,52 @@ def gate_fits(num_experts: int, gate_bytes: int) -> bool:
     return num_experts <= GATE_MAX_EXPERTS and gate_bytes <= GATE_MAX_BYTES
 
 
+class GateLaunch:
+    """:func:`gate_softmax_topk_triton` prepared for one configuration of arguments (dtypes,
+    strides, ``E``, ``H``, ``k``; not ``T``): a call allocates the three outputs and launches.
+    Keeps no tensor."""
+
+    def __init__(self, x: torch.Tensor, gate_weight: torch.Tensor, k: int, renormalize: bool,
+                 logits_dtype: torch.dtype):  # fmt: skip
+        H = x.shape[1]
+        E = gate_weight.shape[0]
+        self.E, self.k, self.logits_dtype = E, k, logits_dtype
+        block_e = max(16, next_pow2(E))
+        # NOTE: H100, bf16 (device time, 2026-11-24): one program reads the whole gate, so what
+        # it keeps in flight sets the speed. 128-wide H steps, 4 stages, 4 warps were best or
+        # within 5 % at E=128 / 64 / 8, H=2048-4096, T=1-64 (E=128 H=2048 T=1: 18 us; the
+        # 64-wide steps on 3 stages, 25 us). 256 experts take 64-wide steps (shared memory).
+        block_h = 32 if x.dtype == torch.float32 else (128 if block_e <= 128 else 64)
+        stages = 3 if x.dtype == torch.float32 else 4
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit)
+        sx, sg = x.stride(), gate_weight.stride()
+        self.key = LaunchKey((x.dtype, gate_weight.dtype, logits_dtype, k, renormalize, block_e,
+                              int_key(E, H, *sx, *sg)))  # fmt: skip
+        self.tail = (E, H, *sx, *sg)
+        self.constexprs = lambda: dict(
+            K=k, K_POW2=next_pow2(k), RENORMALIZE=renormalize, ACCURATE_EXP=not INTERPRETING,
+            DOT_PRECISION=precision, BLOCK_T=_GATE_BLOCK_T, BLOCK_E=block_e, BLOCK_H=block_h,
+            num_warps=4, num_stages=stages,
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, gate_weight: torch.Tensor):
+        """``(logits [T, E], weights [T, K] float32, ids [T, K] int32)``, new and contiguous."""
+        T = x.shape[0]
+        logits = x.new_empty(T, self.E, dtype=self.logits_dtype)
+        weights = x.new_empty(T, self.k, dtype=torch.float32)
+        ids = x.new_empty(T, self.k, dtype=torch.int32)
+        self.fill(x, gate_weight, logits, weights, ids)
+        return logits, weights, ids
+
+    def fill(self, x, gate_weight, logits, weights, ids) -> None:
+        """The launch into given outputs (contiguous, of the prepared dtypes)."""
+        T = x.shape[0]
+        if T:
+            _GATE.launch(self.key, (cdiv(T, _GATE_BLOCK_T),),
+                         (x, gate_weight, logits, weights, ids, T, *self.tail),
+                         self.constexprs)  # fmt: skip
+
+
 def gate_softmax_topk_triton(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -296,30 +342,9 @@ def gate_softmax_topk_triton(
     int32 (contiguous), in one launch: what ``softmax_topk(linear(x, gate_weight), k)`` gives
     on the logits this kernel stores (summed in another order than a matmul library's).
     ``x [T, H]`` and ``gate_weight [E, H]``: one 16- or 32-bit dtype, any strides; the gate
-    within :func:`gate_fits`."""
-    T, H = x.shape
-    E = gate_weight.shape[0]
-    if T == 0:
-        return
-    block_e = max(16, next_pow2(E))
-    # NOTE: H100, bf16 (device time, 2026-11-24): one program reads the whole gate, so what it
-    # keeps in flight sets the speed. 128-wide H steps, 4 stages, 4 warps were best or within
-    # 5 % at E=128 / 64 / 8, H=2048-4096, T=1-64 (E=128 H=2048 T=1: 18 us; the 64-wide steps
-    # on 3 stages, 25 us). 256 experts take 64-wide steps (shared memory).
-    block_h = 32 if x.dtype == torch.float32 else (128 if block_e <= 128 else 64)
-    stages = 3 if x.dtype == torch.float32 else 4
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit)
-    sx, sg = x.stride(), gate_weight.stride()
-    key = (x.dtype, logits.dtype, k, renormalize, block_e, int_key(E, H, *sx, *sg))
-    _GATE.launch(
-        key, (cdiv(T, _GATE_BLOCK_T),),
-        (x, gate_weight, logits, weights, ids, T, E, H, *sx, *sg),
-        lambda: dict(
-            K=k, K_POW2=next_pow2(k), RENORMALIZE=renormalize, ACCURATE_EXP=not INTERPRETING,
-            DOT_PRECISION=precision, BLOCK_T=_GATE_BLOCK_T, BLOCK_E=block_e, BLOCK_H=block_h,
-            num_warps=4, num_stages=stages,
-        ),
-    )  # fmt: skip
+    within :func:`gate_fits`. Prepares its :class:`GateLaunch` on every call."""
+    GateLaunch(x, gate_weight, k, renormalize, logits.dtype).fill(x, gate_weight, logits,
+                                                                   weights, ids)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])
