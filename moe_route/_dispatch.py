@@ -144,3 +144,11 @@ def tensor_key(t: torch.Tensor | None):
     if t is None:
         return None
     return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def rows_key(t: torch.Tensor | None):
+    """:func:`tensor_key` of a tensor with one row per token, without the row count (the
+    caller keys on the token bucket and on the rows agreeing)."""
+    if t is None:
+        return None
+    return (type(t), t.shape[1:], t.dim(), t.stride(), t.dtype, t.device, t.requires_grad)

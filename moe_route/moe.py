@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, arch, tuning
-from ._dispatch import MAX_CALLS, Op, memo_env, needs_dispatcher, tensor_key
+from ._dispatch import MAX_CALLS, Op, memo_env, needs_dispatcher, rows_key, tensor_key
 from .activations import Activation, as_activation
 from .grouped_gemm import (
     bias_dtypes,
@@ -399,7 +399,9 @@ def fused_moe(
     check_interpreter_dtype("x", x, plan.backend)
     call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
                      gate_up_layout, allow_tf32)  # fmt: skip
-    if key is not None and not needs_dispatcher((x, w1, w2, topk_weights, ids, b1, b2, bias)):
+    whole_bucket = token_bucket(T) * ids.shape[1] < 2**31  # (the maps' int32 rows)
+    args = (x, w1, w2, topk_weights, ids, b1, b2, bias)
+    if key is not None and whole_bucket and not needs_dispatcher(args):
         if len(_CALLS) >= MAX_CALLS:  # (a serving process meets few signatures)
             _CALLS.clear()
         _CALLS[key] = call
@@ -467,15 +469,24 @@ def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tupl
     """The signature of a :func:`fused_moe` call: each tensor's type, shape, strides, dtype,
     device and ``requires_grad``, the other arguments, grad mode and the environment overrides
     (None where no memo applies: under a torch dispatch mode, with arguments that are not
-    tensors or not hashable; the checks then say what is wrong)."""
+    tensors or not hashable; the checks then say what is wrong). The token count enters as
+    its bucket and whether every per-token tensor has that many rows, so that a new ``T`` in a
+    bucket seen before is not checked again either (a decision never depends on more than the
+    bucket; :func:`fused_moe` keeps only signatures whose whole bucket passes the checks)."""
     if torch._C._len_torch_dispatch_stack():
         return None
     try:
-        key = (tensor_key(x), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
-               tensor_key(topk_ids), tensor_key(b1), tensor_key(b2), tensor_key(bias),
-               *options, torch.is_grad_enabled(), memo_env())  # fmt: skip
+        T = x.shape[0]
+        rows = (
+            topk_weights.shape[0] == T
+            and topk_ids.shape[0] == T
+            and (bias is None or bias.dim() == 1 or bias.shape[0] == T)
+        )
+        key = (token_bucket(T), rows, rows_key(x), tensor_key(w1), tensor_key(w2),
+               rows_key(topk_weights), rows_key(topk_ids), tensor_key(b1), tensor_key(b2),
+               rows_key(bias), *options, torch.is_grad_enabled(), memo_env())  # fmt: skip
         hash(key)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, IndexError):
         return None
     return key
 

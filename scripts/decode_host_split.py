@@ -1,11 +1,11 @@
 """Where an eager decode call's host time goes (GPU): an inference ``MoELayer`` and
-``fused_moe`` at qwen3-30b-a3b's MoE sizes, ``T=1``, with inclusive timers around the pieces
-of their path (each wrapper adds ~0.3 µs), next to the host cost of the torch primitives the
-path is made of (allocation, views, stride reads, mode queries, a thin launch). Host µs per
-call in bursts of 8 unsynchronised calls, synchronised between bursts (the launch
-queue never fills, so device time does not leak into the figure).
+``fused_moe`` at qwen3-30b-a3b's (or olmoe-1b-7b's) MoE sizes, ``T=1``, with inclusive timers
+around the pieces of their path (each wrapper adds ~0.3 µs), next to the host cost of the
+torch primitives the path is made of (allocation, views, stride reads, mode queries, a thin
+launch). Host µs per call in bursts of 8 unsynchronised calls, synchronised between bursts
+(the launch queue never fills, so device time does not leak into the figure).
 
-    PYTHONPATH=.:scripts python scripts/decode_host_split.py [--calls 2000]
+    PYTHONPATH=.:scripts python scripts/decode_host_split.py [--calls 2000] [--model olmoe]
 """
 
 import argparse
@@ -17,13 +17,13 @@ from backward_host import Timers  # scripts/, the running script's folder
 import moe_route
 import moe_route.layer as layer_mod
 import moe_route.moe as moe_mod
-import moe_route.routing as routing_mod
 from moe_route import reference as R
 from moe_route.kernels.triton import ThinKernel
 from moe_route.kernels.triton import decode as decode_mod
 from moe_route.kernels.triton import router as router_mod
 
-H, INTER, E, K = 2048, 768, 128, 8
+#: (H, I, E, K)
+MODELS = {"qwen3": (2048, 768, 128, 8), "olmoe": (2048, 1024, 64, 8)}
 
 
 def per_call_us(fn, calls, burst=8):
@@ -42,7 +42,7 @@ def per_call_us(fn, calls, burst=8):
     return sorted(samples)[len(samples) // 2]
 
 
-def primitives(calls):
+def primitives(calls, H=2048):
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     buf = torch.empty(1 << 16, device="cuda", dtype=torch.uint8)
     idx = torch.arange(8, device="cuda") % 1
@@ -119,7 +119,10 @@ def split(title, fn, wraps, calls):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
-    calls = ap.parse_args().calls
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3")
+    args = ap.parse_args()
+    calls = args.calls
+    H, INTER, E, K = MODELS[args.model]
     primitives(calls)
     torch.set_grad_enabled(False)
     layer = moe_route.MoELayer(H, INTER, E, K, device="cuda", dtype=torch.bfloat16)
@@ -130,32 +133,28 @@ def main():
     common = [
         (ThinKernel, "launch", "ThinKernel.launch (all)"),
         (torch.Tensor, "new_empty", "Tensor.new_empty (all)"),
-        (moe_mod, "moe_decode_triton", "moe_decode_triton (launcher)"),
-        (moe_mod, "run_decode", "run_decode"),
-        (moe_mod, "decode_now", "decode_now"),
-        (moe_mod, "moe_plan", "moe_plan"),
+        (decode_mod.DecodeLaunch, "__call__", "DecodeLaunch (allocations, launches)"),
     ]
-    # the layer imported its helpers by name: wrap them where it looks them up
     layer_wraps = [
-        (layer_mod, "route_softmax_fused", "route_softmax_fused"),
-        (routing_mod, "gate_softmax_topk_triton", "gate_softmax_topk_triton (launcher)"),
-        (layer_mod, "moe_plan", "moe_plan"),
-        (layer_mod, "decode_now", "decode_now"),
-        (layer_mod, "run_decode", "run_decode"),
-        (moe_mod, "moe_decode_triton", "moe_decode_triton (launcher)"),
-        (layer_mod, "check_interpreter_dtype", "check_interpreter_dtype"),
-        (layer_mod._checks, "check_tensor", "check_tensor"),
+        *common,
+        (layer_mod.MoELayer, "forward", "MoELayer.forward"),
+        (layer_mod.MoELayer, "_eager_call", "MoELayer._eager_call (memo key, lookup)"),
+        (router_mod.GateLaunch, "__call__", "GateLaunch (allocations, launch)"),
+        (layer_mod._LayerCall, "decode_launch", "_LayerCall.decode_launch"),
         (layer_mod.MoELayer, "shared_expert", "shared_expert"),
         (layer_mod.MoELayer, "_zero_loss", "_zero_loss"),
-        (layer_mod.MoELayer, "forward", "MoELayer.forward"),
-        (ThinKernel, "launch", "ThinKernel.launch (all)"),
-        (torch.Tensor, "new_empty", "Tensor.new_empty (all)"),
+        (layer_mod._checks, "check_tensor", "check_tensor"),
     ]
-    assert router_mod
     launch_pieces(calls, w1, w2, tw, ids, x)
-    split("MoELayer T=1", lambda: layer(x), layer_wraps, calls)
-    fused_wraps = [(moe_route, "fused_moe", "fused_moe"), *common]
-    split("fused_moe T=1", lambda: moe_route.fused_moe(x, w1, w2, tw, ids), fused_wraps, calls)
+    split(f"MoELayer T=1 ({args.model})", lambda: layer(x), layer_wraps, calls)
+    fused_wraps = [
+        *common,
+        (moe_route, "fused_moe", "fused_moe"),
+        (moe_mod, "_call_key", "_call_key (memo key)"),
+        (moe_mod.FusedCall, "__call__", "FusedCall"),
+    ]
+    split(f"fused_moe T=1 ({args.model})", lambda: moe_route.fused_moe(x, w1, w2, tw, ids),
+          fused_wraps, calls)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -155,6 +155,24 @@ def test_repeated_call_skips_the_checks_and_gives_the_same_bits(monkeypatch, tok
     assert_matches(second, moe_expected(case), TOL[torch.float32])
 
 
+def test_new_token_count_in_a_seen_bucket_is_not_checked_again(monkeypatch):
+    """The memo keys on the token bucket: a new T in it is neither checked nor decided again,
+    and gives the right output; rows that disagree still raise."""
+    moe_mod.clear_plans()
+    checks = _count_checks(monkeypatch)
+    run_moe(moe_case(5, K, E, H, INTER), backend="triton")
+    for t in (6, 7, 8):
+        case = moe_case(t, K, E, H, INTER, seed=t)
+        assert_matches(run_moe(case, backend="triton"), moe_expected(case), TOL[torch.float32])
+    assert checks == [1]
+    run_moe(moe_case(9, K, E, H, INTER), backend="triton")  # the next bucket
+    assert checks == [1, 1]
+    case = moe_case(6, K, E, H, INTER)
+    for short in ("topk_weights", "topk_ids"):
+        with pytest.raises(ValueError, match="rows like x"):
+            run_moe(dict(case, **{short: case[short][:5]}), backend="triton")
+
+
 @pytest.mark.parametrize("tokens", [1, T], ids=["decode path", "sorted path"])
 def test_call_memo_serves_no_stale_decision(monkeypatch, launches, tokens):
     """After a memoised call, calls that differ in any one thing the checks or decisions read
