@@ -56,10 +56,12 @@ for name, fn in rows.items():
     except Exception as exc:  # e.g. an op this torch lacks
         print(f"{name:22} failed: {type(exc).__name__}: {str(exc)[:80]}")
 # The same layer with the router in two steps (matmul, then softmax_topk), in this process.
-real_fused = moe_route.layer.route_softmax_fused
-moe_route.layer.route_softmax_fused = lambda *a: None
+real_fused = moe_route.layer.fused_router
+moe_route.layer.fused_router = lambda *a: None
+layer._calls.clear()  # (the layer keeps its decisions per call signature)
 print(f"{'MoELayer, 2-step router':22} {host_us(rows['MoELayer']):8.1f} us")
-moe_route.layer.route_softmax_fused = real_fused
+moe_route.layer.fused_router = real_fused
+layer._calls.clear()
 for name in ("fused_moe", "MoELayer"):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         rows[name]()
