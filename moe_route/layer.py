@@ -24,7 +24,7 @@ from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .maps import maps_op
-from .moe import decode_now, moe_plan, run_decode, run_experts
+from .moe import DECODE, decode_planned, moe_plan, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
 from .reference import GATE_UP_LAYOUTS, activation_reference
@@ -88,24 +88,30 @@ class _LayerCall:
     inference layer call's 145 us.
     """
 
-    __slots__ = ("_decode", "_decode_meta", "ask_capture", "plan", "router")
+    __slots__ = ("_decode", "_decode_meta", "ask_capture", "decode_by_op", "plan", "router")
 
     def __init__(self, plan, router, ask_capture: bool):
         self.plan, self.router, self.ask_capture = plan, router, ask_capture
         self._decode = self._decode_meta = None
+        #: the decode path, through its custom op (tensors needing the dispatcher)
+        self.decode_by_op = False
 
     def decode_launch(self, x, w1, w2, weights, ids, b1, b2, shared):
         """The decode path's :class:`DecodeLaunch` (with counts) for this call, or None where
-        the call takes another path (gradients, compile, tensors needing the dispatcher)."""
-        meta = (weights.dtype, weights.stride(), ids.dtype, ids.stride(),
-                None if shared is None else shared.stride())  # fmt: skip
-        if self._decode is not None and meta == self._decode_meta:
-            return self._decode
-        args = (x, w1, w2, weights, ids, b1, b2, shared)
-        if not decode_now(self.plan, x, w1, w2, weights, b1, b2, shared) or needs_dispatcher(args):
-            return None
-        self._decode = DecodeLaunch(*args, self.plan.configs.epilogue, self.plan.decode, True)
-        self._decode_meta = meta
+        the call takes another path: the sorted path (gradients, compile, no decode plan), or
+        the decode op (:attr:`decode_by_op`, set here). CUDA-graph capture aside (the caller
+        asks it per call)."""
+        meta = (weights.dtype, weights.stride(), weights.requires_grad, ids.dtype, ids.stride(),
+                None if shared is None else (shared.stride(), shared.requires_grad))  # fmt: skip
+        if meta != self._decode_meta:
+            self._decode, self._decode_meta, self.decode_by_op = None, meta, False
+            args = (x, w1, w2, weights, ids, b1, b2, shared)
+            if decode_planned(self.plan, x, w1, w2, weights, b1, b2, shared):
+                if needs_dispatcher(args):
+                    self.decode_by_op = True
+                else:
+                    self._decode = DecodeLaunch(*args, self.plan.configs.epilogue,
+                                                self.plan.decode, True)  # fmt: skip
         return self._decode
 
 
@@ -550,9 +556,8 @@ class MoELayer(nn.Module):
         if decode is not None:
             counts = ids.new_empty(E, dtype=torch.int64)
             out = decode(x2, w1, w2, weights, ids, b1, b2, shared, counts)
-        elif decode_now(plan, x2, w1, w2, weights, b1, b2, shared):
-            out, counts = run_decode(plan, x2, w1, w2, weights, ids, b1, b2, shared, act, layout,
-                                     True)  # fmt: skip
+        elif call.decode_by_op and not capturing:
+            out, counts = DECODE(x2, w1, w2, weights, ids, b1, b2, shared, act, layout, True)
         else:
             maps = maps_op(ids, E, plan.maps_backend)
             out = run_experts(plan, x2, w1, w2, weights, maps, act, layout, b1, b2, shared)
@@ -572,7 +577,8 @@ class MoELayer(nn.Module):
         """The decisions of a forward on ``x2`` (:class:`_LayerCall`): kept per call signature
         in eager mode, made afresh under torch.compile and a torch dispatch mode."""
         key = None
-        if not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack():
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not torch._C._len_torch_dispatch_stack():
             key = (tensor_key(x2), tensor_key(w1), tensor_key(w2), tensor_key(b1),
                    tensor_key(b2), tensor_key(gate_w), self.shared_w1 is None, self.router,
                    self.top_k, self.renormalize, self.router_dtype, self.activation,
@@ -591,8 +597,7 @@ class MoELayer(nn.Module):
             router = fused_router(x2, gate_w, self.top_k, self.renormalize, rdt, expert,
                                   self.backend)  # fmt: skip
         # (under torch.compile nothing is prepared, and no capture query is traced)
-        eager = not torch.compiler.is_compiling()
-        call = _LayerCall(plan, router, x2.is_cuda and eager)
+        call = _LayerCall(plan, router, x2.is_cuda and not compiling)
         if key is not None and not needs_dispatcher((x2, w1, w2, b1, b2, gate_w)):
             if len(self._calls) >= MAX_CALLS:
                 self._calls.clear()

@@ -281,7 +281,8 @@ def moe_decode_tables(
     """``(out, counts)`` on the decode path (Triton; no maps, no gradient): ``fused_moe``'s
     output, and with ``want_counts`` the routed slots per expert (``[E] int64``, else empty),
     which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``. The op's
-    implementation; eager calls reach :func:`run_decode` without it."""
+    implementation; eager calls on plain tensors run their prepared
+    :class:`~moe_route.kernels.triton.decode.DecodeLaunch` without it."""
     E, K = w1.shape[0], topk_ids.shape[1]
     if want_counts and x.shape[0] * K > MAX_SLOTS:
         raise ValueError(
@@ -359,7 +360,10 @@ def fused_moe(
         key = _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, activation,
                         gate_up_layout, finalize, deterministic, gather, allow_tf32,
                         backend)  # fmt: skip
-        call = _CALLS.get(key) if key is not None else None
+        try:
+            call = _CALLS.get(key) if key is not None else None
+        except TypeError:  # an unhashable option: the checks below say what is wrong
+            key = call = None
         if call is not None:
             return call(x, w1, w2, topk_weights, topk_ids, b1, b2, bias)
     spec = as_activation(activation)
@@ -439,12 +443,14 @@ class FusedCall:
         self.activation, self.layout, self.allow_tf32 = activation, gate_up_layout, allow_tf32
         self.check_ids = _checks.ids_value_check_wanted(ids, None)
         self.cuda = x.is_cuda
-        # The decode path's launches, where this signature takes it: an inference call
-        # (gradients are part of the signature), eager; CUDA-graph capture is asked per call.
+        # The decode path, where this signature takes it (an inference call: gradients are part
+        # of the signature; eager), prepared; CUDA-graph capture is asked per call.
         self.decode = None
         args = (x, w1, w2, topk_weights, ids, b1, b2, bias)
-        if decode_now(plan, x, w1, w2, topk_weights, b1, b2, bias) and not needs_dispatcher(args):
-            self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
+        if decode_planned(plan, x, w1, w2, topk_weights, b1, b2, bias):
+            self.decode = self._through_op
+            if not needs_dispatcher(args):
+                self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
 
     def __call__(self, x, w1, w2, topk_weights, ids, b1, b2, bias) -> torch.Tensor:
         if self.check_ids:
@@ -452,13 +458,15 @@ class FusedCall:
         decode = self.decode  # (None under torch.compile: nothing below traces a capture query)
         if decode is not None and not (self.cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
-        plan = self.plan
-        if decode_now(plan, x, w1, w2, topk_weights, b1, b2, bias):  # tensors needing dispatch
-            return run_decode(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, self.activation,
-                              self.layout, False)[0]  # fmt: skip
-        maps = maps_op(ids, self.E, plan.maps_backend)
-        return run_experts(plan, x, w1, w2, topk_weights, maps, self.activation, self.layout, b1,
-                           b2, bias, self.allow_tf32)  # fmt: skip
+        maps = maps_op(ids, self.E, self.plan.maps_backend)
+        return run_experts(self.plan, x, w1, w2, topk_weights, maps, self.activation,
+                           self.layout, b1, b2, bias, self.allow_tf32)  # fmt: skip
+
+    def _through_op(self, x, w1, w2, topk_weights, ids, b1, b2, bias) -> torch.Tensor:
+        """The decode path through its custom op: tensors the kernels cannot take as they are
+        (fake tensors, subclasses; such a call is not memoised)."""
+        return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, self.activation, self.layout,
+                      False)[0]  # fmt: skip
 
 
 #: :func:`fused_moe`'s decisions by call signature (bounded: cleared when full)
@@ -468,8 +476,8 @@ _CALLS: dict = {}
 def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tuple | None:
     """The signature of a :func:`fused_moe` call: each tensor's type, shape, strides, dtype,
     device and ``requires_grad``, the other arguments, grad mode and the environment overrides
-    (None where no memo applies: under a torch dispatch mode, with arguments that are not
-    tensors or not hashable; the checks then say what is wrong). The token count enters as
+    (None where no memo applies: under a torch dispatch mode, or with arguments that are not
+    tensors; the checks then say what is wrong). The token count enters as
     its bucket and whether every per-token tensor has that many rows, so that a new ``T`` in a
     bucket seen before is not checked again either (a decision never depends on more than the
     bucket; :func:`fused_moe` keeps only signatures whose whole bucket passes the checks)."""
@@ -485,7 +493,6 @@ def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tupl
         key = (token_bucket(T), rows, rows_key(x), tensor_key(w1), tensor_key(w2),
                rows_key(topk_weights), rows_key(topk_ids), tensor_key(b1), tensor_key(b2),
                rows_key(bias), *options, torch.is_grad_enabled(), memo_env())  # fmt: skip
-        hash(key)
     except (AttributeError, TypeError, IndexError):
         return None
     return key
@@ -543,9 +550,9 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
     return out
 
 
-def decode_now(plan: MoEPlan, x, *params) -> bool:
-    """Whether a call takes the decode path (:func:`run_decode`): a decode plan, eager
-    inference.
+def decode_planned(plan: MoEPlan, x, *params) -> bool:
+    """Whether a call takes the decode path, CUDA-graph capture aside (the caller asks that per
+    call: :class:`FusedCall`, the layer): a decode plan, eager inference.
 
     NOTE: H100, bf16 (bench host stage, scripts/decode_sweep.py, 2026-11-26): at qwen3 T=1
     the decode path cut the host time of an eager call from ~160 to 67-73 us (two launches,
@@ -553,22 +560,7 @@ def decode_now(plan: MoEPlan, x, *params) -> bool:
     245 against 268; see :func:`moe_route.tuning.decode_config`). So CUDA-graph capture and
     torch.compile, where host time is not paid per call, keep the sorted path.
     """
-    if plan.decode is None or _wants_grad(x, *params) or torch.compiler.is_compiling():
-        return False
-    return not (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
-
-
-def run_decode(plan: MoEPlan, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, activation: str,
-               gate_up_layout: str, want_counts: bool):  # fmt: skip
-    """``(out, counts or None)`` on the decode path, for a call :func:`decode_now` sent there:
-    the launcher with the plan's tiles and epilogue, or the custom op where the tensors need
-    the dispatcher (fake tensors, subclasses)."""
-    args = (x, w1, w2, topk_weights, topk_ids, b1, b2, bias)
-    if needs_dispatcher(args):
-        return DECODE(*args, activation, gate_up_layout, want_counts)
-    counts = topk_ids.new_empty(w1.shape[0], dtype=torch.int64) if want_counts else None
-    out = moe_decode_triton(*args, plan.configs.epilogue, plan.decode, counts)
-    return out, counts
+    return not (plan.decode is None or _wants_grad(x, *params) or torch.compiler.is_compiling())
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:

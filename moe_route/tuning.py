@@ -66,7 +66,7 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     16x128 / 4 stages, 59.7), qwen3 T=2 64.0 (64.1), H2048 I1024 E64 T=1 57.9 (50.3),
     deepseek-v3 T=1 245 (268). GEMM2 has one program per (token, 32 columns), 64 at H=2048 and
     T=1: fewer than the SMs, which is what the sorted path's per-expert programs still win
-    on. So only eager calls take the path (:func:`moe_route.moe.decode_now`), where it saves
+    on. So only eager calls take the path (:func:`moe_route.moe.decode_planned`), where it saves
     the maps and two launches of host time.
 
     NOTE: H100, bf16 (scripts/decode_sweep.py --slots, 2026-11-24), decode against sorted, us:

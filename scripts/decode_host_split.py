@@ -9,10 +9,9 @@ launch). Host µs per call in bursts of 8 unsynchronised calls, synchronised bet
 """
 
 import argparse
-import time
 
 import torch
-from backward_host import Timers  # scripts/, the running script's folder
+from backward_host import Timers, burst  # scripts/, the running script's folder
 
 import moe_route
 import moe_route.layer as layer_mod
@@ -24,22 +23,6 @@ from moe_route.kernels.triton import router as router_mod
 
 #: (H, I, E, K)
 MODELS = {"qwen3": (2048, 768, 128, 8), "olmoe": (2048, 1024, 64, 8)}
-
-
-def per_call_us(fn, calls, burst=8):
-    """Host µs per call: bursts of ``burst`` calls timed, synchronised between bursts (outside
-    the timing) so that the launch queue never fills; the median burst."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(max(calls // burst, 1)):
-        t0 = time.perf_counter()
-        for _ in range(burst):
-            fn()
-        samples.append((time.perf_counter() - t0) / burst * 1e6)
-        torch.cuda.synchronize()
-    return sorted(samples)[len(samples) // 2]
 
 
 def primitives(calls, H=2048):
@@ -66,7 +49,7 @@ def primitives(calls, H=2048):
     }
     print("primitives, host us per call:")
     for name, fn in rows.items():
-        print(f"  {per_call_us(fn, calls):7.2f}  {name}")
+        print(f"  {burst(fn, loops=calls // 8):7.2f}  {name}")
 
 
 def launch_pieces(calls, w1, w2, tw, ids, x):
@@ -97,11 +80,11 @@ def launch_pieces(calls, w1, w2, tw, ids, x):
     }
     print("thin launch pieces, host us per call:")
     for name, fn in rows.items():
-        print(f"  {per_call_us(fn, calls):7.2f}  {name}")
+        print(f"  {burst(fn, loops=calls // 8):7.2f}  {name}")
 
 
 def split(title, fn, wraps, calls):
-    total = per_call_us(fn, calls)
+    total = burst(fn, loops=calls // 8)
     timers = Timers()
     for owner, name, label in wraps:
         timers.wrap(owner, name, label)

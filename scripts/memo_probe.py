@@ -6,33 +6,15 @@ inputs, one dict lookup, the mode checks, two allocations, two packed C launches
     PYTHONPATH=. python scripts/memo_probe.py
 """
 
-import time
-
 import torch
+from backward_host import burst  # scripts/, the running script's folder
 
 import moe_route
 from moe_route import reference as R
+from moe_route._dispatch import tensor_key
 from moe_route.kernels.triton import decode as decode_mod
 
 H, INTER, E, K = 2048, 768, 128, 8
-
-
-def per_call_us(fn, calls=2000, burst=8):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(calls // burst):
-        t0 = time.perf_counter()
-        for _ in range(burst):
-            fn()
-        samples.append((time.perf_counter() - t0) / burst * 1e6)
-        torch.cuda.synchronize()
-    return sorted(samples)[len(samples) // 2]
-
-
-def tsig(t):
-    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def main():
@@ -65,11 +47,11 @@ def main():
 
     def sig(x, w1, w2, tw, ids, activation="swiglu", backend="auto"):
         return (
-            tsig(x),
-            tsig(w1),
-            tsig(w2),
-            tsig(tw),
-            tsig(ids),
+            tensor_key(x),
+            tensor_key(w1),
+            tensor_key(w2),
+            tensor_key(tw),
+            tensor_key(ids),
             None,
             None,
             None,
@@ -110,10 +92,10 @@ def main():
     idx = torch.zeros(8, device="cuda", dtype=torch.long)
     for r in range(3):
         rows = {
-            "index_select": per_call_us(lambda: torch.index_select(x, 0, idx)),
-            "fused_moe T=1": per_call_us(lambda: moe_route.fused_moe(x, w1, w2, tw, ids)),
-            "memo floor": per_call_us(lambda: memo_floor(x, w1, w2, tw, ids)),
-            "signature only": per_call_us(lambda: sig(x, w1, w2, tw, ids)),
+            "index_select": burst(lambda: torch.index_select(x, 0, idx), loops=250),
+            "fused_moe T=1": burst(lambda: moe_route.fused_moe(x, w1, w2, tw, ids), loops=250),
+            "memo floor": burst(lambda: memo_floor(x, w1, w2, tw, ids), loops=250),
+            "signature only": burst(lambda: sig(x, w1, w2, tw, ids), loops=250),
         }
         print(f"round {r}: " + ", ".join(f"{k} {v:.1f} us" for k, v in rows.items()))
 
