@@ -137,6 +137,62 @@ MAX_CALLS = 256
 memo_env = reader((*arch.ENV_OVERRIDES, "MOE_ROUTE_CHECK_IDS"))
 
 
+def memo_wanted() -> bool:
+    """Whether a public function may look up or keep a call memo: not while ``torch.compile``
+    traces it (the plain path is what compiles), nor under a torch dispatch mode (opcheck,
+    fake tensors, make_fx: the custom op's dispatch must see the call)."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
+
+
+class CallMemo:
+    """One public function's decisions by call signature, each a callable that runs a call
+    of that signature without checking or deciding again (``fused_moe``'s
+    :class:`moe_route.moe.FusedCall`, the ops' ``*Call`` objects). The signature must hold
+    everything the checks and decisions read. Bounded by :data:`MAX_CALLS` (emptied when
+    full: a process meets few signatures), emptied by :func:`clear_memos`."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self):
+        self.calls: dict = {}
+        _MEMOS.append(self)
+
+    def get(self, key):
+        """The call kept for ``key``, or None (also for ``key=None``, and for an unhashable
+        option in it: the checks then say what is wrong)."""
+        if key is None:
+            return None
+        try:
+            return self.calls.get(key)
+        except TypeError:
+            return None
+
+    def keep(self, key, call, tensors: tuple) -> None:
+        """Keep ``call`` for ``key``, unless ``key`` is None or one of ``tensors`` must go
+        through the dispatcher (a subclass: such calls are not memoised)."""
+        if key is None or needs_dispatcher(tensors):
+            return
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if len(self.calls) >= MAX_CALLS:
+            self.calls.clear()
+        self.calls[key] = call
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+
+_MEMOS: list[CallMemo] = []
+
+
+def clear_memos() -> None:
+    """Empty every :class:`CallMemo`."""
+    for memo in _MEMOS:
+        memo.calls.clear()
+
+
 def tensor_key(t: torch.Tensor | None):
     """What a call's checks and decisions read of one tensor argument, for a memo's key: its
     type, shape, strides, dtype, device and ``requires_grad`` (None stays None; a non-tensor
@@ -144,6 +200,12 @@ def tensor_key(t: torch.Tensor | None):
     if t is None:
         return None
     return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def bias_key(t: torch.Tensor | None):
+    """The key of a bias that is ``[H]`` (one row for all tokens: :func:`tensor_key`) or
+    ``[T, H]`` (one per token: :func:`rows_key`)."""
+    return rows_key(t) if t is not None and t.dim() == 2 else tensor_key(t)
 
 
 def rows_key(t: torch.Tensor | None):

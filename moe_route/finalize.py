@@ -10,9 +10,17 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _interop, arch
-from ._dispatch import Op
+from ._dispatch import (
+    CallMemo,
+    Op,
+    bias_key,
+    memo_env,
+    memo_wanted,
+    needs_dispatcher,
+    rows_key,
+)
 from .kernels import torch_impl
-from .kernels.triton.finalize import finalize_backward_triton, finalize_triton
+from .kernels.triton.finalize import FinalizeLaunch, finalize_backward_triton, finalize_triton
 from .maps import RoutingMaps, check_maps
 
 
@@ -138,6 +146,10 @@ def finalize_moe_routing(
         ``[T, H]`` in ``y_perm.dtype``, a CuPy array if any input was one. A token whose slots
         are all dropped gets ``bias[t]`` (or zeros).
     """
+    key = _call_key(y_perm, topk_weights, maps, bias, backend) if memo_wanted() else None
+    call = _CALLS.get(key)
+    if call is not None:
+        return call(y_perm, topk_weights, maps, bias)
     cupy_caller = _interop.any_cupy(y_perm, topk_weights, bias)
     if cupy_caller:
         y_perm, topk_weights, bias = map(_interop.as_torch, (y_perm, topk_weights, bias))
@@ -162,6 +174,56 @@ def finalize_moe_routing(
             )
     _checks.check_same_device(y_perm=y_perm, topk_weights=topk_weights, bias=bias)
     chosen = arch.cached_backend(y_perm.device, backend)
-    s2d, _, efs, _ = maps.tensors()
-    out = FINALIZE(y_perm, topk_weights, s2d, efs, bias, chosen)
+    call = FinalizeCall(y_perm, topk_weights, maps, bias, chosen, key is not None)
+    _CALLS.keep(key, call, (y_perm, topk_weights, bias, *maps.tensors()))
+    out = call(y_perm, topk_weights, maps, bias)
     return _interop.as_cupy(out) if cupy_caller else out
+
+
+class FinalizeCall:
+    """What :func:`finalize_moe_routing` decided for one call signature (:func:`_call_key`):
+    the backend, and where the call needs neither autograd nor the custom op's dispatch, the
+    kernel's prepared launch."""
+
+    __slots__ = ("backend", "launch")
+
+    def __init__(self, y_perm, topk_weights, maps: RoutingMaps, bias, backend: str,
+                 eager: bool):  # fmt: skip
+        self.backend, self.launch = backend, None
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (y_perm, topk_weights, bias)
+        )
+        tensors = (y_perm, topk_weights, bias, *maps.tensors())
+        if eager and not grads and backend == "triton" and not needs_dispatcher(tensors):
+            self.launch = FinalizeLaunch(y_perm, topk_weights, bias, maps.top_k, y_perm.dtype)
+
+    def __call__(self, y_perm, topk_weights, maps: RoutingMaps, bias) -> torch.Tensor:
+        launch = self.launch
+        s2d, efs = maps.expanded_source_row_to_expanded_dest_row, maps.expert_for_source_row
+        if launch is None:
+            return FINALIZE(y_perm, topk_weights, s2d, efs, bias, self.backend)
+        out = y_perm.new_empty(maps.num_tokens, y_perm.shape[1])
+        launch(y_perm, topk_weights, s2d, efs, bias, out)
+        return out
+
+
+#: :func:`finalize_moe_routing`'s decisions by call signature
+_CALLS = CallMemo()
+
+
+def _call_key(y_perm, topk_weights, maps, bias, backend) -> tuple | None:
+    """The signature of a :func:`finalize_moe_routing` call: what its checks and decisions
+    read of each tensor (per-token ones without their row count) and of the maps, whether
+    the row counts agree with the maps' ``T`` and ``K``, the backend asked for, grad mode and
+    the environment (None for arguments of the wrong kinds: the checks say what is wrong)."""
+    try:
+        T, K = maps.num_tokens, maps.top_k
+        rows = (
+            topk_weights.shape[0] == T
+            and y_perm.shape[0] == T * K
+            and (bias is None or bias.dim() == 1 or bias.shape[0] == T)
+        )
+        return (rows, rows_key(y_perm), rows_key(topk_weights), bias_key(bias), type(maps), K,
+                maps.device, backend, torch.is_grad_enabled(), memo_env())  # fmt: skip
+    except (AttributeError, TypeError, IndexError):
+        return None

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from . import _checks, arch, tuning
-from ._dispatch import Op
+from ._dispatch import CallMemo, Op, memo_env, memo_wanted, needs_dispatcher, rows_key, tensor_key
 from .activations import Activation, as_activation
 from .kernels import torch_impl
 from .kernels.triton.act_backward import ActBackwardConfig
@@ -16,12 +16,14 @@ from .kernels.triton.grouped_gemm import (
     MAX_EXPERTS,
     GemmConfig,
     GemmEpilogue,
+    GemmLaunch,
     grouped_gemm_triton,
 )
 from .kernels.triton.moe import grouped_gemm_backward_triton
 from .kernels.triton.weight_grad import WeightGradConfig
 from .maps import RoutingMaps, check_maps
 from .reference import GATE_UP_LAYOUTS
+from .tuning import token_bucket
 
 # float64 runs on the FMA units (small tiles): it is there for gradcheck, not for speed.
 GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -274,6 +276,12 @@ def grouped_gemm(
         ``[T*K, N_out]`` in ``a.dtype`` (``N_out = I`` for gated activations, else ``N``),
         float32 accumulation, rounded once. Rows of dropped slots are zero.
     """
+    key = None
+    if memo_wanted():
+        key = _call_key(a, w, maps, bias, activation, gate_up_layout, gather, allow_tf32, backend)
+        call = _CALLS.get(key)
+        if call is not None:
+            return call(a, w, maps, bias)
     spec = as_activation(activation)
     E, _ = check_gemm_args("a", a, "w", w, "bias", bias, spec, gate_up_layout)
     if not isinstance(maps, RoutingMaps):
@@ -287,7 +295,65 @@ def grouped_gemm(
             f"a must have T*K = {maps.num_expanded_rows} permuted rows (or pass gather=True "
             f"with x [T, Kd]), got {_checks.describe(a)}"
         )
+    elif maps.device != a.device:
+        raise ValueError(f"maps are on {maps.device} but a is on {a.device}")
     chosen = arch.cached_backend(a.device, backend)
     check_interpreter_dtype("a", a, chosen)
-    # The op carries the spec as its canonical string (a constant for torch.library/compile).
-    return GEMM(a, w, *maps.tensors(), bias, str(spec), gate_up_layout, gather, allow_tf32, chosen)
+    call = GemmCall(a, w, maps, bias, str(spec), gate_up_layout, gather, allow_tf32, chosen,
+                    key is not None)  # fmt: skip
+    _CALLS.keep(key, call, (a, w, bias, *maps.tensors()))
+    return call(a, w, maps, bias)
+
+
+class GemmCall:
+    """What :func:`grouped_gemm` decided for one call signature (:func:`_call_key`): the
+    activation's canonical string, the backend, and where the call needs neither autograd
+    nor the custom op's dispatch, the kernel's prepared launch (tiles from the token
+    bucket)."""
+
+    __slots__ = ("activation", "allow_tf32", "backend", "gather", "launch", "layout")
+
+    def __init__(self, a, w, maps: RoutingMaps, bias, activation: str, gate_up_layout: str,
+                 gather: bool, allow_tf32: bool, backend: str, eager: bool):  # fmt: skip
+        self.activation, self.layout, self.gather = activation, gate_up_layout, gather
+        self.allow_tf32, self.backend, self.launch = allow_tf32, backend, None
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (a, w, bias)
+        )
+        tensors = (a, w, bias, *maps.tensors())
+        if eager and not grads and backend == "triton" and not needs_dispatcher(tensors):
+            epi = epilogue_for(activation, gate_up_layout)
+            cfg = _configs(a, w, maps.num_expanded_rows, epi.gated).forward
+            self.launch = GemmLaunch(a, w, None, cfg, epi, bias, gather, None, allow_tf32)
+
+    def __call__(self, a, w, maps: RoutingMaps, bias) -> torch.Tensor:
+        launch = self.launch
+        if launch is None:
+            # The op carries the spec as its canonical string (a constant for torch.library
+            # and torch.compile).
+            return GEMM(a, w, *maps.tensors(), bias, self.activation, self.layout, self.gather,
+                        self.allow_tf32, self.backend)  # fmt: skip
+        M = maps.num_tokens * maps.top_k
+        out = a.new_empty(M, launch.n_out)
+        launch(a, w, maps.expert_first_token_offset, out, bias,
+               maps.expanded_dest_row_to_expanded_source_row, M)  # fmt: skip
+        return out
+
+
+#: :func:`grouped_gemm`'s decisions by call signature
+_CALLS = CallMemo()
+
+
+def _call_key(a, w, maps, bias, *options) -> tuple | None:
+    """The signature of a :func:`grouped_gemm` call: what its checks and decisions read of
+    each tensor (``a`` without its row count: the token bucket of the maps' rows instead, and
+    whether ``a``'s rows agree with the maps) and of the maps, the options, grad mode and the
+    environment (None for arguments of the wrong kinds: the checks say what is wrong)."""
+    try:
+        T, K = maps.num_tokens, maps.top_k
+        rows = a.shape[0] == (T if options[2] else T * K)  # options[2]: gather
+        return (token_bucket(T * K), rows, rows_key(a), tensor_key(w), tensor_key(bias),
+                type(maps), K, maps.num_experts, maps.device, *options,
+                torch.is_grad_enabled(), memo_env())  # fmt: skip
+    except (AttributeError, TypeError, IndexError):
+        return None

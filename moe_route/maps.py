@@ -13,11 +13,19 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _checks, _interop, arch
-from ._dispatch import Op, needs_dispatcher
+from ._dispatch import CallMemo, Op, memo_env, memo_wanted, needs_dispatcher, rows_key
 from ._env import flag
 from .kernels import torch_impl
-from .kernels.triton.routing_maps import routing_maps_triton
+from .kernels.triton.routing_maps import MapsLaunch, routing_maps_triton
 from .tuning import token_bucket
+
+#: The tables' field names in :meth:`RoutingMaps.tensors` order.
+_TABLES = (
+    "expanded_source_row_to_expanded_dest_row",
+    "expanded_dest_row_to_expanded_source_row",
+    "expert_for_source_row",
+    "expert_first_token_offset",
+)
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,8 @@ class RoutingMaps:
     when constructed: shapes, dtypes and devices always; the *values* (the two permutations
     inverse to each other, experts in range and grouped as the offsets say) when the tables
     are on the CPU, or on a GPU with ``MOE_ROUTE_CHECK_IDS=1`` or :meth:`validate` (reading
-    them synchronises). Unchecked inconsistent maps on a GPU are undefined behaviour.
+    them synchronises). Unchecked inconsistent maps on a GPU are undefined behaviour. A table
+    given as a strided view is kept as a contiguous copy (the kernels read flat arrays).
     """
 
     #: ``[N] int32`` — dest (permuted) row of expanded source row ``s = k*T + t``.
@@ -69,6 +78,10 @@ class RoutingMaps:
                 f"RoutingMaps.expert_first_token_offset: expected [{self.num_experts + 1}] int64, "
                 f"got {_checks.describe(off)}"
             )
+        # The kernels index the tables as flat arrays: strided views become contiguous copies.
+        for name, t in zip(_TABLES, self.tensors(), strict=True):
+            if not t.is_contiguous():
+                object.__setattr__(self, name, t.contiguous())
         devices = {t.device for t in self.tensors()}
         if len(devices) != 1:
             raise ValueError(
@@ -176,13 +189,17 @@ def routing_maps_tables(topk_ids: torch.Tensor, num_experts: int, backend: str):
         from .kernels.cupy.routing_maps import routing_maps_cupy as launch
     else:
         launch = routing_maps_triton
-    n = topk_ids.numel()
-    # One allocation for the three int32 tables (views), one for the offsets.
-    tables = topk_ids.new_empty(3, n, dtype=torch.int32)
+    tables = new_tables(topk_ids, num_experts)
+    launch(topk_ids, num_experts, *tables)
+    return tables
+
+
+def new_tables(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """Uninitialised tables (:meth:`RoutingMaps.tensors` order) for ``topk_ids``'s slots:
+    one allocation for the three int32 tables (views), one for the offsets."""
+    tables = topk_ids.new_empty(3, topk_ids.numel(), dtype=torch.int32)
     offsets = topk_ids.new_empty(num_experts + 1, dtype=torch.int64)
-    src_to_dest, dest_to_src, expert_for_src = tables.unbind(0)
-    launch(topk_ids, num_experts, src_to_dest, dest_to_src, expert_for_src, offsets)
-    return src_to_dest, dest_to_src, expert_for_src, offsets
+    return (*tables.unbind(0), offsets)
 
 
 def _routing_maps_impl(
@@ -268,13 +285,60 @@ def build_routing_maps(
         views a table without a copy: ``cupy.from_dlpack(maps.expert_first_token_offset)``).
         Deterministic: the same ids give the same bits.
     """
+    key = _call_key(topk_ids, num_experts, backend, check_ids) if memo_wanted() else None
+    call = _CALLS.get(key)
+    if call is not None:
+        return call(topk_ids)
     E = _checks.check_num_experts(num_experts)
     ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
     T, K = ids.shape
     chosen = _cached_maps_backend(ids.device, backend, T, K, E)
-    if _checks.ids_value_check_wanted(ids, check_ids):
-        _checks.check_topk_id_values(ids, E)
-    return maps_op(ids, E, chosen)
+    call = MapsCall(ids, E, chosen, _checks.ids_value_check_wanted(ids, check_ids),
+                    key is not None)  # fmt: skip
+    if token_bucket(T) * K < 2**31:  # the whole bucket fits the int32 rows
+        _CALLS.keep(key, call, (ids,))
+    return call(ids)
+
+
+class MapsCall:
+    """What :func:`build_routing_maps` decided for one call signature (:func:`_call_key`):
+    the backend, whether the ids' values are checked (per call), and where the call needs no
+    custom op's dispatch, the kernels' prepared launches."""
+
+    __slots__ = ("E", "backend", "check_values", "launch")
+
+    def __init__(self, ids: torch.Tensor, E: int, backend: str, check_values: bool,
+                 eager: bool):  # fmt: skip
+        self.E, self.backend, self.check_values, self.launch = E, backend, check_values, None
+        if eager and backend == "triton" and not needs_dispatcher((ids,)):
+            self.launch = MapsLaunch(ids, E, token_bucket(ids.shape[0]))
+
+    def __call__(self, ids: torch.Tensor) -> RoutingMaps:
+        E, launch = self.E, self.launch
+        if self.check_values:
+            _checks.check_topk_id_values(ids, E)
+        if launch is None:
+            return maps_op(ids, E, self.backend)
+        tables = new_tables(ids, E)
+        launch(ids, *tables)
+        T, K = ids.shape
+        return RoutingMaps.built(tables, T, K, E)
+
+
+#: :func:`build_routing_maps`'s decisions by call signature
+_CALLS = CallMemo()
+
+
+def _call_key(topk_ids, num_experts, backend, check_ids) -> tuple | None:
+    """The signature of a :func:`build_routing_maps` call: what its checks and decisions read
+    of the ids (without their row count: the token bucket instead), ``num_experts`` (and its
+    type: ``True`` is not 1 here), the backend asked for, ``check_ids`` and the environment
+    (None for ids that are not a torch tensor: a CuPy array is viewed first)."""
+    try:
+        return (token_bucket(topk_ids.shape[0]), rows_key(topk_ids), type(num_experts),
+                num_experts, backend, check_ids, memo_env())  # fmt: skip
+    except (AttributeError, TypeError, IndexError):
+        return None
 
 
 def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: int) -> str:

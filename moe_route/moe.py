@@ -18,7 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, arch, tuning
-from ._dispatch import MAX_CALLS, Op, memo_env, needs_dispatcher, rows_key, tensor_key
+from ._dispatch import (
+    CallMemo,
+    Op,
+    bias_key,
+    clear_memos,
+    memo_env,
+    memo_wanted,
+    needs_dispatcher,
+    rows_key,
+    tensor_key,
+)
 from .activations import Activation, as_activation
 from .grouped_gemm import (
     bias_dtypes,
@@ -356,14 +366,11 @@ def fused_moe(
     backward is deterministic and skips the gradients nobody asked for.
     """
     key = None
-    if not torch.compiler.is_compiling():
+    if memo_wanted():
         key = _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, activation,
                         gate_up_layout, finalize, deterministic, gather, allow_tf32,
                         backend)  # fmt: skip
-        try:
-            call = _CALLS.get(key) if key is not None else None
-        except TypeError:  # an unhashable option: the checks below say what is wrong
-            key = call = None
+        call = _CALLS.get(key)
         if call is not None:
             return call(x, w1, w2, topk_weights, topk_ids, b1, b2, bias)
     spec = as_activation(activation)
@@ -403,12 +410,8 @@ def fused_moe(
     check_interpreter_dtype("x", x, plan.backend)
     call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
                      gate_up_layout, allow_tf32)  # fmt: skip
-    whole_bucket = token_bucket(T) * ids.shape[1] < 2**31  # (the maps' int32 rows)
-    args = (x, w1, w2, topk_weights, ids, b1, b2, bias)
-    if key is not None and whole_bucket and not needs_dispatcher(args):
-        if len(_CALLS) >= MAX_CALLS:  # (a serving process meets few signatures)
-            _CALLS.clear()
-        _CALLS[key] = call
+    if token_bucket(T) * ids.shape[1] < 2**31:  # the whole bucket fits the maps' int32 rows
+        _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias))
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
 
 
@@ -469,20 +472,18 @@ class FusedCall:
                       False)[0]  # fmt: skip
 
 
-#: :func:`fused_moe`'s decisions by call signature (bounded: cleared when full)
-_CALLS: dict = {}
+#: :func:`fused_moe`'s decisions by call signature
+_CALLS = CallMemo()
 
 
 def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tuple | None:
     """The signature of a :func:`fused_moe` call: each tensor's type, shape, strides, dtype,
     device and ``requires_grad``, the other arguments, grad mode and the environment overrides
-    (None where no memo applies: under a torch dispatch mode, or with arguments that are not
-    tensors; the checks then say what is wrong). The token count enters as
-    its bucket and whether every per-token tensor has that many rows, so that a new ``T`` in a
-    bucket seen before is not checked again either (a decision never depends on more than the
-    bucket; :func:`fused_moe` keeps only signatures whose whole bucket passes the checks)."""
-    if torch._C._len_torch_dispatch_stack():
-        return None
+    (None with arguments that are not tensors; the checks then say what is wrong). The token
+    count enters as its bucket and whether every per-token tensor has that many rows, so that
+    a new ``T`` in a bucket seen before is not checked again either (a decision never depends
+    on more than the bucket; :func:`fused_moe` keeps only signatures whose whole bucket passes
+    the checks)."""
     try:
         T = x.shape[0]
         rows = (
@@ -492,7 +493,7 @@ def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tupl
         )
         key = (token_bucket(T), rows, rows_key(x), tensor_key(w1), tensor_key(w2),
                rows_key(topk_weights), rows_key(topk_ids), tensor_key(b1), tensor_key(b2),
-               rows_key(bias), *options, torch.is_grad_enabled(), memo_env())  # fmt: skip
+               bias_key(bias), *options, torch.is_grad_enabled(), memo_env())  # fmt: skip
     except (AttributeError, TypeError, IndexError):
         return None
     return key
@@ -531,7 +532,7 @@ _CALL_PLANS: dict = {}
 
 def clear_plans() -> None:
     """Forget every plan (tests that change what a plan is decided from, e.g. a tuning table)."""
-    _CALLS.clear()
+    clear_memos()
     _CALL_PLANS.clear()
     _plan.cache_clear()
     gemm_configs.cache_clear()

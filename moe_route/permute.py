@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _interop, arch
-from ._dispatch import Op
+from ._dispatch import CallMemo, Op, memo_env, memo_wanted, needs_dispatcher, rows_key
 from .finalize import FINALIZE
 from .kernels import torch_impl
-from .kernels.triton.expand import expand_rows_triton
+from .kernels.triton.expand import ExpandLaunch, expand_rows_triton
 from .maps import RoutingMaps, check_maps
 
 
@@ -73,10 +73,54 @@ def expand_rows(x: torch.Tensor, maps: RoutingMaps, *, backend: str = "auto") ->
         ``x_perm[d] = x[t]`` for the routed dest row ``d`` of token ``t``; dropped rows
         (``d >= expert_first_token_offset[E]``) are zero.
     """
+    key = _call_key(x, maps, backend) if memo_wanted() else None
+    call = _CALLS.get(key)
+    if call is not None:
+        return call(x, maps)
     cupy_caller = _interop.is_cupy(x)
     if cupy_caller:
         x = _interop.as_torch(x)
     _checks.check_tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     check_maps(maps, x.shape[0], x.device, "x")
-    out = EXPAND(x, *maps.tensors(), arch.cached_backend(x.device, backend))
+    call = ExpandCall(x, maps, arch.cached_backend(x.device, backend), key is not None)
+    _CALLS.keep(key, call, (x, *maps.tensors()))
+    out = call(x, maps)
     return _interop.as_cupy(out) if cupy_caller else out
+
+
+class ExpandCall:
+    """What :func:`expand_rows` decided for one call signature (:func:`_call_key`): the
+    backend, and where the call needs neither autograd nor the custom op's dispatch, the
+    kernel's prepared launch."""
+
+    __slots__ = ("backend", "launch")
+
+    def __init__(self, x: torch.Tensor, maps: RoutingMaps, backend: str, eager: bool):
+        self.backend, self.launch = backend, None
+        plain = eager and not (x.requires_grad and torch.is_grad_enabled())
+        if plain and backend == "triton" and not needs_dispatcher((x, *maps.tensors())):
+            self.launch = ExpandLaunch(x, maps.top_k)
+
+    def __call__(self, x: torch.Tensor, maps: RoutingMaps) -> torch.Tensor:
+        launch = self.launch
+        if launch is None:
+            return EXPAND(x, *maps.tensors(), self.backend)
+        out = x.new_empty(maps.num_tokens * maps.top_k, x.shape[1])
+        launch(x, maps.expanded_source_row_to_expanded_dest_row, maps.expert_for_source_row, out)
+        return out
+
+
+#: :func:`expand_rows`'s decisions by call signature
+_CALLS = CallMemo()
+
+
+def _call_key(x, maps, backend) -> tuple | None:
+    """The signature of an :func:`expand_rows` call: what its checks and decisions read of
+    ``x`` (:func:`~moe_route._dispatch.rows_key`) and of the maps, whether they agree on
+    ``T``, the backend asked for, grad mode and the environment (None for arguments that are
+    not a tensor and maps: the checks say what is wrong)."""
+    try:
+        return (rows_key(x), x.shape[0] == maps.num_tokens, type(maps), maps.top_k,
+                maps.device, backend, torch.is_grad_enabled(), memo_env())  # fmt: skip
+    except (AttributeError, TypeError, IndexError):
+        return None

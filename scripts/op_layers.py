@@ -1,7 +1,8 @@
-"""Host µs of one small op, layer by layer (H100 host): the public function, its op object,
-the ``*_tables`` implementation, the Triton launcher, ``ThinKernel.launch``, the direct launch
-it ends in and Triton's own ``kernel[grid]``, with ``torch.empty`` and ``torch.index_select``
-beside them. The differences say which layer costs what. qwen3-30b-a3b sizes, T=64 (``--tokens``).
+"""Host µs of one small op, layer by layer (H100 host): the public function (its call memo),
+its op object, the ``*_tables`` implementation, the Triton launcher, ``ThinKernel.launch``, the
+direct launch it ends in and Triton's own ``kernel[grid]``, with ``torch.empty``,
+``torch.index_select`` and two ways to allocate the maps' tables beside them; the GEMMs'
+public calls. The differences say which layer costs what. qwen3-30b-a3b sizes, T=64 (``--tokens``).
 
     python scripts/op_layers.py [--tokens T]
 """
@@ -19,7 +20,7 @@ from moe_route.kernels import triton as kt
 from moe_route.kernels.triton.expand import expand_rows_triton
 from moe_route.kernels.triton.finalize import finalize_triton
 from moe_route.kernels.triton.routing_maps import routing_maps_triton
-from moe_route.maps import maps_op, routing_maps_tables
+from moe_route.maps import maps_op, new_tables, routing_maps_tables
 from moe_route.permute import EXPAND, expand_tables
 
 H, inter, E, K = 2048, 768, 128, 8
@@ -72,6 +73,16 @@ def main():
     off_out = torch.empty(E + 1, device="cuda", dtype=torch.int64)
     idx = torch.arange(T * K, device="cuda") % T
     be = arch.cached_backend(x.device, "auto")
+    w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * H**-0.5
+    w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5
+    h = moe_route.grouped_gemm(x, w1, maps, activation="swiglu", gather=True)
+    pad = -(-2 * (E + 1) // 4) * 4  # the offsets' int32 words, to a 16-byte multiple
+
+    def one_alloc():
+        buf = ids.new_empty(pad + 3 * T * K, dtype=torch.int32)
+        parts = buf.split_with_sizes((pad, T * K, T * K, T * K))
+        return (*parts[1:], parts[0][: 2 * (E + 1)].view(torch.int64))
+
     rows = {
         "index_select": lambda: x.index_select(0, idx),
         "torch.empty": lambda: torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
@@ -81,6 +92,12 @@ def main():
         "maps: maps_op": lambda: maps_op(ids, E, be),
         "maps: tables": lambda: routing_maps_tables(ids, E, be),
         "maps: launcher": lambda: routing_maps_triton(ids, E, *tables, off_out),
+        "maps: new_tables": lambda: new_tables(ids, E),
+        "maps: one alloc, split": one_alloc,
+        "gemm1 (gather, swiglu): public": lambda: moe_route.grouped_gemm(
+            x, w1, maps, activation="swiglu", gather=True
+        ),
+        "gemm2: public": lambda: moe_route.grouped_gemm(h, w2, maps),
         "expand: public": lambda: moe_route.expand_rows(x, maps),
         "expand: op": lambda: EXPAND(x, s2d, d2s, efs, off, be),
         "expand: tables": lambda: expand_tables(x, s2d, d2s, efs, off, be),

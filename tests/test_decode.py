@@ -21,9 +21,9 @@ from moe_cases import run_moe as run
 import moe_route
 from moe_route import tuning
 from moe_route.kernels.triton.decode import DecodeLaunch
+from moe_route.kernels.triton.routing_maps import MapsLaunch
 
 moe_module = importlib.import_module("moe_route.moe")
-maps_module = importlib.import_module("moe_route.maps")
 
 pytestmark = needs_interpreter
 
@@ -42,12 +42,13 @@ def sorted_path(monkeypatch):
 
 class Launches:
     """Counts the decode path's runs (a prepared DecodeLaunch called, whether by fused_moe's
-    memo, the layer or the op) and the maps built."""
+    memo, the layer or the op) and the maps the Triton kernels built (a MapsLaunch called,
+    whether by build_routing_maps's memo or the op)."""
 
     def __init__(self, monkeypatch):
         self.decode = self.maps = 0
         real_decode = DecodeLaunch.__call__
-        real_maps = maps_module.routing_maps_tables
+        real_maps = MapsLaunch.__call__
 
         def decode(*a, **k):
             self.decode += 1
@@ -58,7 +59,7 @@ class Launches:
             return real_maps(*a, **k)
 
         monkeypatch.setattr(DecodeLaunch, "__call__", decode)
-        monkeypatch.setattr(maps_module, "routing_maps_tables", maps)
+        monkeypatch.setattr(MapsLaunch, "__call__", maps)
 
 
 def _both(case, sorted_path, **kw):

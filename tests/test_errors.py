@@ -8,6 +8,9 @@ import moe_route
 from moe_route import finalize as finalize_mod
 from moe_route import maps as maps_mod
 from moe_route import permute as permute_mod
+from moe_route.kernels.triton.expand import ExpandLaunch
+from moe_route.kernels.triton.finalize import FinalizeLaunch
+from moe_route.kernels.triton.routing_maps import MapsLaunch
 from moe_route.reference import routing_maps_reference
 
 T, K, E, H = 5, 2, 4, 13
@@ -15,8 +18,8 @@ T, K, E, H = 5, 2, 4, 13
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Replace the three ops (where the public functions dispatch them) by tripwires:
-    validation must fail before dispatch."""
+    """Replace the three ops (where the public functions dispatch them) and the prepared
+    launches their call memos run by tripwires: validation must fail before dispatch."""
 
     def tripwire(*args, **kwargs):
         raise AssertionError("an op was dispatched although its input was invalid")
@@ -25,6 +28,8 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(maps_mod, "_ROUTING_MAPS", tripwire)
     monkeypatch.setattr(permute_mod, "EXPAND", tripwire)
     monkeypatch.setattr(finalize_mod, "FINALIZE", tripwire)
+    for launch in (MapsLaunch, ExpandLaunch, FinalizeLaunch):
+        monkeypatch.setattr(launch, "__call__", tripwire)
 
 
 def _maps(num_tokens=T):

@@ -89,3 +89,41 @@ def test_unaligned_views_get_their_own_variant_and_right_values():
         out = moe_route.finalize_moe_routing(y, tw, maps)
         want_out = R.finalize_moe_routing_reference(y.cpu(), tw.cpu(), s2d, efs)
         torch.testing.assert_close(out.cpu(), want_out, rtol=2**-7, atol=2**-7)
+
+
+def test_memoised_public_ops_give_the_custom_ops_bits_at_any_token_count():
+    """The public ops' call memos (prepared launches, one signature per token bucket) against
+    the same ops through ``torch.ops.moe_route`` (the dispatcher and the plain launchers):
+    the same bits for the maps, the expand, both GEMMs (gathering and not, with a bias) and
+    the finalize, at new token counts inside seen buckets too."""
+    from moe_route import moe
+
+    ops = torch.ops.moe_route
+    w1, w2 = weights()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    b1 = torch.randn(E, 2 * INTER, device="cuda", dtype=torch.bfloat16, generator=g)
+    moe.clear_plans()
+    for T in (1, 5, 8, 7, 64, 37, 300, 2):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        tw, ids = torch.randn(T, E, device="cuda", generator=g).softmax(-1).topk(K, dim=-1)
+        ids = ids.to(torch.int32)
+        bias = torch.randn(H, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(2):  # the first call of a signature fills its memo, the second uses it
+            maps = moe_route.build_routing_maps(ids, E)
+            tables = maps.tensors()
+            for got, want in zip(tables, ops.routing_maps(ids, E, "triton"), strict=True):
+                assert torch.equal(got, want)
+            xp = moe_route.expand_rows(x, maps)
+            assert torch.equal(xp, ops.expand_rows(x, *tables, "triton"))
+            for a, gather in ((x, True), (xp, False)):
+                h = moe_route.grouped_gemm(a, w1, maps, bias=b1, activation="swiglu",
+                                           gather=gather)  # fmt: skip
+                want = ops.grouped_gemm(a, w1, *tables, b1, "swiglu", "concat", gather, False,
+                                        "triton")  # fmt: skip
+                assert torch.equal(h, want)
+            y = moe_route.grouped_gemm(h, w2, maps)
+            assert torch.equal(y, ops.grouped_gemm(h, w2, *tables, None, "identity", "concat",
+                                                   False, False, "triton"))  # fmt: skip
+            out = moe_route.finalize_moe_routing(y, tw, maps, bias)
+            assert torch.equal(out, ops.finalize_moe_routing(y, tw, tables[0], tables[2], bias,
+                                                             "triton"))  # fmt: skip

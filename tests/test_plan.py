@@ -10,6 +10,7 @@ import torch
 from moe_cases import TOL, assert_matches, moe_case, moe_expected, needs_interpreter, run_moe
 
 import moe_route
+from moe_route import _dispatch
 from moe_route import moe as moe_mod
 from moe_route.kernels import triton as kt
 from moe_route.tuning import token_bucket, token_buckets
@@ -218,7 +219,7 @@ def test_call_memo_serves_no_stale_decision(monkeypatch, launches, tokens):
 
 
 def test_call_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(moe_mod, "MAX_CALLS", 2)
+    monkeypatch.setattr(_dispatch, "MAX_CALLS", 2)
     moe_mod.clear_plans()
     for tokens in (1, 2, 3, 4):
         run_moe(moe_case(tokens, K, E, H, INTER), backend="triton")

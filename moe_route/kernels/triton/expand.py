@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2
+from . import LaunchKey, ThinKernel, cdiv, next_pow2
 
 # NOTE: 2 KiB of columns per program beat 4/8/16 KiB on an H200 for both gather and scatter
 # forms at the mixtral and deepseek shapes (bench/bench_routing.py --sweep).
@@ -50,6 +50,36 @@ def _expand_rows_kernel(
         )
 
 
+class ExpandLaunch:
+    """The expand's launch prepared from its operands' layout (``x``'s width, dtype and
+    strides, ``K``): what a call of :func:`expand_rows_triton` works out before launching, kept
+    by :func:`moe_route.expand_rows`'s call memo for every later call of that signature.
+    ``out``: ``[T*K, H]`` of ``out_dtype`` with strides ``out_strides`` (default: ``x``'s
+    dtype, contiguous)."""
+
+    __slots__ = ("block_h", "cols", "key", "tail")
+
+    def __init__(self, x: torch.Tensor, K: int, out_dtype=None, out_strides=None, *,
+                 block_h: int | None = None):  # fmt: skip
+        H = x.shape[1]
+        if block_h is None:
+            block_h = min(next_pow2(H), BYTES_PER_PROGRAM // x.element_size())
+        sx, so = x.stride(), (H, 1) if out_strides is None else tuple(out_strides)
+        self.block_h, self.cols = block_h, cdiv(H, block_h)
+        self.key = LaunchKey((K, H, block_h, x.dtype, out_dtype or x.dtype, sx, so))
+        self.tail = (H, *sx, *so)
+
+    def __call__(self, x, src_to_dest, expert_for_src, out) -> None:
+        T = x.shape[0]
+        if T == 0 or self.cols == 0:
+            return
+        _EXPAND.launch(self.key, (T, self.cols), (x, out, src_to_dest, expert_for_src, T,
+                       *self.tail), self.constexprs)  # fmt: skip
+
+    def constexprs(self) -> dict:
+        return dict(K=self.key.fields[0], BLOCK_H=self.block_h, num_warps=4)
+
+
 def expand_rows_triton(
     x: torch.Tensor,
     src_to_dest: torch.Tensor,
@@ -59,19 +89,10 @@ def expand_rows_triton(
     block_h: int | None = None,
 ) -> None:
     """Scatter ``x [T, H]`` into ``out [T*K, H]`` (preallocated) in permuted order."""
-    T, H = x.shape
-    if T == 0 or H == 0:
-        return
-    K = out.shape[0] // T
-    if block_h is None:
-        block_h = min(next_pow2(H), BYTES_PER_PROGRAM // x.element_size())
-    sx, so = x.stride(), out.stride()
-    _EXPAND.launch(
-        (K, H, block_h, x.dtype, out.dtype, sx, so),
-        (T, cdiv(H, block_h)),
-        (x, out, src_to_dest, expert_for_src, T, H, *sx, *so),
-        lambda: dict(K=K, BLOCK_H=block_h, num_warps=4),
-    )
+    T = x.shape[0]
+    if T:
+        launch = ExpandLaunch(x, out.shape[0] // T, out.dtype, out.stride(), block_h=block_h)
+        launch(x, src_to_dest, expert_for_src, out)
 
 
 _EXPAND = ThinKernel(_expand_rows_kernel)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, next_pow2
+from . import LaunchKey, ThinKernel, cdiv, next_pow2
 
 # NOTE: on an H200, 2-4 KiB of columns per program reached 91-98% of the copy bandwidth at
 # the mixtral and deepseek shapes, 8 KiB 83-84% (bench/bench_routing.py --sweep).
@@ -68,6 +68,53 @@ def _finalize_kernel(
     )
 
 
+class FinalizeLaunch:
+    """The finalize's launch prepared from its operands' layout (dtypes, strides, ``H``,
+    ``K``, whether there are weights and a bias, of which shape): what a call of
+    :func:`finalize_triton` works out before launching, kept by
+    :func:`moe_route.finalize_moe_routing`'s call memo for every later call of that signature.
+    ``out``: ``[T, H]`` with strides ``out_strides`` (default contiguous)."""
+
+    __slots__ = ("block_h", "cols", "cx", "key", "strides", "unit")
+
+    def __init__(self, y_perm: torch.Tensor, topk_weights: torch.Tensor | None, bias, K: int,
+                 out_dtype, out_strides=None, *, block_h: int | None = None):  # fmt: skip
+        H = y_perm.shape[1]
+        self.unit = unit = topk_weights is None
+        if block_h is None:
+            block_h = min(next_pow2(H), BYTES_PER_PROGRAM // y_perm.element_size())
+        self.block_h, self.cols = block_h, cdiv(H, block_h)
+        if bias is None:
+            sb = (0, 0)  # never read: HAS_BIAS is False
+        elif bias.dim() == 1:
+            sb = (0, bias.stride(0))
+        else:
+            sb = bias.stride()
+        w_dtype = out_dtype if unit else topk_weights.dtype
+        acc = tl.float64 if torch.float64 in (y_perm.dtype, w_dtype) else tl.float32
+        sy = y_perm.stride()
+        sw = (0, 0) if unit else topk_weights.stride()
+        so = (H, 1) if out_strides is None else tuple(out_strides)
+        b_dtype = out_dtype if bias is None else bias.dtype
+        self.key = LaunchKey((K, H, block_h, acc, bias is not None, unit, y_perm.dtype, w_dtype,
+                              b_dtype, out_dtype, sy, sw, sb, so))  # fmt: skip
+        self.strides = (H, *sy, *sw, *sb, *so)
+        self.cx = dict(K=K, HAS_BIAS=bias is not None, UNIT_WEIGHTS=unit, ACC=acc,
+                       BLOCK_H=block_h, num_warps=4)  # fmt: skip
+
+    def __call__(self, y_perm, topk_weights, src_to_dest, expert_for_src, bias, out) -> None:
+        T = out.shape[0]
+        if T == 0 or self.cols == 0:
+            return
+        w_arg = out if self.unit else topk_weights  # never read with UNIT_WEIGHTS
+        b_arg = out if bias is None else bias
+        _FINALIZE.launch(self.key, (T, self.cols), (y_perm, w_arg, src_to_dest, expert_for_src,
+                         b_arg, out, T, *self.strides), self.constexprs)  # fmt: skip
+
+    def constexprs(self) -> dict:
+        return dict(self.cx)  # (the launch-checking path adds options to it)
+
+
 def finalize_triton(
     y_perm: torch.Tensor,
     topk_weights: torch.Tensor | None,
@@ -80,32 +127,11 @@ def finalize_triton(
 ) -> None:
     """Reduce ``y_perm [T*K, H]`` into ``out [T, H]`` (preallocated). ``topk_weights=None``:
     every weight is 1 (the backward of an expand: no weights tensor to build and fill)."""
-    T, H = out.shape
-    if T == 0 or H == 0:
-        return
-    unit = topk_weights is None
-    K = src_to_dest.numel() // T
-    w_arg = out if unit else topk_weights  # never read with UNIT_WEIGHTS
-    if block_h is None:
-        block_h = min(next_pow2(H), BYTES_PER_PROGRAM // y_perm.element_size())
-    if bias is None:
-        bias_arg, sbt, sbh = out, 0, 0  # never read: HAS_BIAS is False
-    elif bias.dim() == 1:
-        bias_arg, sbt, sbh = bias, 0, bias.stride(0)
-    else:
-        bias_arg, sbt, sbh = bias, bias.stride(0), bias.stride(1)
-    acc = tl.float64 if torch.float64 in (y_perm.dtype, w_arg.dtype) else tl.float32
-    sy, so = y_perm.stride(), out.stride()
-    sw = (0, 0) if unit else topk_weights.stride()
-    _FINALIZE.launch(
-        (K, H, block_h, acc, bias is not None, unit, y_perm.dtype, w_arg.dtype, bias_arg.dtype,
-         out.dtype, sy, sw, sbt, sbh, so),
-        (T, cdiv(H, block_h)),
-        (y_perm, w_arg, src_to_dest, expert_for_src, bias_arg, out, T, H, *sy, *sw, sbt, sbh,
-         *so),
-        lambda: dict(K=K, HAS_BIAS=bias is not None, UNIT_WEIGHTS=unit, ACC=acc, BLOCK_H=block_h,
-                     num_warps=4),
-    )  # fmt: skip
+    T = out.shape[0]
+    if T:
+        launch = FinalizeLaunch(y_perm, topk_weights, bias, src_to_dest.numel() // T, out.dtype,
+                                out.stride(), block_h=block_h)  # fmt: skip
+        launch(y_perm, topk_weights, src_to_dest, expert_for_src, bias, out)
 
 
 _FINALIZE = ThinKernel(_finalize_kernel)

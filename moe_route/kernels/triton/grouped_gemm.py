@@ -58,7 +58,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, cuda_index, launch_key_part, next_pow2, shared_memory_optin
+from . import (
+    LaunchKey,
+    ThinKernel,
+    cdiv,
+    cuda_index,
+    launch_key_part,
+    next_pow2,
+    shared_memory_optin,
+)
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 from .tma import (
     TMA_DTYPES,
@@ -855,6 +863,128 @@ def num_sms(device: torch.device) -> int:
     return _cuda_sms(cuda_index(device))
 
 
+#: ``GemmLaunch._descriptors``'s answer without TMA.
+_NO_DESCRIPTORS = (None, None, False, 0, None, None)
+
+
+class GemmLaunch:
+    """GEMM1 / GEMM2's launch prepared from the operands' layout: dtypes, strides, shapes
+    but ``M``, the config and epilogue, which optional operands there are. What a call of
+    :func:`grouped_gemm_triton` works out before launching, kept by
+    :func:`moe_route.grouped_gemm`'s call memo for every later call of that signature. The
+    TMA descriptors (``cfg.use_tma``) depend on the addresses too: they are built per call.
+
+    ``out`` / ``pre_activation``: given as tensors, or as ``None`` for a contiguous
+    ``[M, N_out]`` output (what the callers allocate) and no pre-activation.
+    """
+
+    __slots__ = ("E", "cfg", "cx", "epilogue", "gather", "kd", "key", "n_out", "sms",
+                 "static", "strides")  # fmt: skip
+
+    def __init__(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
+                 cfg: GemmConfig, epilogue: GemmEpilogue, bias: torch.Tensor | None,
+                 gather: bool, pre_activation: torch.Tensor | None, allow_tf32: bool):  # fmt: skip
+        E, n_w, kd = w.shape
+        n_out = n_w // 2 if epilogue.gated else n_w
+        self.E, self.kd, self.n_out, self.cfg, self.epilogue = E, kd, n_out, cfg, epilogue
+        self.gather = gather
+        out_dtype, so = (a.dtype, (n_out, 1)) if out is None else (out.dtype, out.stride())
+        sz0 = so[0] if pre_activation is None else pre_activation.stride(0)
+        # each stride tuple read once (a Tensor.stride() call per element costs more)
+        sa, sw = a.stride(), w.stride()
+        sb = bias.stride() if bias is not None else (0, 0)
+        b_dtype = out_dtype if bias is None else bias.dtype
+        store_pre = pre_activation is not None
+        self.static = (
+            cfg, epilogue, a.dtype, w.dtype, out_dtype, b_dtype, sa, sw, so, sz0,
+            sb if bias is not None else None, gather, store_pre, allow_tf32, E, n_out, kd,
+        )  # fmt: skip
+        self.strides = (*sa, *sw, *so, sz0, *sb)
+        self.cx = dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
+            HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=store_pre, ACC=_acc(a.dtype),
+            DOT_PRECISION=_precision(a.dtype, allow_tf32), EVEN_K=kd % cfg.block_k == 0,
+            E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        self.sms = cfg.persistent * num_sms(a.device) if cfg.persistent else 0
+        # without TMA nothing depends on the addresses: one key for every call
+        self.key = None if cfg.use_tma else LaunchKey((*self.static, False, False, False, 0,
+                                                       False, False))  # fmt: skip
+        # (the key's last six fields: which descriptors a call has, as in __call__)
+
+    def __call__(
+        self, a, w, offsets, out, bias=None, dest_to_src=None, num_rows=None, pre_activation=None
+    ) -> None:
+        E, n_out, kd, cfg = self.E, self.n_out, self.kd, self.cfg
+        M = a.shape[0] if num_rows is None else num_rows
+        if M == 0 or n_out == 0:
+            return
+        bm = cfg.block_m
+        key, descs = self.key, _NO_DESCRIPTORS
+        if key is None:
+            descs = self._descriptors(a, w, out, pre_activation)
+            a_desc, w_desc, w_kmajor, one_dot, out_desc, z_desc = descs
+            key = (*self.static, a_desc is not None, w_desc is not None, w_kmajor, one_dot,
+                   out_desc is not None, z_desc is not None)  # fmt: skip
+        a_desc, w_desc, _, _, out_desc, z_desc = descs
+        m_tiles = _m_tiles(M, E, bm)
+        tiles = m_tiles * cdiv(n_out, cfg.block_n)
+        z = pre_activation if pre_activation is not None else out
+        b = bias if bias is not None else out
+        kernel, grid, extra = _GEMM, tiles, ()
+        if cfg.persistent:
+            kernel, grid = _GEMM_PERSISTENT, min(tiles, self.sms)
+            extra = (out_desc if out_desc is not None else out,
+                     z_desc if z_desc is not None else z)  # fmt: skip
+        kernel.launch(
+            key, (grid,),
+            (
+                a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w,
+                out, z, *extra, b, offsets, dest_to_src if self.gather else offsets, E, M,
+                m_tiles, n_out, kd, a.shape[0], *self.strides,
+            ),
+            lambda: self.constexprs(descs),
+        )  # fmt: skip
+
+    def _descriptors(self, a, w, out, pre_activation) -> tuple:
+        """``(a_desc, w_desc, w_kmajor, one_dot, out_desc, z_desc)`` for this call's tensors."""
+        cfg, epilogue, n_out = self.cfg, self.epilogue, self.n_out
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        a_desc = None if self.gather else _a_descriptor(a, bm, bk, cfg.use_tma)
+        w_desc, w_kmajor, one_dot = None, False, 0
+        if cfg.persistent and cfg.use_tma and epilogue.gated:
+            # NOTE: with gate and up in two accumulators, the persistent kernel's flattened
+            # loop made ptxas serialise the wgmma instructions (warning C7515, sm_90a, Triton
+            # 3.5.1: a select resets an accumulator between wgmma and its wait;
+            # scripts/kernel_resources.py); one accumulator of twice the width, as GEMM2 has,
+            # compiles without it.
+            w_desc, one_dot = _gate_up_descriptor(w, n_out, bn, bk, epilogue.interleaved)
+        if w_desc is None and not (epilogue.gated and epilogue.interleaved):
+            w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)
+        out_desc = z_desc = None
+        if cfg.persistent and cfg.tma_store and cfg.use_tma:
+            stage_bytes = (bm + (2 if epilogue.gated else 1) * bn) * bk * a.element_size()
+            out_desc, z_desc = _store_descriptors(out, pre_activation, epilogue, cfg, n_out,
+                                                  stage_bytes)  # fmt: skip
+        return a_desc, w_desc, w_kmajor, one_dot, out_desc, z_desc
+
+    def constexprs(self, descs: tuple) -> dict:
+        a_desc, w_desc, w_kmajor, one_dot, out_desc, z_desc = descs
+        cx = dict(self.cx, A_DESC=a_desc is not None, W_DESC=w_desc is not None,
+                  W_KMAJOR=w_kmajor)  # fmt: skip
+        cfg = self.cfg
+        if cfg.persistent:
+            # the automatic warp specialisation wants every load of the loop through TMA
+            cx["WARP_SPECIALIZE"] = cfg.warp_specialize and cx["A_DESC"] and cx["W_DESC"]
+            cx["ONE_DOT"] = one_dot
+            cx["OUT_DESC"] = out_desc is not None
+            cx["Z_DESC"] = z_desc is not None
+        return cx
+
+
 def grouped_gemm_triton(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -884,74 +1014,9 @@ def grouped_gemm_triton(
     ``cfg.persistent``: the persistent kernel on ``cfg.persistent * num_sms`` programs (at most
     the per-tile grid), the same output.
     """
-    E, n_w, kd = w.shape
-    n_out = n_w // 2 if epilogue.gated else n_w
-    M = a.shape[0] if num_rows is None else num_rows
-    if M == 0 or n_out == 0:
-        return
-    T = a.shape[0]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    gather = dest_to_src is not None
-    a_desc = None if gather else _a_descriptor(a, bm, bk, cfg.use_tma)
-    w_desc, w_kmajor, one_dot = None, False, 0
-    if cfg.persistent and cfg.use_tma and epilogue.gated:
-        # NOTE: with gate and up in two accumulators, the persistent kernel's flattened loop
-        # made ptxas serialise the wgmma instructions (warning C7515, sm_90a, Triton 3.5.1:
-        # a select resets an accumulator between wgmma and its wait; scripts/kernel_resources.py);
-        # one accumulator of twice the width, as GEMM2 has, compiles without it.
-        w_desc, one_dot = _gate_up_descriptor(w, n_out, bn, bk, epilogue.interleaved)
-    if w_desc is None and not (epilogue.gated and epilogue.interleaved):
-        w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)
-    out_desc = z_desc = None
-    if cfg.persistent and cfg.tma_store and cfg.use_tma:
-        out_desc, z_desc = _store_descriptors(out, pre_activation, epilogue, cfg, n_out,
-                                              stage_bytes=(bm + (2 if epilogue.gated else 1) * bn)
-                                              * bk * a.element_size())  # fmt: skip
-    m_tiles = _m_tiles(M, E, bm)
-    tiles = m_tiles * cdiv(n_out, bn)
-    z = pre_activation if pre_activation is not None else out
-    b = bias if bias is not None else out
-    # each stride tuple read once (a Tensor.stride() call per element costs more)
-    sa, sw, so, sz = a.stride(), w.stride(), out.stride(), z.stride()
-    sb = b.stride() if bias is not None else (0, 0)
-    key = (
-        cfg, epilogue, a.dtype, w.dtype, out.dtype, b.dtype, sa, sw, so, sz[0],
-        sb if bias is not None else None, gather, pre_activation is not None,
-        a_desc is not None, w_desc is not None, w_kmajor, one_dot, out_desc is not None,
-        z_desc is not None, allow_tf32, E, n_out, kd,
-    )  # fmt: skip
-
-    def constexprs():
-        cx = dict(
-            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
-            HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=pre_activation is not None,
-            ACC=_acc(a.dtype), DOT_PRECISION=_precision(a.dtype, allow_tf32),
-            A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
-            EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        if cfg.persistent:
-            # the automatic warp specialisation wants every load of the loop through TMA
-            cx["WARP_SPECIALIZE"] = cfg.warp_specialize and cx["A_DESC"] and cx["W_DESC"]
-            cx["ONE_DOT"] = one_dot
-            cx["OUT_DESC"] = out_desc is not None
-            cx["Z_DESC"] = z_desc is not None
-        return cx
-
-    kernel, grid, descs = _GEMM, tiles, ()
-    if cfg.persistent:
-        kernel, grid = _GEMM_PERSISTENT, min(tiles, cfg.persistent * num_sms(a.device))
-        descs = (out_desc if out_desc is not None else out, z_desc if z_desc is not None else z)
-    kernel.launch(
-        key, (grid,),
-        (
-            a, a_desc if a_desc is not None else a, w, w_desc if w_desc is not None else w, out, z,
-            *descs, b, offsets, dest_to_src if gather else offsets, E, M, m_tiles, n_out, kd, T,
-            sa[0], sa[1], sw[0], sw[1], sw[2], so[0], so[1], sz[0], sb[0], sb[1],
-        ),
-        constexprs,
-    )  # fmt: skip
+    launch = GemmLaunch(a, w, out, cfg, epilogue, bias, dest_to_src is not None, pre_activation,
+                        allow_tf32)  # fmt: skip
+    launch(a, w, offsets, out, bias, dest_to_src, num_rows, pre_activation)
 
 
 def grouped_gemm_act_backward_triton(

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, cuda_index, next_pow2, shared_memory_optin
+from . import LaunchKey, ThinKernel, cdiv, cuda_index, next_pow2, shared_memory_optin
 
 #: Triton's cap on the elements of one tensor (``triton.language.TRITON_MAX_TENSOR_NUMEL``), on
 #: a GPU and under the interpreter alike. A program holds one counter per *bin* — E experts, K
@@ -218,6 +218,76 @@ def _tile_place_kernel(
     tl.store(src_to_dest_ptr + src, dest, mask=placed)
 
 
+class MapsLaunch:
+    """The maps' launches prepared from the ids' layout (dtype, strides, ``K``), ``E`` and the
+    token bucket: what a call of :func:`routing_maps_triton` works out before launching, kept
+    by :func:`moe_route.build_routing_maps`'s call memo for every later call of that
+    signature. ``tile`` forces the tile size (a power of two; benchmarks sweep it); by
+    default one tile covers up to ``ONE_TILE_MAX`` slots in a single launch, else
+    ``TILE``-slot tiles. Tiles follow the token bucket (``T`` rounded up to a power of two),
+    not ``T``: every ``T`` of a bucket runs the same compiled kernels."""
+
+    __slots__ = ("E", "K", "key", "num_bins", "one_tile_cx", "strides", "tile", "warps")
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int, bucket: int, *,
+                 tile: int | None = None):  # fmt: skip
+        K, E = topk_ids.shape[1], num_experts
+        n_bucket = bucket * K
+        if tile is None:
+            tile = next_pow2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
+        self.tile = tile = max(tile, 16)
+        self.K, self.E, self.strides = K, E, topk_ids.stride()
+        self.key = LaunchKey((tile, K, E, topk_ids.dtype, *self.strides))
+        self.warps = 4 if tile <= 1024 else 8
+        self.num_bins = next_pow2(E + K + 1)  # the padding bin E+K is gathered too
+        self.one_tile_cx = dict(BLOCK=tile, OFFSET_BINS=next_pow2(E + 1), num_warps=self.warps)
+
+    def __call__(self, topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets) -> None:
+        T = topk_ids.shape[0]
+        K, E, (st, sk), tile = self.K, self.E, self.strides, self.tile
+        N = T * K
+        if N == 0:
+            offsets.zero_()
+            return
+        if tile >= N:
+            _ONE_TILE.launch(
+                self.key, (1,),
+                (topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets, T, K, E, st, sk),
+                self._one_tile_constexprs,
+            )  # fmt: skip
+            return
+        num_tiles, num_bins, warps = cdiv(N, tile), self.num_bins, self.warps
+        scratch = torch.empty(2 * num_tiles * num_bins + num_bins, dtype=torch.int32,
+                              device=topk_ids.device)  # fmt: skip
+        tile_counts = scratch[: num_tiles * num_bins].view(num_tiles, num_bins)
+        tiles_before = scratch[num_tiles * num_bins : 2 * num_tiles * num_bins].view(
+            num_tiles, num_bins
+        )
+        totals = scratch[2 * num_tiles * num_bins :]
+        _HISTOGRAM.launch(
+            self.key, (num_tiles,),
+            (topk_ids, tile_counts, expert_for_src, T, K, E, st, sk),
+            lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
+        )  # fmt: skip
+        scan_bins = min(num_bins, 32)
+        _SCAN.launch(
+            num_bins, (num_bins // scan_bins,),
+            (tile_counts, tiles_before, totals, num_tiles),
+            lambda: dict(NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4),
+        )  # fmt: skip
+        _PLACE.launch(
+            self.key, (num_tiles,),
+            (
+                topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets,
+                T, K, E, st, sk,
+            ),
+            lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
+        )  # fmt: skip
+
+    def _one_tile_constexprs(self) -> dict:
+        return dict(self.one_tile_cx)
+
+
 def routing_maps_triton(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -228,64 +298,10 @@ def routing_maps_triton(
     *,
     tile: int | None = None,
 ) -> None:
-    """Fill the four (preallocated) routing tables from ``topk_ids [T, K]``.
-
-    ``tile`` forces the tile size (a power of two; benchmarks sweep it); by default one tile
-    covers up to ``ONE_TILE_MAX`` slots in a single launch, else ``TILE``-slot tiles.
-    """
-    T, K = topk_ids.shape
-    E = num_experts
-    N = T * K
-    if N == 0:
-        offsets.zero_()
-        return
-    st, sk = topk_ids.stride()
-    # Tiles from the token bucket (T rounded up to a power of two), not T: every T of a bucket
-    # runs the same compiled kernels.
-    n_bucket = next_pow2(T) * K
-    if tile is None:
-        tile = next_pow2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
-    tile = max(tile, 16)
-    key = (tile, K, E, topk_ids.dtype, st, sk)
-    if tile >= N:
-        _ONE_TILE.launch(
-            key, (1,),
-            (topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets, T, K, E, st, sk),
-            lambda: dict(
-                BLOCK=tile, OFFSET_BINS=next_pow2(E + 1),
-                num_warps=4 if tile <= 1024 else 8,
-            ),
-        )  # fmt: skip
-        return
-    num_tiles = cdiv(N, tile)
-    num_bins = next_pow2(E + K + 1)  # the padding bin E+K is gathered too
-    scratch = torch.empty(2 * num_tiles * num_bins + num_bins, dtype=torch.int32,
-                          device=topk_ids.device)  # fmt: skip
-    tile_counts = scratch[: num_tiles * num_bins].view(num_tiles, num_bins)
-    tiles_before = scratch[num_tiles * num_bins : 2 * num_tiles * num_bins].view(
-        num_tiles, num_bins
-    )
-    totals = scratch[2 * num_tiles * num_bins :]
-    warps = 4 if tile <= 1024 else 8
-    _HISTOGRAM.launch(
-        key, (num_tiles,),
-        (topk_ids, tile_counts, expert_for_src, T, K, E, st, sk),
-        lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
-    )  # fmt: skip
-    scan_bins = min(num_bins, 32)
-    _SCAN.launch(
-        num_bins, (num_bins // scan_bins,),
-        (tile_counts, tiles_before, totals, num_tiles),
-        lambda: dict(NUM_BINS=num_bins, BINS=scan_bins, TILES_PER_STEP=64, num_warps=4),
-    )  # fmt: skip
-    _PLACE.launch(
-        key, (num_tiles,),
-        (
-            topk_ids, tile_counts, tiles_before, totals, src_to_dest, dest_to_src, offsets, T, K,
-            E, st, sk,
-        ),
-        lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
-    )  # fmt: skip
+    """Fill the four (preallocated) routing tables from ``topk_ids [T, K]`` (see
+    :class:`MapsLaunch` for ``tile``)."""
+    launch = MapsLaunch(topk_ids, num_experts, next_pow2(topk_ids.shape[0]), tile=tile)
+    launch(topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets)
 
 
 _ONE_TILE = ThinKernel(_routing_maps_one_tile_kernel)
