@@ -4,7 +4,8 @@ compute-sanitizer. The shapes reach both weight-gradient kernels: the pointer ke
 sizes, the TMA kernel (bounded-row descriptors) at 128 and 1024 rows per expert, where the
 persistent GEMM2 and dX also store through TMA and GEMM1 storing z runs 4 stages; and the
 decode path (two tokens, no gradient, k- and n-contiguous weights; one token through an
-inference MoELayer; 64 slots through one with 128 small experts).
+inference MoELayer; 64 slots through one with 128 small experts); then the public ops one
+by one, each call signature twice (the call memos' prepared launches).
 ``MOE_ROUTE_PERSISTENT=1`` runs the GEMMs on the persistent kernel;
 ``--tiny``: the smallest shape only (racecheck is slow); ``--rows``: the second shape only (75
 rows per expert: the split activation backward's row pass on Hopper); ``--store``: the third
@@ -55,5 +56,23 @@ for T, H, inter, E, K in shapes:
 layer = moe_route.MoELayer(72, 40, 128, 8, device="cuda", dtype=torch.bfloat16).eval()
 with torch.no_grad():
     layer(torch.randn(8, 72, device="cuda", dtype=torch.bfloat16))
+# the public ops one by one, each signature twice (the second call runs its memo's prepared
+# launch), odd sizes, a dropped slot, a shared bias, gathering and plain GEMMs, no tokens
+H, inter, E, K = 200, 136, 8, 2
+w1 = (torch.randn(E, 2 * inter, H, device="cuda") * 0.05).bfloat16()
+w2 = (torch.randn(E, H, inter, device="cuda") * 0.05).bfloat16()
+bias = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+for T in (1, 5, 37, 0):
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    tw, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
+    if T:
+        ids[0, 1] = -1
+    for _ in range(2):
+        maps = moe_route.build_routing_maps(ids, E)
+        xp = moe_route.expand_rows(x, maps)
+        h = moe_route.grouped_gemm(x, w1, maps, activation="swiglu", gather=True)
+        h = moe_route.grouped_gemm(xp, w1, maps, activation="swiglu")
+        y = moe_route.grouped_gemm(h, w2, maps)
+        moe_route.finalize_moe_routing(y, tw, maps, bias)
 torch.cuda.synchronize()
 print("sanitize_small done")
