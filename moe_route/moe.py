@@ -40,7 +40,7 @@ from .grouped_gemm import (
 from .kernels import torch_impl
 from .kernels.triton.decode import MAX_SLOTS, DecodeConfig, DecodeLaunch, moe_decode_triton
 from .kernels.triton.moe import MoEConfigs, moe_backward_triton, moe_forward_triton
-from .maps import check_kernel_limits, maps_backend, maps_op
+from .maps import MapsCall, check_kernel_limits, maps_backend
 from .tuning import token_bucket, token_buckets
 
 
@@ -177,20 +177,29 @@ def _moe_backward_impl(
     else:
         plan = _plan_for(x, w1, w2, topk_weights.shape[1], activation, gate_up_layout,
                          "standalone", True, allow_tf32, backend)  # fmt: skip
-        grads = moe_backward_triton(
-            dout, x, w1, w2, topk_weights, b1, b2, z, maps, plan.configs, need_dx, need_dw1,
-            need_dw2, need_dtopk, dz_out=z if consume_z else None,
-        )  # fmt: skip
-        if consume_z:
-            torch.autograd.graph.increment_version(z)
-    grads = list(grads)
-    for i, bias_in in ((4, b1), (5, b2)):
-        if bias_in is not None and grads[i] is not None:
-            grads[i] = grads[i].to(bias_in.dtype)
+        need = (need_dx, need_dw1, need_dw2, need_dtopk)
+        grads = _triton_backward(dout, x, w1, w2, topk_weights, b1, b2, z, maps, plan.configs,
+                                 need, consume_z, {})  # fmt: skip
     wanted = (need_dx, need_dw1, need_dw2, need_dtopk)
     wanted += (b1 is not None and need_dw1, b2 is not None and need_dw2)
     # Outputs may not alias each other: each gradient not asked for is its own empty tensor.
     return tuple(g if w else x.new_empty(0) for g, w in zip(grads, wanted, strict=True))
+
+
+def _triton_backward(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoEConfigs, need,
+                     consume_z: bool, launches: dict) -> list:  # fmt: skip
+    """The Triton backward of both routes (the op's, :class:`_Experts`'): the launch sequence
+    (``launches``: see :func:`moe_route.kernels.triton.moe.prepared`), ``z`` consumed and its
+    version bumped where ``consume_z``, the bias gradients in the biases' dtypes."""
+    grads = list(moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg, *need,
+                                     dz_out=z if consume_z else None,
+                                     launches=launches))  # fmt: skip
+    if consume_z:
+        torch.autograd.graph.increment_version(z)
+    for i, bias_in in ((4, b1), (5, b2)):
+        if bias_in is not None and grads[i] is not None:
+            grads[i] = grads[i].to(bias_in.dtype)
+    return grads
 
 
 def _moe_backward_fake(dout, x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, o, act, lay,
@@ -226,26 +235,43 @@ def _setup_context(ctx, inputs, output):
         be,
         _,
     ) = inputs
-    ctx.save_for_backward(x, w1, w2, topk_weights, b1, b2, output[1], s2d, d2s, efs, offsets)
-    ctx.config = (act, layout, tf32, be)
-    ctx.bias_meta = None if bias is None else (bias.dim(), bias.dtype)
+    _save(ctx, (x, w1, w2, topk_weights, b1, b2, output[1], s2d, d2s, efs, offsets), bias,
+          (act, layout, tf32, be))  # fmt: skip
     ctx.mark_non_differentiable(output[1])
+
+
+def _save(ctx, saved: tuple, bias, config: tuple) -> None:
+    """What both routes' backward reads (the op's, :class:`_Experts`'): ``saved`` is
+    ``(x, w1, w2, topk_weights, b1, b2, z, *tables)``, ``config`` the op's
+    ``(activation, layout, allow_tf32, backend)``."""
+    ctx.save_for_backward(*saved)
+    ctx.config = config
+    ctx.bias_meta = None if bias is None else (bias.dim(), bias.dtype)
     # z has no gradient: without this, autograd would hand the backward a zero-filled
     # [T*K, 2I] tensor for it (448 MiB at Mixtral's T=4096), allocated and written for nothing.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, _dz):
+def _backward(ctx, dout, _dz=None):
+    """The op's backward, and :class:`_Experts`' (whose first seven inputs are the op's)."""
     if dout is None:  # the output took no part in what is differentiated
         return (None,) * 18
     x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, offsets = ctx.saved_tensors
     act, layout, tf32, be = ctx.config
     need = ctx.needs_input_grad
-    dx, dw1, dw2, dtopk, db1, db2 = _MOE_BACKWARD(
-        dout, x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, offsets, act, layout,
-        need[0], need[1] or need[4], need[2] or need[5], need[3], _may_consume(ctx, z, dout),
-        tf32, be,
-    )  # fmt: skip
+    wanted = (need[0], need[1] or need[4], need[2] or need[5], need[3])
+    consume = _may_consume(ctx, z, dout)
+    experts = getattr(ctx, "experts", None)
+    if experts is not None and not (torch.compiler.is_compiling() or needs_dispatcher((dout,))):
+        dx, dw1, dw2, dtopk, db1, db2 = _triton_backward(
+            dout, x, w1, w2, topk_weights, b1, b2, z, (s2d, d2s, efs, offsets),
+            experts.plan.configs, wanted, consume, experts.backward_launches(dout),
+        )  # fmt: skip
+    else:
+        dx, dw1, dw2, dtopk, db1, db2 = _MOE_BACKWARD(
+            dout, x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, offsets, act, layout,
+            *wanted, consume, tf32, be,
+        )  # fmt: skip
     dbias = None
     if need[6]:
         ndim, dtype = ctx.bias_meta
@@ -409,7 +435,7 @@ def fused_moe(
                     deterministic, gather, allow_tf32, backend)  # fmt: skip
     check_interpreter_dtype("x", x, plan.backend)
     call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
-                     gate_up_layout, allow_tf32)  # fmt: skip
+                     gate_up_layout, allow_tf32, key is not None)  # fmt: skip
     if token_bucket(T) * ids.shape[1] < 2**31:  # the whole bucket fits the maps' int32 rows
         _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias))
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
@@ -436,12 +462,15 @@ class FusedCall:
         "check_ids",
         "cuda",
         "decode",
+        "experts",
         "layout",
+        "maps",
         "plan",
     )  # fmt: skip
 
     def __init__(self, plan: MoEPlan, x, w1, w2, topk_weights, ids, b1, b2, bias,
-                 activation: str, gate_up_layout: str, allow_tf32: bool):  # fmt: skip
+                 activation: str, gate_up_layout: str, allow_tf32: bool,
+                 eager: bool):  # fmt: skip
         self.plan, self.E = plan, w1.shape[0]
         self.activation, self.layout, self.allow_tf32 = activation, gate_up_layout, allow_tf32
         self.check_ids = _checks.ids_value_check_wanted(ids, None)
@@ -454,6 +483,12 @@ class FusedCall:
             self.decode = self._through_op
             if not needs_dispatcher(args):
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
+        # The sorted path: the maps' and the experts' launches prepared (eager, Triton, plain
+        # tensors), else through the ops.
+        self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
+        self.experts = None
+        if eager and plan.backend == "triton" and not needs_dispatcher(args):
+            self.experts = PreparedExperts(plan, activation, gate_up_layout, allow_tf32)
 
     def __call__(self, x, w1, w2, topk_weights, ids, b1, b2, bias) -> torch.Tensor:
         if self.check_ids:
@@ -461,7 +496,9 @@ class FusedCall:
         decode = self.decode  # (None under torch.compile: nothing below traces a capture query)
         if decode is not None and not (self.cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
-        maps = maps_op(ids, self.E, self.plan.maps_backend)
+        maps = self.maps(ids)
+        if self.experts is not None:
+            return self.experts(x, w1, w2, topk_weights, maps, b1, b2, bias)
         return run_experts(self.plan, x, w1, w2, topk_weights, maps, self.activation,
                            self.layout, b1, b2, bias, self.allow_tf32)  # fmt: skip
 
@@ -549,6 +586,71 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
         plan.path, plan.gather, allow_tf32, plan.backend, store_z,
     )  # fmt: skip
     return out
+
+
+class PreparedExperts:
+    """:func:`run_experts` for one call signature in eager mode, on plain tensors and the
+    Triton backend, without the custom ops' dispatch: the launch sequences'
+    prepared launches (:func:`moe_route.kernels.triton.moe.prepared`) kept per signature —
+    the forward's per ``store_z``, the backward's per layout of ``dout`` — and autograd
+    through :class:`_Experts`. The same launch sequences as the op's route: the same bits.
+    Keeps no tensor.
+
+    NOTE: H100 host, qwen3-30b-a3b sizes, T=1 (scripts/backward_host.py, 2026-11-27): an
+    eager forward + backward took 668 us of host time through the ops (one ``index_select``:
+    13 us); of the backward's launch sequence's 191 us, the launchers' working out of
+    strides, keys and constexprs and the plan's lookup were the part that a call of a known
+    signature need not repeat.
+    """
+
+    __slots__ = ("activation", "allow_tf32", "backward", "forward", "layout", "plan")
+
+    #: the most layouts of ``dout`` whose backward launches are kept (then it starts over)
+    MAX_LAYOUTS = 8
+
+    def __init__(self, plan: MoEPlan, activation: str, gate_up_layout: str, allow_tf32: bool):
+        self.plan, self.activation, self.layout = plan, activation, gate_up_layout
+        self.allow_tf32 = allow_tf32
+        self.forward: tuple[dict, dict] = ({}, {})  # by store_z
+        self.backward: dict = {}
+
+    def __call__(self, x, w1, w2, topk_weights, maps, b1=None, b2=None, bias=None):
+        if _wants_grad(x, w1, w2, topk_weights, b1, b2, bias):
+            return _Experts.apply(x, w1, w2, topk_weights, b1, b2, bias, maps, self)
+        out, _ = moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps.tensors(),
+                                    self.plan.configs, False, self.forward[False])  # fmt: skip
+        return out
+
+    def backward_launches(self, dout: torch.Tensor) -> dict:
+        """The backward's prepared launches for ``dout``'s layout."""
+        key = (dout.stride(), dout.dtype)
+        launches = self.backward.get(key)
+        if launches is None:
+            if len(self.backward) >= self.MAX_LAYOUTS:
+                self.backward.clear()
+            launches = self.backward[key] = {}
+        return launches
+
+
+class _Experts(torch.autograd.Function):
+    """The experts under autograd on :class:`PreparedExperts`' route: the forward's prepared
+    launches, then what the op's autograd saves (:func:`_save`; ``z`` is an intermediate here,
+    not an output) and its backward (:func:`_backward`, with the prepared launches)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, topk_weights, b1, b2, bias, maps, experts: PreparedExperts):
+        tables = maps.tensors()
+        out, z = moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, tables,
+                                    experts.plan.configs, True, experts.forward[True])  # fmt: skip
+        _save(ctx, (x, w1, w2, topk_weights, b1, b2, z, *tables), bias,
+              (experts.activation, experts.layout, experts.allow_tf32, "triton"))  # fmt: skip
+        ctx.experts = experts
+        ctx.internal_call = True  # z is the Function's own: the backward may consume it
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _backward(ctx, dout)[:9]
 
 
 def decode_planned(plan: MoEPlan, x, *params) -> bool:

@@ -188,15 +188,14 @@ def _backward(case, activation, layout, dout):
 def counted(monkeypatch):
     """Counts of step 1's two ways in ``fused_moe``'s backward."""
     calls = {"split": 0, "fused": 0}
-    for attr, key in (("act_backward_rows_triton", "split"),
-                      ("grouped_gemm_act_backward_triton", "fused")):  # fmt: skip
-        real = getattr(kt_moe, attr)
+    for cls, key in ((kt_moe.RowPassLaunch, "split"), (kt_moe.ActBackwardLaunch, "fused")):
+        real = cls.__call__
 
         def wrapped(*args, real=real, key=key, **kw):
             calls[key] += 1
             return real(*args, **kw)
 
-        monkeypatch.setattr(kt_moe, attr, wrapped)
+        monkeypatch.setattr(cls, "__call__", wrapped)
     yield calls
     clear_plans()
 

@@ -44,10 +44,10 @@ from moe_cases import run_moe as run
 
 import moe_route
 from moe_route import arch
+from moe_route.kernels.triton.routing_maps import MapsLaunch
 from moe_route.reference import routing_maps_reference
 
 moe_module = importlib.import_module("moe_route.moe")
-maps_module = importlib.import_module("moe_route.maps")
 launches = importlib.import_module("moe_route.kernels.triton.moe")
 torch_impl = importlib.import_module("moe_route.kernels.torch_impl")
 
@@ -56,17 +56,17 @@ torch_impl = importlib.import_module("moe_route.kernels.torch_impl")
 class Spy:
     """Counts the launches of fused_moe's forward by kind: the finalize paths (the standalone
     finalize kernel, GEMM2 with the finalize in its epilogue), the plain grouped GEMMs, the
-    expand, the routing maps and the torch backend's forward."""
+    expand, the routing maps (Triton) and the torch backend's forward."""
 
     def __init__(self, monkeypatch, *, forbid=False):
         self.calls = {"standalone": 0, "fused": 0, "grouped_gemm": 0, "expand": 0,
                       "routing_maps": 0, "torch": 0}  # fmt: skip
         for attr, key, module in (
-            ("finalize_triton", "standalone", launches),
+            ("__call__", "standalone", launches.FinalizeLaunch),
             ("grouped_gemm_finalize_triton", "fused", launches),
-            ("grouped_gemm_triton", "grouped_gemm", launches),
-            ("expand_rows_triton", "expand", launches),
-            ("routing_maps_tables", "routing_maps", maps_module),
+            ("__call__", "grouped_gemm", launches.GemmLaunch),
+            ("__call__", "expand", launches.ExpandLaunch),
+            ("__call__", "routing_maps", MapsLaunch),
             ("moe_forward_torch", "torch", torch_impl),
         ):
             monkeypatch.setattr(module, attr, self._wrap(getattr(module, attr), key, forbid))

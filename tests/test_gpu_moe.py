@@ -323,8 +323,12 @@ def test_auto_path_follows_arch(monkeypatch):
     case = moe_case(37, 2, 8, 200, 136, b2=True, seed=18)
     ref = moe_expected(case)
     calls = []
-    for attr in ("finalize_triton", "grouped_gemm_finalize_triton"):
-        monkeypatch.setattr(launches, attr, _recording(getattr(launches, attr), attr, calls))
+    real_finalize = launches.FinalizeLaunch.__call__
+    monkeypatch.setattr(launches.FinalizeLaunch, "__call__",
+                        _recording(real_finalize, "finalize_triton", calls))  # fmt: skip
+    real_fused = launches.grouped_gemm_finalize_triton
+    monkeypatch.setattr(launches, "grouped_gemm_finalize_triton",
+                        _recording(real_fused, "grouped_gemm_finalize_triton", calls))  # fmt: skip
     for forced in (None, "80", "89", "90", "100"):
         if forced is None:
             monkeypatch.delenv("MOE_ROUTE_ARCH", raising=False)

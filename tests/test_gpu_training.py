@@ -319,14 +319,14 @@ def test_activation_backward_ways_match_reference(monkeypatch, split):
 
     kt_moe = importlib.import_module("moe_route.kernels.triton.moe")
     calls = []
-    for attr in ("act_backward_rows_triton", "grouped_gemm_act_backward_triton"):
-        real = getattr(kt_moe, attr)
+    for cls in (kt_moe.RowPassLaunch, kt_moe.ActBackwardLaunch):
+        real = cls.__call__
 
-        def spy(*a, real=real, attr=attr, **kw):
-            calls.append(attr)
+        def spy(*a, real=real, name=cls.__name__, **kw):
+            calls.append(name)
             return real(*a, **kw)
 
-        monkeypatch.setattr(kt_moe, attr, spy)
+        monkeypatch.setattr(cls, "__call__", spy)
     _force_act_backward(monkeypatch, split)
     try:
         ids = make_ids(200, 3, 6, drop=0.15, seed=11)
@@ -342,7 +342,7 @@ def test_activation_backward_ways_match_reference(monkeypatch, split):
                     assert torch.equal(again[n], first[n]), f"d{n} differs between runs"
     finally:
         clear_plans()
-    want = "act_backward_rows_triton" if split else "grouped_gemm_act_backward_triton"
+    want = "RowPassLaunch" if split else "ActBackwardLaunch"
     assert calls and set(calls) == {want}
 
 

@@ -323,15 +323,15 @@ def test_weight_grads_from_permuted_rows_equal_gathered(monkeypatch):
     from moe_route.moe import clear_plans
 
     real = tuning.weight_grad_config
-    kt_moe = importlib.import_module("moe_route.kernels.triton.moe")
-    real_expand = kt_moe.expand_rows_triton
+    launch_cls = importlib.import_module("moe_route.kernels.triton.moe").ExpandLaunch
+    real_expand = launch_cls.__call__
     expands = []
 
     def counting_expand(*args, **kw):
         expands[-1] += 1
         return real_expand(*args, **kw)
 
-    monkeypatch.setattr(kt_moe, "expand_rows_triton", counting_expand)
+    monkeypatch.setattr(launch_cls, "__call__", counting_expand)
     grads = []
     for permuted in (False, True):
         expands.append(0)
@@ -352,3 +352,72 @@ def test_weight_grads_from_permuted_rows_equal_gathered(monkeypatch):
     assert expands[1] == expands[0] + 2  # dout for dW2, x for dW1
     for name, a, b in zip(NAMES, *grads, strict=True):
         assert torch.equal(a, b), name
+
+
+@needs_interpreter
+@pytest.mark.parametrize("finalize", ["standalone", "fused"])
+@pytest.mark.parametrize("split", [False, True], ids=["fused_act", "split_act"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
+def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
+    """fused_moe's eager route (``PreparedExperts``: the launch sequences' prepared launches,
+    autograd through ``_Experts``) gives the bits of the op's route (``run_experts``: the
+    custom op's autograd, what compiled code runs) for the output and every gradient: at a
+    signature's first call, and at a later call with a new T of the same bucket, which
+    prepares no launch again; for a contiguous, a stride-0 and a transposed ``dout``; with
+    dropped slots and an expert without rows."""
+    import dataclasses
+
+    from moe_route import tuning
+    from moe_route.kernels.triton.grouped_gemm import GemmLaunch
+
+    real_config = tuning.act_backward_config
+
+    def config(*args, **kwargs):
+        return dataclasses.replace(real_config(*args, **kwargs), split=split)
+
+    monkeypatch.setattr(tuning, "act_backward_config", config)
+    moe_module.clear_plans()
+    taken, prepared = [], []
+    real_call, real_init = moe_module.PreparedExperts.__call__, GemmLaunch.__init__
+    monkeypatch.setattr(moe_module.PreparedExperts, "__call__",
+                        lambda *a, **k: taken.append(1) or real_call(*a, **k))  # fmt: skip
+    monkeypatch.setattr(GemmLaunch, "__init__",
+                        lambda *a, **k: prepared.append(1) or real_init(*a, **k))  # fmt: skip
+    E, H = 5, 16
+    opts = dict(finalize=finalize, gather=gather, backend="triton")
+    try:
+        for T, seed in ((13, 1), (11, 2), (11, 3)):
+            ids = make_ids(T, 2, E - 1, drop=0.2, seed=seed)  # expert E-1 gets no rows
+            case = _case(T, 2, E, H, 8, ids=ids, seed=seed)
+            g = torch.Generator().manual_seed(seed)
+            douts = {
+                "contiguous": torch.randn(T, H, generator=g),
+                "stride-0": torch.randn(1, H, generator=g).expand(T, H),
+                "transposed": torch.randn(H, T, generator=g).t(),
+            }
+            for kind, dout in douts.items():
+                leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+                x, w1, w2, tw, b1, b2, bias = leaves
+                taken.clear()
+                prepared.clear()
+                out = moe_route.fused_moe(x, w1, w2, tw, case["topk_ids"], b1=b1, b2=b2,
+                                          bias=bias, **opts)  # fmt: skip
+                got = torch.autograd.grad(out, leaves, dout)
+                assert taken == [1], "fused_moe did not take its prepared route"
+                # (a transposed [T, H] dout's strides hold T: a new layout at a new T)
+                if T == 11 and (seed, kind) != (2, "transposed"):
+                    assert not prepared, f"T={T} {kind}: launches prepared again"
+                # the op's route, with the same plan and maps
+                leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+                x, w1, w2, tw, b1, b2, bias = leaves
+                plan = moe_module.moe_plan(x, w1, w2, 2, "swiglu", "concat", finalize, True,
+                                           gather, False, "triton")  # fmt: skip
+                maps = moe_route.build_routing_maps(case["topk_ids"], E, backend="triton")
+                want_out = moe_module.run_experts(plan, x, w1, w2, tw, maps, "swiglu", "concat",
+                                                  b1, b2, bias)  # fmt: skip
+                want = torch.autograd.grad(want_out, leaves, dout)
+                assert torch.equal(out, want_out), (T, kind)
+                for name, a, b in zip(NAMES, got, want, strict=True):
+                    assert torch.equal(a, b), (T, kind, name)
+    finally:
+        moe_module.clear_plans()

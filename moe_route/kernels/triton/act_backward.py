@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ThinKernel, cdiv, launch_key_part
+from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
 from .grouped_gemm import GemmConfig, GemmEpilogue, _acc
 
@@ -139,6 +139,47 @@ def _act_bwd_rows_kernel(
 _ROWS = ThinKernel(_act_bwd_rows_kernel)
 
 
+class RowPassLaunch:
+    """The row pass's launch prepared from its operands' layout (dtypes, row strides, the
+    router weights' strides, ``E``, ``I``, the tiles and epilogue): what a call of
+    :func:`act_backward_rows_triton` works out before launching, kept by the backward's
+    prepared launch sequence (:class:`.moe.MoEBackwardLaunch`)."""
+
+    __slots__ = ("cx", "key", "nt", "partial_dtype", "strides")
+
+    def __init__(self, g, z, topk_weights, wh, dz, E: int, cfg: RowPassConfig, *,
+                 epilogue: GemmEpilogue):  # fmt: skip
+        n_out = g.shape[1]
+        self.nt = cdiv(n_out, cfg.block_n)
+        self.partial_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+        st = topk_weights.stride()
+        self.strides = (g.stride(0), z.stride(0), wh.stride(0), dz.stride(0), *st)
+        self.key = LaunchKey((cfg, epilogue, g.dtype, z.dtype, topk_weights.dtype, wh.dtype,
+                              dz.dtype, *self.strides, E, n_out))  # fmt: skip
+        self.cx = dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(g.dtype),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+
+    def __call__(self, g, z, topk_weights, offsets, dest_to_src, wh, dz) -> torch.Tensor:
+        M, n_out = g.shape
+        partial = torch.empty(M, self.nt, dtype=self.partial_dtype, device=g.device)
+        if M == 0 or n_out == 0:
+            return partial
+        E, bm = offsets.shape[0] - 1, self.cx["BLOCK_M"]
+        _ROWS.launch(
+            self.key, (cdiv(M, bm) * self.nt,),
+            (g, z, topk_weights, offsets, dest_to_src, wh, dz, partial, E, M, n_out,
+             topk_weights.shape[0], *self.strides),
+            self.constexprs,
+        )  # fmt: skip
+        return partial
+
+    def constexprs(self) -> dict:
+        return dict(self.cx)
+
+
 def act_backward_rows_triton(
     g: torch.Tensor,
     z: torch.Tensor,
@@ -160,30 +201,6 @@ def act_backward_rows_triton(
     ``dz`` (laid out like ``z``). Each tensor's rows have unit column stride. ``g`` may be
     ``wh`` itself and ``dz`` may be ``z``: a tile reads its elements before it writes them.
     """
-    M, n_out = g.shape
-    E = offsets.numel() - 1
-    T = topk_weights.shape[0]
-    bm, bn = cfg.block_m, cfg.block_n
-    nt = cdiv(n_out, bn)
-    acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-    partial = torch.empty(M, nt, dtype=acc_dtype, device=g.device)
-    if M == 0 or n_out == 0:
-        return partial
-    key = (
-        cfg, epilogue, g.dtype, z.dtype, topk_weights.dtype, wh.dtype, dz.dtype, g.stride(0),
-        z.stride(0), wh.stride(0), dz.stride(0), topk_weights.stride(), E, n_out,
-    )  # fmt: skip
-    _ROWS.launch(
-        key, (cdiv(M, bm) * nt,),
-        (
-            g, z, topk_weights, offsets, dest_to_src, wh, dz, partial, E, M, n_out, T,
-            g.stride(0), z.stride(0), wh.stride(0), dz.stride(0), topk_weights.stride(0),
-            topk_weights.stride(1),
-        ),
-        lambda: dict(
-            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(g.dtype),
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps,
-        ),
-    )  # fmt: skip
-    return partial
+    launch = RowPassLaunch(g, z, topk_weights, wh, dz, offsets.numel() - 1, cfg,
+                           epilogue=epilogue)  # fmt: skip
+    return launch(g, z, topk_weights, offsets, dest_to_src, wh, dz)

@@ -1019,6 +1019,67 @@ def grouped_gemm_triton(
     launch(a, w, offsets, out, bias, dest_to_src, num_rows, pre_activation)
 
 
+class ActBackwardLaunch:
+    """The fused activation backward's launch (:func:`grouped_gemm_act_backward_triton`)
+    prepared from its operands' layout (dtypes, strides, ``w2t``'s shape, the config and
+    epilogue, whether ``dout`` comes permuted), kept by the backward's prepared launch
+    sequence (:class:`.moe.MoEBackwardLaunch`). The TMA descriptors (``cfg.use_tma``) depend on
+    the addresses too: they are built per call."""
+
+    __slots__ = ("cfg", "cx", "key", "partial_dtype", "permuted", "shape", "static", "strides")
+
+    def __init__(self, dout, w2t, z, topk_weights, wh, cfg: GemmConfig, *,
+                 epilogue: GemmEpilogue, allow_tf32: bool = False,
+                 permuted: bool = False):  # fmt: skip
+        E, n_out, kd = self.shape = tuple(w2t.shape)
+        self.cfg, self.permuted = cfg, permuted
+        self.partial_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
+        sd, sw, sh, sz = dout.stride(), w2t.stride(), wh.stride(), z.stride()
+        st = topk_weights.stride()
+        self.static = (cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, sd, sw,
+                       sh, sz[0], st)  # fmt: skip
+        self.strides = (*sd, *sw, *sh, sz[0], *st)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        self.cx = dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
+            DOT_PRECISION=_precision(dout.dtype, allow_tf32), A_PERMUTED=permuted,
+            EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=cfg.group_m, SPLIT_EPILOGUE=bm * bn >= 4096 and bn >= 32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        self.static += (allow_tf32, E, n_out, kd, permuted)
+        # without TMA nothing depends on the addresses: one key for every call
+        self.key = None if cfg.use_tma else LaunchKey((*self.static, False, False, False))
+
+    def __call__(self, dout, w2t, offsets, dest_to_src, z, topk_weights, wh, dz) -> torch.Tensor:
+        E, n_out, kd = self.shape
+        cfg = self.cfg
+        M = z.shape[0]
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        partial = torch.empty(M, cdiv(n_out, bn), dtype=self.partial_dtype, device=dout.device)
+        if M == 0 or n_out == 0:
+            return partial
+        key, w_desc, w_kmajor, a_desc = self.key, None, False, None
+        if key is None:
+            w_desc, w_kmajor = _w_descriptor(w2t, bn, bk, cfg.use_tma)
+            a_desc = _a_descriptor(dout, bm, bk, cfg.use_tma) if self.permuted else None
+            key = (*self.static, w_desc is not None, w_kmajor, a_desc is not None)
+        m_tiles = _m_tiles(M, E, bm)
+        _ACT_BWD.launch(
+            key, (m_tiles * cdiv(n_out, bn),),
+            (
+                dout, a_desc if a_desc is not None else dout, w2t,
+                w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
+                offsets, dest_to_src, E, M, m_tiles, n_out, kd, topk_weights.shape[0],
+                *self.strides,
+            ),
+            lambda: dict(self.cx, A_DESC=a_desc is not None, W_DESC=w_desc is not None,
+                         W_KMAJOR=w_kmajor),
+        )  # fmt: skip
+        return partial
+
+
 def grouped_gemm_act_backward_triton(
     dout: torch.Tensor,
     w2t: torch.Tensor,
@@ -1042,41 +1103,9 @@ def grouped_gemm_act_backward_triton(
     ``wh = w[t,k]·act(z)`` ``[M, I]`` and ``dz`` (zero in dropped rows). Returns the partial
     router-weight gradients ``[M, cdiv(I, BLOCK_N)]`` float32 (float64 for float64).
     """
-    E, n_out, kd = w2t.shape
-    M = z.shape[0]
-    T = topk_weights.shape[0]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    acc_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
-    partial = torch.empty(M, cdiv(n_out, bn), dtype=acc_dtype, device=dout.device)
-    if M == 0 or n_out == 0:
-        return partial
-    w_desc, w_kmajor = _w_descriptor(w2t, bn, bk, cfg.use_tma)
-    a_desc = _a_descriptor(dout, bm, bk, cfg.use_tma) if permuted else None
-    m_tiles = _m_tiles(M, E, bm)
-    sd, sw, sh, sz, st = dout.stride(), w2t.stride(), wh.stride(), z.stride(), topk_weights.stride()
-    key = (
-        cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, sd, sw, sh, sz[0], st,
-        w_desc is not None, w_kmajor, allow_tf32, E, n_out, kd, permuted, a_desc is not None,
-    )  # fmt: skip
-    _ACT_BWD.launch(
-        key, (m_tiles * cdiv(n_out, bn),),
-        (
-            dout, a_desc if a_desc is not None else dout, w2t,
-            w_desc if w_desc is not None else w2t, wh, z, dz, partial, topk_weights,
-            offsets, dest_to_src, E, M, m_tiles, n_out, kd, T, sd[0], sd[1], sw[0], sw[1], sw[2],
-            sh[0], sh[1], sz[0], st[0], st[1],
-        ),
-        lambda: dict(
-            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
-            DOT_PRECISION=_precision(dout.dtype, allow_tf32), A_PERMUTED=permuted,
-            A_DESC=a_desc is not None, W_DESC=w_desc is not None, W_KMAJOR=w_kmajor,
-            EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=cfg.group_m, SPLIT_EPILOGUE=bm * bn >= 4096 and bn >= 32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ),
-    )  # fmt: skip
-    return partial
+    launch = ActBackwardLaunch(dout, w2t, z, topk_weights, wh, cfg, epilogue=epilogue,
+                               allow_tf32=allow_tf32, permuted=permuted)  # fmt: skip
+    return launch(dout, w2t, offsets, dest_to_src, z, topk_weights, wh, dz)
 
 
 def grouped_gemm_finalize_triton(

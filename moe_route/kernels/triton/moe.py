@@ -50,22 +50,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .act_backward import ActBackwardConfig, act_backward_rows_triton
-from .expand import expand_rows_triton
-from .finalize import finalize_triton
+from .act_backward import ActBackwardConfig, RowPassLaunch
+from .expand import ExpandLaunch
+from .finalize import FinalizeLaunch, finalize_triton
 from .grouped_gemm import (
     IDENTITY,
+    ActBackwardLaunch,
     GemmConfig,
     GemmEpilogue,
-    grouped_gemm_act_backward_triton,
+    GemmLaunch,
     grouped_gemm_finalize_triton,
     grouped_gemm_triton,
 )
 from .tma import TMA_DTYPES
 from .weight_grad import (
+    RouterGradLaunch,
     WeightGradConfig,
+    WeightGradLaunch,
     expert_weight_grad_triton,
-    router_weight_grad_triton,
     tma_operands_ok,
 )
 
@@ -89,11 +91,32 @@ class MoEConfigs:
     allow_tf32: bool
 
 
-def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConfigs, store_z):
-    """``(out [T, H], z)``: ``z`` is GEMM1's pre-activation when ``store_z``, else empty."""
+def prepared(launches: dict, name: str, make, *args, **kwargs):
+    """``launches[name]``, made by ``make(*args, **kwargs)`` on its first use.
+
+    A launch sequence keeps its prepared launches (:class:`.grouped_gemm.GemmLaunch` and the
+    like) in ``launches``: a new dict per call on the op's route; on the eager route the
+    caller's memo (:class:`moe_route.moe.FusedCall`: one per call signature, and in the
+    backward one per layout of ``dout``), so that a later call launches without working out
+    strides, keys and constexprs again. Both routes run the same code and launch the same
+    variants. What a prepared launch keeps is what the signature fixes: the inputs' layouts
+    and the layouts of the buffers the sequence allocates (contiguous rows, ``empty_like`` of
+    an input), never a row count or an address."""
+    launch = launches.get(name)
+    if launch is None:
+        launch = launches[name] = make(*args, **kwargs)
+    return launch
+
+
+def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConfigs, store_z,
+                       launches=None):  # fmt: skip
+    """``(out [T, H], z)``: ``z`` is GEMM1's pre-activation when ``store_z``, else empty.
+    ``launches``: see :func:`prepared` (one dict per ``store_z``)."""
+    L = {} if launches is None else launches
     src_to_dest, dest_to_src, expert_for_src, offsets = maps
     M = dest_to_src.numel()
     T, H = x.shape
+    K = topk_weights.shape[1]
     n_inter = w2.shape[2]
     z = x.new_empty(M, w1.shape[1]) if store_z else x.new_empty(0)
     h = x.new_empty(M, n_inter)
@@ -101,12 +124,11 @@ def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConf
         rows, d2s = x, dest_to_src
     else:
         rows, d2s = x.new_empty(M, H), None
-        expand_rows_triton(x, src_to_dest, expert_for_src, rows)
-    grouped_gemm_triton(
-        rows, w1, offsets, h, cfg.gemm1_z if store_z else cfg.gemm1, epilogue=cfg.epilogue,
-        bias=b1, dest_to_src=d2s,
-        num_rows=M, pre_activation=z if store_z else None, allow_tf32=cfg.allow_tf32,
-    )  # fmt: skip
+        prepared(L, "expand", ExpandLaunch, x, K)(x, src_to_dest, expert_for_src, rows)
+    pre = z if store_z else None
+    gemm1 = prepared(L, "gemm1", GemmLaunch, rows, w1, h, cfg.gemm1_z if store_z else cfg.gemm1,
+                     cfg.epilogue, b1, cfg.gather, pre, cfg.allow_tf32)  # fmt: skip
+    gemm1(rows, w1, offsets, h, b1, d2s, M, pre)
     del rows  # x_perm, when there is one: not held while GEMM2 writes y
     if cfg.finalize == "fused_atomic":
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -126,73 +148,85 @@ def moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, maps, cfg: MoEConf
         )  # fmt: skip
         return out, z
     y = x.new_empty(M, H)
-    grouped_gemm_triton(h, w2, offsets, y, cfg.gemm2, bias=b2, allow_tf32=cfg.allow_tf32)
+    gemm2 = prepared(L, "gemm2", GemmLaunch, h, w2, y, cfg.gemm2, IDENTITY, b2, False, None,
+                     cfg.allow_tf32)  # fmt: skip
+    gemm2(h, w2, offsets, y, b2)
     del h
-    finalize_triton(y, topk_weights, src_to_dest, expert_for_src, bias, out)
+    if T:
+        fin = prepared(L, "finalize", FinalizeLaunch, y, topk_weights, bias, K, x.dtype)
+        fin(y, topk_weights, src_to_dest, expert_for_src, bias, out)
     return out, z
 
 
 def moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, maps, cfg: MoEConfigs,
-                        need_dx, need_dw1, need_dw2, need_dtopk, dz_out=None):  # fmt: skip
+                        need_dx, need_dw1, need_dw2, need_dtopk, dz_out=None,
+                        launches=None):  # fmt: skip
     """``(dx, dw1, dw2, d_topk_weights, db1, db2)``; ``None`` for those not asked for.
 
     ``dz_out``: where GEMM1's pre-activation gradient goes, ``z`` itself allowed (each tile
     of step 1 reads its ``z`` elements before it writes their ``dz``); a new tensor if None.
+    ``launches``: see :func:`prepared` (one dict per layout of ``dout``).
     """
+    L = {} if launches is None else launches
     src_to_dest, dest_to_src, expert_for_src, offsets = maps
     T, H = x.shape
+    K = topk_weights.shape[1]
     M = dest_to_src.numel()
     tf32 = cfg.allow_tf32
     # 1. g = dout[t] @ W2[e]; wh = w act(z); dz = act'(z) w g; partial <g, h> per column tile.
     # With TMA, dout is permuted once (an expand) for this GEMM and dW2 to read through TMA.
     wh = x.new_empty(M, w2.shape[2])
     dz = torch.empty_like(z) if dz_out is None else dz_out
-    rows, gathered = _wgrad_operand(dout, maps, M, cfg.wgrad2, wh)
+    dout_rows = prepared(L, "dout_rows", WeightGradOperand, dout, K, cfg.wgrad2, wh)
+    rows, gathered = dout_rows(dout, src_to_dest, expert_for_src, M)
+    w2t = w2.transpose(1, 2)
     ab = cfg.act_bwd
     if ab.split:
         # g lives in wh's buffer (no [M, I] more at the backward's peak): the row pass reads
         # each tile of g before it writes w·h over it.
-        grouped_gemm_triton(
-            rows, w2.transpose(1, 2), offsets, wh, ab.gemm,
-            dest_to_src=dest_to_src if gathered else None, num_rows=M, allow_tf32=tf32,
-        )  # fmt: skip
-        partial = act_backward_rows_triton(
-            wh, z, topk_weights, offsets, dest_to_src, wh, dz, ab.rows, epilogue=cfg.epilogue
-        )
+        gemm = prepared(L, "act_gemm", GemmLaunch, rows, w2t, wh, ab.gemm, IDENTITY, None,
+                        gathered, None, tf32)  # fmt: skip
+        gemm(rows, w2t, offsets, wh, None, dest_to_src, M)
+        row_pass = prepared(L, "act_rows", RowPassLaunch, wh, z, topk_weights, wh, dz,
+                            offsets.shape[0] - 1, ab.rows, epilogue=cfg.epilogue)  # fmt: skip
+        partial = row_pass(wh, z, topk_weights, offsets, dest_to_src, wh, dz)
     else:
-        partial = grouped_gemm_act_backward_triton(
-            rows, w2.transpose(1, 2), offsets, dest_to_src, z, topk_weights, wh, dz, ab.fused,
-            epilogue=cfg.epilogue, allow_tf32=tf32, permuted=not gathered,
-        )  # fmt: skip
+        act = prepared(L, "act", ActBackwardLaunch, rows, w2t, z, topk_weights, wh, ab.fused,
+                       epilogue=cfg.epilogue, allow_tf32=tf32, permuted=not gathered)  # fmt: skip
+        partial = act(rows, w2t, offsets, dest_to_src, z, topk_weights, wh, dz)
     dtopk = dw2 = db2 = dx = dw1 = db1 = None
     if need_dtopk:
         dtopk = torch.empty_like(topk_weights)
-        router_weight_grad_triton(partial, dout, b2, src_to_dest, expert_for_src, dtopk)
+        router = prepared(L, "router", RouterGradLaunch, partial, dout, b2, dtopk)
+        router(partial, dout, b2, src_to_dest, expert_for_src, dtopk)
     del partial
     if need_dw2:
         dw2 = torch.empty_like(w2)
         db2 = torch.empty(w2.shape[:2], dtype=b2.dtype, device=x.device) if b2 is not None else None
-        expert_weight_grad_triton(
-            rows, wh, offsets, dw2, cfg.wgrad2, db=db2,
-            dest_to_src=dest_to_src, a_gather=gathered, db_scale=topk_weights, num_rows=M,
-            allow_tf32=tf32,
-        )  # fmt: skip
+        wgrad2 = prepared(L, "wgrad2", WeightGradLaunch, rows, wh, dw2, cfg.wgrad2, db=db2,
+                          a_gather=gathered, db_scale=topk_weights, allow_tf32=tf32)  # fmt: skip
+        wgrad2(rows, wh, offsets, dw2, db2, dest_to_src, topk_weights, M)
     del wh, rows
     if need_dx:
         dx_perm = x.new_empty(M, H)
-        grouped_gemm_triton(dz, w1.transpose(1, 2), offsets, dx_perm, cfg.dx, allow_tf32=tf32)
+        w1t = w1.transpose(1, 2)
+        dx_gemm = prepared(L, "dx", GemmLaunch, dz, w1t, dx_perm, cfg.dx, IDENTITY, None, False,
+                           None, tf32)  # fmt: skip
+        dx_gemm(dz, w1t, offsets, dx_perm)
         dx = x.new_empty(T, H)
-        finalize_triton(dx_perm, None, src_to_dest, expert_for_src, None, dx)
+        if T:
+            dx_sum = prepared(L, "dx_sum", FinalizeLaunch, dx_perm, None, None, K, x.dtype)
+            dx_sum(dx_perm, None, src_to_dest, expert_for_src, None, dx)
         del dx_perm
     # dW1 last: dx_perm is freed by then, so the peak holds dz, dW1 and dW2 but no [M, H].
     if need_dw1:
         dw1 = torch.empty_like(w1)
         db1 = torch.empty(w1.shape[:2], dtype=b1.dtype, device=x.device) if b1 is not None else None
-        b, gather = _wgrad_operand(x, maps, M, cfg.wgrad1, dz)
-        expert_weight_grad_triton(
-            dz, b, offsets, dw1, cfg.wgrad1, db=db1,
-            dest_to_src=dest_to_src, b_gather=gather, num_rows=M, allow_tf32=tf32,
-        )  # fmt: skip
+        x_rows = prepared(L, "x_rows", WeightGradOperand, x, K, cfg.wgrad1, dz)
+        b, gather = x_rows(x, src_to_dest, expert_for_src, M)
+        wgrad1 = prepared(L, "wgrad1", WeightGradLaunch, dz, b, dw1, cfg.wgrad1, db=db1,
+                          b_gather=gather, allow_tf32=tf32)  # fmt: skip
+        wgrad1(dz, b, offsets, dw1, db1, dest_to_src, None, M)
     return dx, dw1, dw2, dtopk, db1, db2
 
 
@@ -229,8 +263,9 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
         db = torch.empty(w.shape[:2], dtype=w.dtype, device=a.device) if need_db else None
         b, b_gather = a, False
         if gather:
-            b, b_gather = _wgrad_operand(a, (src_to_dest, dest_to_src, expert_for_src, offsets),
-                                         M, wgrad_cfg, dz)  # fmt: skip
+            K = M // a.shape[0] if a.shape[0] else 1
+            operand = WeightGradOperand(a, K, wgrad_cfg, dz)
+            b, b_gather = operand(a, src_to_dest, expert_for_src, M)
         expert_weight_grad_triton(
             dz, b, offsets, dw, wgrad_cfg, db=db, dest_to_src=dest_to_src,
             b_gather=b_gather, num_rows=M, allow_tf32=allow_tf32,
@@ -238,19 +273,28 @@ def grouped_gemm_backward_triton(dout, a, w, offsets, src_to_dest, dest_to_src, 
     return da, dw, db
 
 
-def _wgrad_operand(token_rows, maps, M, cfg: WeightGradConfig, other):
-    """``(operand, gathered)`` of a weight gradient for ``[T, C]`` token rows: permuted into
-    ``[M, C]`` when the TMA kernel will read it, or the pointer kernel with ``cfg.permuted``
+class WeightGradOperand:
+    """How a weight gradient reads ``[T, C]`` token rows: permuted into ``[M, C]`` by an
+    expand when the TMA kernel will read them, or the pointer kernel with ``cfg.permuted``
     (an expand, ~1 % of the GEMM's time), else the rows themselves, gathered through the maps
-    by the pointer kernel."""
-    if cfg.use_tma:
-        row_bytes = token_rows.shape[1] * token_rows.element_size()
-        sixteen_bit = token_rows.dtype in TMA_DTYPES
-        if not (sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)):
-            return token_rows, True  # the launcher takes the pointer kernel
-    elif not cfg.permuted:
-        return token_rows, True
-    src_to_dest, _, expert_for_src, _ = maps
-    rows = token_rows.new_empty(M, token_rows.shape[1])
-    expand_rows_triton(token_rows, src_to_dest, expert_for_src, rows)
-    return rows, False
+    by the pointer kernel. Decided from the layouts of the rows and of ``other`` (the
+    gradient's other operand: the buffers of the launch sequence, from the caching
+    allocator)."""
+
+    __slots__ = ("expand",)
+
+    def __init__(self, token_rows: torch.Tensor, K: int, cfg: WeightGradConfig, other):
+        permute = cfg.permuted
+        if cfg.use_tma:
+            row_bytes = token_rows.shape[1] * token_rows.element_size()
+            sixteen_bit = token_rows.dtype in TMA_DTYPES
+            permute = sixteen_bit and row_bytes % 16 == 0 and tma_operands_ok(other)
+        self.expand = ExpandLaunch(token_rows, K) if permute else None
+
+    def __call__(self, token_rows, src_to_dest, expert_for_src, M: int):
+        """``(operand, gathered)``."""
+        if self.expand is None:
+            return token_rows, True
+        rows = token_rows.new_empty(M, token_rows.shape[1])
+        self.expand(token_rows, src_to_dest, expert_for_src, rows)
+        return rows, False

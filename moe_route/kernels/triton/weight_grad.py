@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETING, ThinKernel, cdiv, launch_key_part, next_pow2
+from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part, next_pow2
 from .grouped_gemm import _mma, num_sms
 from .tma import TMA_DTYPES, bounded_rows_descriptor, descriptor, load_rows, tma_ok
 
@@ -324,6 +324,101 @@ def tma_operands_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in TMA_DTYPES and tma_ok(t) for t in tensors)
 
 
+class WeightGradLaunch:
+    """The weight gradient's launch prepared from its operands' layout (dtypes, strides,
+    which operands are gathered, scaled, whether there is a bias gradient), ``dw``'s shape and
+    the config: what a call of :func:`expert_weight_grad_triton` works out before launching,
+    kept by the backward's prepared launch sequence (:class:`.moe.MoEBackwardLaunch`). Which
+    kernel runs is asked per call (the TMA kernel needs 16-byte aligned operands)."""
+
+    __slots__ = ("config", "cx", "db_strides", "gather", "key", "scale_strides", "shape",
+                 "strides", "tma", "tma_cx", "tma_key")  # fmt: skip
+
+    def __init__(self, a, b, dw, config: WeightGradConfig, *, db=None, a_gather=False,
+                 b_gather=False, db_scale=None, allow_tf32=False):  # fmt: skip
+        _, N, KD = self.shape = dw.shape
+        c = self.config = config
+        self.gather = (a_gather, b_gather)
+        scale = db_scale if db_scale is not None else dw
+        dbt = db if db is not None else dw
+        self.db_strides = (db.stride(0), db.stride(1)) if db is not None else (0, 0)
+        self.scale_strides = (scale.stride(0), scale.stride(1)) if db_scale is not None else (0, 0)
+        self.tma = c.use_tma and not (a_gather or b_gather)
+        sa, sb, sw = a.stride(), b.stride(), dw.stride()
+        acc = tl.float64 if a.dtype == torch.float64 else tl.float32
+        has_db, a_scale = db is not None, db_scale is not None
+        if a.dtype == torch.float64:
+            precision = "fma"
+        else:
+            precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
+        self.strides = (*sa, *sb, *sw)
+        self.key = LaunchKey((
+            c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw, dbt.stride(),
+            scale.stride(), a_gather, b_gather, a_scale, has_db, allow_tf32, N, KD,
+        ))  # fmt: skip
+        self.cx = dict(
+            A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=a_scale, HAS_DBIAS=has_db, ACC=acc,
+            DOT_PRECISION=precision, BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
+        self.tma_key = self.tma_cx = None
+        if self.tma:
+            dw_tma = c.tma_store and tma_operands_ok(dw)
+            self.tma_key = LaunchKey((
+                c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw, dbt.stride(),
+                scale.stride(), has_db, a_scale, N, KD, dw_tma,
+            ))  # fmt: skip
+            self.tma_cx = dict(
+                N=N, KD=KD, A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma,
+                K_FASTEST=c.k_fastest, FLAT=c.flat, ASM_OFFSETS=not INTERPRETING,
+                BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_E=_BLOCK_E,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )  # fmt: skip
+
+    def __call__(self, a, b, offsets, dw, db=None, dest_to_src=None, db_scale=None,
+                 num_rows: int = 0) -> None:  # fmt: skip
+        E, N, KD = self.shape
+        if N == 0 or KD == 0:
+            return
+        a_gather, b_gather = self.gather
+        T = a.shape[0] if a_gather else b.shape[0] if b_gather else max(num_rows, 1)
+        if db_scale is not None:
+            T = db_scale.shape[0]
+        idx = dest_to_src if dest_to_src is not None else offsets
+        scale = db_scale if db_scale is not None else dw
+        dbt = db if db is not None else dw
+        c = self.config
+        if self.tma and a.shape[0] and b.shape[0] and tma_operands_ok(a, b):
+            sw = dw.stride()
+            programs = tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
+            if c.persistent:
+                programs = min(tiles, c.persistent * num_sms(a.device))
+            dw_desc = descriptor(dw, (1, c.block_n, c.block_k)) if self.tma_cx["DW_DESC"] else dw
+            _WEIGHT_GRAD_TMA.launch(
+                self.tma_key, (programs,),
+                (
+                    bounded_rows_descriptor(a, (c.block_r, c.block_n)),
+                    bounded_rows_descriptor(b, (c.block_r, c.block_k)), dw_desc, dw, dbt,
+                    offsets, idx, scale, E, max(T, 1), *sw, *self.db_strides,
+                    *self.scale_strides,
+                ),
+                self.tma_constexprs,
+            )  # fmt: skip
+            return
+        _WEIGHT_GRAD.launch(
+            self.key, (cdiv(N, c.block_n) * cdiv(KD, c.block_k), E),
+            (a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1), *self.strides,
+             *self.db_strides, *self.scale_strides),
+            self.constexprs,
+        )  # fmt: skip
+
+    def constexprs(self) -> dict:
+        return dict(self.cx)
+
+    def tma_constexprs(self) -> dict:
+        return dict(self.tma_cx)
+
+
 def expert_weight_grad_triton(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -357,74 +452,9 @@ def expert_weight_grad_triton(
             scaling an MMA operand.
         num_rows: ``M = T*K``.
     """
-    E, N, KD = dw.shape
-    if N == 0 or KD == 0:
-        return
-    c = config
-    T = a.shape[0] if a_gather else b.shape[0] if b_gather else max(num_rows, 1)
-    if db_scale is not None:
-        T = db_scale.shape[0]
-    idx = dest_to_src if dest_to_src is not None else offsets
-    scale = db_scale if db_scale is not None else dw
-    dbt = db if db is not None else dw
-    db_strides = (db.stride(0), db.stride(1)) if db is not None else (0, 0)
-    scale_strides = (scale.stride(0), scale.stride(1)) if db_scale is not None else (0, 0)
-    tma = c.use_tma and not (a_gather or b_gather) and a.shape[0] and b.shape[0]
-    if tma and tma_operands_ok(a, b):
-        _launch_tma(a, b, offsets, dw, dbt, idx, scale, c, T, db is not None,
-                    db_scale is not None, db_strides, scale_strides)  # fmt: skip
-        return
-    if a.dtype == torch.float64:
-        precision = "fma"
-    else:
-        precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
-    sa, sb, sw = a.stride(), b.stride(), dw.stride()
-    key = (
-        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw, dbt.stride(),
-        scale.stride(), a_gather, b_gather, db_scale is not None, db is not None, allow_tf32, N,
-        KD,
-    )  # fmt: skip
-    _WEIGHT_GRAD.launch(
-        key, (cdiv(N, c.block_n) * cdiv(KD, c.block_k), E),
-        (
-            a, b, dw, dbt, offsets, idx, scale, N, KD, max(T, 1), sa[0], sa[1], sb[0], sb[1],
-            sw[0], sw[1], sw[2], *db_strides, *scale_strides,
-        ),
-        lambda: dict(
-            A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=db_scale is not None,
-            HAS_DBIAS=db is not None, ACC=tl.float64 if a.dtype == torch.float64 else tl.float32,
-            DOT_PRECISION=precision, BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        ),
-    )  # fmt: skip
-
-
-def _launch_tma(a, b, offsets, dw, dbt, idx, scale, c: WeightGradConfig, T, has_db, a_scale,
-                db_strides, scale_strides):  # fmt: skip
-    E, N, KD = dw.shape
-    dw_tma = c.tma_store and tma_operands_ok(dw)
-    tiles = E * cdiv(N, c.block_n) * cdiv(KD, c.block_k)
-    programs = tiles if not c.persistent else min(tiles, c.persistent * num_sms(a.device))
-    sw = dw.stride()
-    key = (
-        c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, a.stride(), b.stride(), sw,
-        dbt.stride(), scale.stride(), has_db, a_scale, N, KD, dw_tma,
-    )  # fmt: skip
-    dw_desc = descriptor(dw, (1, c.block_n, c.block_k)) if dw_tma else dw
-    _WEIGHT_GRAD_TMA.launch(
-        key, (programs,),
-        (
-            bounded_rows_descriptor(a, (c.block_r, c.block_n)),
-            bounded_rows_descriptor(b, (c.block_r, c.block_k)), dw_desc, dw, dbt, offsets, idx,
-            scale, E, max(T, 1), sw[0], sw[1], sw[2], *db_strides, *scale_strides,
-        ),
-        lambda: dict(
-            N=N, KD=KD, A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma,
-            K_FASTEST=c.k_fastest, FLAT=c.flat, ASM_OFFSETS=not INTERPRETING,
-            BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_E=_BLOCK_E,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        ),
-    )  # fmt: skip
+    launch = WeightGradLaunch(a, b, dw, config, db=db, a_gather=a_gather, b_gather=b_gather,
+                              db_scale=db_scale, allow_tf32=allow_tf32)  # fmt: skip
+    launch(a, b, offsets, dw, db, dest_to_src, db_scale, num_rows)
 
 
 #: Experts counted at once by the TMA kernel's step count (:func:`_program_steps`).
@@ -485,6 +515,46 @@ def _router_weight_grad_kernel(
     tl.store(dw_ptr + t * stride_wt + k * stride_wk, g.to(dw_ptr.dtype.element_ty), mask=s_ok)
 
 
+class RouterGradLaunch:
+    """The router-weight gradient's launch prepared from its operands' layout (dtypes,
+    strides, ``K``, the partials' column blocks, whether there is ``b2``): what a call of
+    :func:`router_weight_grad_triton` works out before launching, kept by the backward's
+    prepared launch sequence (:class:`.moe.MoEBackwardLaunch`)."""
+
+    __slots__ = ("cx", "key", "strides")
+
+    #: source slots per program
+    BLOCK_S = 64
+
+    def __init__(self, partial, dout, b2, dw):
+        K, nt = dw.shape[1], partial.shape[1]
+        acc = tl.float64 if torch.float64 in (partial.dtype, dout.dtype) else tl.float32
+        bt = b2 if b2 is not None else dout
+        self.key = LaunchKey((
+            K, nt, partial.dtype, dout.dtype, bt.dtype, dw.dtype, partial.stride(),
+            dout.stride(), bt.stride(), dw.stride(), b2 is not None,
+        ))  # fmt: skip
+        sb = (bt.stride(0), bt.stride(1)) if b2 is not None else (0, 0)
+        self.strides = (partial.stride(0), *dout.stride(), *sb, *dw.stride())
+        self.cx = dict(K=K, HAS_B2=b2 is not None, ACC=acc, BLOCK_S=self.BLOCK_S,
+                       BLOCK_NT=next_pow2(nt), BLOCK_H=128, num_warps=4)  # fmt: skip
+
+    def __call__(self, partial, dout, b2, src_to_dest, expert_for_src, dw) -> None:
+        T, K = dw.shape
+        if T == 0:
+            return
+        bt = b2 if b2 is not None else dout
+        _ROUTER_GRAD.launch(
+            self.key, (cdiv(T * K, self.BLOCK_S),),
+            (partial, dout, bt, src_to_dest, expert_for_src, dw, T, dout.shape[1],
+             partial.shape[1], *self.strides),
+            self.constexprs,
+        )  # fmt: skip
+
+    def constexprs(self) -> dict:
+        return dict(self.cx)
+
+
 def router_weight_grad_triton(
     partial: torch.Tensor,
     dout: torch.Tensor,
@@ -494,30 +564,7 @@ def router_weight_grad_triton(
     dw: torch.Tensor,
 ) -> None:
     """``dw [T, K]`` (preallocated) from GEMM2-backward's ``partial [M, NT]``; see above."""
-    T, K = dw.shape
-    if T == 0:
-        return
-    nt = partial.shape[1]
-    block_s = 64
-    acc = tl.float64 if torch.float64 in (partial.dtype, dout.dtype) else tl.float32
-    bt = b2 if b2 is not None else dout
-    key = (
-        K, nt, partial.dtype, dout.dtype, bt.dtype, dw.dtype, partial.stride(), dout.stride(),
-        bt.stride(), dw.stride(), b2 is not None,
-    )  # fmt: skip
-    _ROUTER_GRAD.launch(
-        key, (cdiv(T * K, block_s),),
-        (
-            partial, dout, bt, src_to_dest, expert_for_src, dw, T, dout.shape[1], nt,
-            partial.stride(0), dout.stride(0), dout.stride(1),
-            bt.stride(0) if b2 is not None else 0, bt.stride(1) if b2 is not None else 0,
-            dw.stride(0), dw.stride(1),
-        ),
-        lambda: dict(
-            K=K, HAS_B2=b2 is not None, ACC=acc, BLOCK_S=block_s,
-            BLOCK_NT=next_pow2(nt), BLOCK_H=128, num_warps=4,
-        ),
-    )  # fmt: skip
+    RouterGradLaunch(partial, dout, b2, dw)(partial, dout, b2, src_to_dest, expert_for_src, dw)
 
 
 _ROUTER_GRAD = ThinKernel(_router_weight_grad_kernel)
