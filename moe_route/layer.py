@@ -23,8 +23,8 @@ from .activations import Activation, as_activation
 from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
-from .maps import maps_op
-from .moe import DECODE, decode_planned, moe_plan, run_experts
+from .maps import MapsCall
+from .moe import DECODE, PreparedExperts, decode_planned, moe_plan, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
 from .reference import GATE_UP_LAYOUTS, activation_reference
@@ -88,13 +88,34 @@ class _LayerCall:
     inference layer call's 145 us.
     """
 
-    __slots__ = ("_decode", "_decode_meta", "ask_capture", "decode_by_op", "plan", "router")
+    __slots__ = ("_decode", "_decode_meta", "_sorted", "_sorted_meta", "ask_capture",
+                 "decode_by_op", "eager", "plan", "router")  # fmt: skip
 
-    def __init__(self, plan, router, ask_capture: bool):
-        self.plan, self.router, self.ask_capture = plan, router, ask_capture
-        self._decode = self._decode_meta = None
+    def __init__(self, plan, router, ask_capture: bool, eager: bool):
+        self.plan, self.router, self.ask_capture, self.eager = plan, router, ask_capture, eager
+        self._decode = self._decode_meta = self._sorted = self._sorted_meta = None
         #: the decode path, through its custom op (tensors needing the dispatcher)
         self.decode_by_op = False
+
+    def sorted_path(self, x, w1, w2, weights, ids, b1, b2, shared, activation: str,
+                    layout: str):  # fmt: skip
+        """The sorted path's ``(maps, experts)`` callables for this call: the maps' prepared
+        launch (:class:`~moe_route.maps.MapsCall`) and, in eager mode on plain tensors and the
+        Triton backend, the experts' prepared launch sequences
+        (:class:`~moe_route.moe.PreparedExperts`, else None: :func:`~moe_route.moe.run_experts`
+        through the op). Prepared at the first call from the router's outputs and the shared
+        expert's, whose layouts the signature fixes (checked on each use)."""
+        meta = (weights.dtype, weights.stride(), ids.dtype, ids.stride(),
+                None if shared is None else (shared.dtype, shared.stride()))  # fmt: skip
+        if meta != self._sorted_meta:
+            plan, E = self.plan, w1.shape[0]
+            experts = None
+            args = (x, w1, w2, weights, ids, b1, b2, shared)
+            if self.eager and plan.backend == "triton" and not needs_dispatcher(args):
+                experts = PreparedExperts(plan, activation, layout, False)
+            self._sorted = (MapsCall(ids, E, plan.maps_backend, False, self.eager), experts)
+            self._sorted_meta = meta
+        return self._sorted
 
     def decode_launch(self, x, w1, w2, weights, ids, b1, b2, shared):
         """The decode path's :class:`DecodeLaunch` (with counts) for this call, or None where
@@ -560,8 +581,13 @@ class MoELayer(nn.Module):
         elif call.decode_by_op and not capturing:
             out, counts = DECODE(x2, w1, w2, weights, ids, b1, b2, shared, act, layout, True)
         else:
-            maps = maps_op(ids, E, plan.maps_backend)
-            out = run_experts(plan, x2, w1, w2, weights, maps, act, layout, b1, b2, shared)
+            maps_call, experts = call.sorted_path(x2, w1, w2, weights, ids, b1, b2, shared, act,
+                                                  layout)  # fmt: skip
+            maps = maps_call(ids)
+            if experts is not None:
+                out = experts(x2, w1, w2, weights, maps, b1, b2, shared)
+            else:
+                out = run_experts(plan, x2, w1, w2, weights, maps, act, layout, b1, b2, shared)
             counts = maps.tokens_per_expert()
         return MoEOutput(
             output=out if flat else out.view(x.shape),
@@ -598,7 +624,7 @@ class MoELayer(nn.Module):
             router = fused_router(x2, gate_w, self.top_k, self.renormalize, rdt, expert,
                                   self.backend)  # fmt: skip
         # (under torch.compile nothing is prepared, and no capture query is traced)
-        call = _LayerCall(plan, router, x2.is_cuda and not compiling)
+        call = _LayerCall(plan, router, x2.is_cuda and not compiling, key is not None)
         if key is not None and not needs_dispatcher((x2, w1, w2, b1, b2, gate_w)):
             if len(self._calls) >= MAX_CALLS:
                 self._calls.clear()

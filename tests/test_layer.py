@@ -669,3 +669,47 @@ def test_eager_call_memo_serves_no_stale_decision(monkeypatch):
     out = layer(x.clone().requires_grad_())
     assert out.output.grad_fn is not None
     assert_matches(out.output.detach(), expected(x), 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["qwen3-no-norm-aux", "deepseek", "qwen2-shared-gate-bias"])
+def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
+    """An eager training step takes the experts' prepared launch sequences
+    (``_LayerCall.sorted_path``) and gives the bits of the op's route (``run_experts``) for
+    the output, the aux loss and every gradient, at the first call and at later ones of the
+    same signature (a new T of the bucket included)."""
+    layer_mod = importlib.import_module("moe_route.layer")
+    moe_mod = importlib.import_module("moe_route.moe")
+    kw = dict(CASES[name], backend="triton")
+
+    def step(layer, x):
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg)
+        loss = (out.output * torch.linspace(-1, 1, out.output.numel()).view_as(out.output)).sum()
+        leaves = [xg, *layer.parameters()]
+        grads = torch.autograd.grad(loss + out.aux_loss, leaves, allow_unused=True)
+        return out.output, out.aux_loss, grads
+
+    taken = []
+    real_call = moe_mod.PreparedExperts.__call__
+    monkeypatch.setattr(moe_mod.PreparedExperts, "__call__",
+                        lambda *a, **k: taken.append(1) or real_call(*a, **k))  # fmt: skip
+    layer = make_layer(torch.float32, **kw)
+    xs = [_x((T, H), torch.float32) for T in (7, 6, 5)]
+    got = [step(layer, x) for x in xs]
+    assert len(taken) == len(xs), "the layer did not take the prepared route"
+    real_sorted = layer_mod._LayerCall.sorted_path
+
+    def op_route(self, *args):
+        maps, _ = real_sorted(self, *args)
+        return maps, None
+
+    monkeypatch.setattr(layer_mod._LayerCall, "sorted_path", op_route)
+    layer._calls.clear()
+    taken.clear()
+    want = [step(layer, x) for x in xs]
+    assert not taken
+    for (out, aux, grads), (out_w, aux_w, grads_w) in zip(got, want, strict=True):
+        assert torch.equal(out, out_w) and torch.equal(aux, aux_w)
+        for a, b in zip(grads, grads_w, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
