@@ -1,27 +1,27 @@
 """Where the host time of an eager ``fused_moe`` forward + backward goes (GPU), qwen3-30b-a3b's
-MoE sizes at ``--tokens`` (default 1): the whole step (``torch.autograd.grad`` of the four
-inputs), autograd's own cost around a do-nothing Function with the same leaves, the forward
-alone, the backward op called directly with the arguments autograd gave it; then the same
-pieces timed inside the step (the backward runs on autograd's device thread: it measured ~2x
-its direct time there, H100 host, 2026-11-24), and inside the forward and the backward launch
-sequences each launcher's host µs and, within those, the thin launches' and the TMA
-descriptors' (the rest is allocation and glue). The backward launch sequence is also timed on
-another Python thread, under no_grad, and inside a trivial Function's backward, to tell which
-of autograd's circumstances costs. Host µs per call over bursts of 8 calls
-(synchronised between bursts, so the launch queue never fills).
+MoE sizes at ``--tokens`` (default 1). In alternating rounds (one process, so that the host's
+drift hits both alike): the whole step (``torch.autograd.grad`` of the four inputs) and the
+forward alone on the prepared route (``PreparedExperts``: the launch sequences' prepared
+launches, autograd through ``_Experts``) and on the op's route (``run_experts`` through the
+custom op's autograd: every eager call's route before), autograd's own cost around a
+do-nothing Function with the same leaves, the backward launch sequence with its prepared
+launches and preparing them per call, and inside a trivial Function's backward; then the
+step's two halves, and inside the forward and the backward launch sequences each launcher's
+host µs and, within those, the thin launches' and the TMA descriptors' (the rest is
+allocation and glue). Host µs per call over bursts of 8 calls (synchronised between bursts,
+so the launch queue never fills).
 
-    PYTHONPATH=. python scripts/backward_host.py [--tokens 1 8 64]
+    PYTHONPATH=. python scripts/backward_host.py [--tokens 1 8 64] [--rounds 8]
     PYTHONPATH=. python scripts/backward_host.py --ab [--rounds 8] [--tokens 1 4096]
     PYTHONPATH=. python scripts/backward_host.py --cprofile [--tokens 4096]
 
-``--ab``: the step and the forward alone, timed in alternating rounds (one process, so that
-the host's drift hits both alike) with the launch path before the descriptor cache (Triton's
-``TensorDescriptor`` built and validated per call, encoded per launch: emulated by patching
-the launchers' descriptor constructors and dropping the thin launch's expander) and as it is.
+``--ab``: the step and the forward alone, timed in alternating rounds with the launch path
+before the descriptor cache (Triton's ``TensorDescriptor`` built and validated per call,
+encoded per launch: emulated by patching the launchers' descriptor constructors and dropping
+the thin launch's expander) and as it is.
 """
 
 import argparse
-import threading
 import time
 from collections import defaultdict
 
@@ -53,20 +53,6 @@ class _Trivial(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
-
-
-def _no_grad(fn):
-    with torch.no_grad():
-        return fn()
-
-
-def _in_thread(fn):
-    """``fn()`` run on a new Python thread (its result)."""
-    out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("r", fn()))
-    worker.start()
-    worker.join()
-    return out["r"]
 
 
 def in_backward_step(fn):
@@ -147,8 +133,8 @@ class Case:
         return torch.autograd.grad(self.fwd(), self.leaves, self.dout)
 
     def launch_sequence(self):
-        """``moe_backward_triton`` again with the arguments a step gave it (``dz`` into a new
-        tensor, so repeated calls leave ``z`` as it is)."""
+        """``(args, kwargs)`` of ``moe_backward_triton`` as a step called it (``dz`` into a
+        new tensor, so that repeated calls leave ``z`` as it is)."""
         real = launch_seq.moe_backward_triton
         seen = {}
 
@@ -161,61 +147,71 @@ class Case:
             self.step()
         finally:
             moe_mod.moe_backward_triton = real
-        return lambda: real(*seen["a"], **seen["k"])
+        return seen["a"], seen["k"]
 
 
-def run(T):
+def routes(case):
+    """``use(route)``: switch ``fused_moe``'s memoised calls of ``case`` between the prepared
+    route (``"prepared"``: ``PreparedExperts``) and the op's (``"op"``: ``run_experts``
+    through the custom op's autograd, the route of every eager call before the prepared
+    launch sequences)."""
+    case.step()
+    calls = [c for c in moe_mod._CALLS.calls.values() if c.experts is not None]
+    prepared = {id(c): c.experts for c in calls}
+
+    def use(route):
+        for c in calls:
+            c.experts = prepared[id(c)] if route == "prepared" else None
+
+    return use
+
+
+def run(T, rounds):
     case = Case(T)
     leaves, dout, fwd, step = case.leaves, case.dout, case.fwd, case.step
 
     def floor():
         return torch.autograd.grad(_Trivial.apply(*leaves), leaves, dout)
 
+    use = routes(case)
     for _ in range(5):
         step()
-    # the backward op's arguments, as autograd passes them
-    captured = {}
-    real_impl = moe_mod._MOE_BACKWARD
+    real = launch_seq.moe_backward_triton
+    a, k = case.launch_sequence()
 
-    def capture(*args):
-        captured["args"] = args
-        return real_impl(*args)
+    def seq():  # with the prepared launches
+        return real(*a, **k)
 
-    moe_mod._MOE_BACKWARD = capture
-    step()
-    moe_mod._MOE_BACKWARD = real_impl
-    args = list(captured["args"])
-    args[18] = False  # consume_z: keep z intact across repeated calls
-    seq = case.launch_sequence()
+    def fresh():  # preparing its launches
+        return real(*a, **dict(k, launches=None))
 
     idx = torch.arange(T, device="cuda")
-    rows = {
-        "index_select": burst(lambda: dout.index_select(0, idx)),
-        # where the backward launch sequence runs: autograd runs it on its device thread,
-        # grad mode off, inside a Function's backward
-        "moe_backward_triton (launches, allocations), main thread": burst(seq),
-        "moe_backward_triton, main thread, no_grad": burst(lambda: _no_grad(seq)),
-        "moe_backward_triton, another Python thread": _in_thread(lambda: burst(seq)),
-        "moe_backward_triton, in a Function's backward": burst(in_backward_step(seq)),
-        "autograd floor (do-nothing Function)": burst(floor),
-        "fwd + bwd (autograd.grad)": burst(step),
-        "forward, grad-requiring inputs": burst(fwd),
-        "backward op (Op call, plan, launches)": burst(lambda: real_impl(*args)),
+    pieces = {
+        "index_select": lambda: dout.index_select(0, idx),
+        "autograd floor (do-nothing Function)": floor,
+        "backward launch sequence, prepared (main thread)": seq,
+        "backward launch sequence, prepared per call": fresh,
+        "backward launch sequence, in a Function's backward": in_backward_step(seq),
     }
-    print(f"T={T}:")
-    for name, us in rows.items():
-        print(f"  {us:8.1f} us  {name}")
-    # the same pieces timed inside the step, where autograd's engine runs the backward
+    samples = defaultdict(list)
+    for r in range(rounds):
+        for route in ("op", "prepared") if r % 2 == 0 else ("prepared", "op"):
+            use(route)
+            for _ in range(3):
+                step()
+            samples[f"fwd + bwd (autograd.grad), {route} route"].append(burst(step, loops=20))
+            samples[f"forward, grad-requiring inputs, {route} route"].append(burst(fwd, loops=20))
+        for name, fn in pieces.items():
+            samples[name].append(burst(fn, loops=20))
+    use("prepared")
+    print(f"T={T}: host us per call, median of {rounds} alternating rounds")
+    for name, v in samples.items():
+        print(f"  {sorted(v)[len(v) // 2]:8.1f} us  {name}")
+    # the step's two halves, the backward timed inside autograd's engine
     timers = Timers()
-    fn_cls = moe_mod.MOE.function
-    real_backward = fn_cls.backward
-    timers.wrap(moe_mod, "_MOE_BACKWARD", "backward op (in autograd)")
-    timers.wrap(moe_mod, "moe_backward_triton", "moe_backward_triton (in autograd)")
-    timers.wrap(moe_mod, "MOE", "forward op (in the step)")
-    timed_backward = Timers()
-    timed_backward.total, timed_backward.calls = timers.total, timers.calls
-    timed_backward.wrap(fn_cls, "backward", "Function.backward (in autograd)")
-    fn_cls.backward = staticmethod(fn_cls.backward)
+    timers.wrap(moe_mod, "_triton_backward", "backward launch sequence (in autograd)")
+    timers.wrap(moe_mod._Experts, "backward", "Function.backward (in autograd)")
+    moe_mod._Experts.backward = staticmethod(moe_mod._Experts.backward)
     n = 400
     for i in range(n):
         t0 = time.perf_counter()
@@ -231,9 +227,8 @@ def run(T):
         if i % 8 == 7:
             torch.cuda.synchronize()
     timers.undo()
-    fn_cls.backward = real_backward
-    timers.report(n, "the step")
-    for title, fn in (("forward", fwd), ("moe_backward_triton", seq)):
+    timers.report(n, "the step (prepared route)")
+    for title, fn in (("forward", fwd), ("moe_backward_triton (prepared)", seq)):
         timers = Timers()
         for name in LAUNCHERS:
             timers.wrap(getattr(launch_seq, name), "__call__", name)
@@ -332,7 +327,10 @@ def profile_calls(T, calls=400, top=25):
     case = Case(T)
     for _ in range(3):
         case.step()
-    backward = case.launch_sequence()
+    args, kwargs = case.launch_sequence()
+
+    def backward():
+        return launch_seq.moe_backward_triton(*args, **kwargs)
 
     for title, fn in (("forward (fused_moe, grad-requiring inputs)", case.fwd),
                       ("moe_backward_triton", backward)):  # fmt: skip
@@ -367,7 +365,7 @@ def main():
         elif args.ab:
             ab(T, args.rounds)
         else:
-            run(T)
+            run(T, args.rounds)
 
 
 if __name__ == "__main__":
