@@ -1,8 +1,9 @@
 """Host cost of the eager path's pieces on the main thread against another Python thread (GPU).
 
 Autograd runs a backward on its own device thread, where ``moe_backward_triton`` measured
-1.5-2x its main-thread host time (``scripts/backward_host.py``), and a plain
-``threading.Thread`` showed the same. This times each piece the launch sequence is made of, on
+1.5-2x its main-thread host time (``scripts/backward_host.py``, H100 hosts, 2026-11-24; on
+2026-11-27 two hosts read 1.1-1.2x: 191 against 206 us, 172 against 210 us at qwen3 T=1), and a
+plain ``threading.Thread`` showed the same. This times each piece the launch sequence is made of, on
 the main thread and on a worker thread in alternating rounds, to find the one that pays:
 pure Python, tensor allocation, ``data_ptr``, the stream lookup, a torch kernel launch, a thin
 launch of a Triton kernel; on the main thread, a ``threading.Thread`` (with and without
