@@ -59,14 +59,20 @@ def single_process(name: str, world: int, ids_override: tuple | None = None) -> 
         out = layer(x)
     else:  # the layer with the given slots dropped: its maps come from the overriding ids
         import moe_route.layer as layer_module
+        from moe_route.maps import maps_op
 
-        real = layer_module.maps_op
+        real = layer_module._LayerCall.sorted_path
         ids = torch.tensor(ids_override, dtype=torch.int32).view(-1, ep_worker.K)
-        layer_module.maps_op = lambda _ids, *args: real(ids, *args)
+
+        def overriding(call, x, w1, *rest):
+            _, experts = real(call, x, w1, *rest)
+            return (lambda _ids: maps_op(ids, w1.shape[0], call.plan.maps_backend)), experts
+
+        layer_module._LayerCall.sorted_path = overriding
         try:
             out = layer(x)
         finally:
-            layer_module.maps_op = real
+            layer_module._LayerCall.sorted_path = real
         out = out._replace(
             topk_ids=ids, tokens_per_expert=moe_route.tokens_per_expert(ids, ep_worker.E)
         )
