@@ -169,6 +169,7 @@ def _moe_backward_impl(
     declares no mutation: traced graphs always pass ``False``).
     """
     maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
+    wanted = (need_dx, need_dw1, need_dw2, need_dtopk)
     if backend == "torch":
         grads = torch_impl.moe_backward_torch(
             dout, x, w1, w2, topk_weights, b2, z, *maps, activation, gate_up_layout,
@@ -177,10 +178,8 @@ def _moe_backward_impl(
     else:
         plan = _plan_for(x, w1, w2, topk_weights.shape[1], activation, gate_up_layout,
                          "standalone", True, allow_tf32, backend)  # fmt: skip
-        need = (need_dx, need_dw1, need_dw2, need_dtopk)
         grads = _triton_backward(dout, x, w1, w2, topk_weights, b1, b2, z, maps, plan.configs,
-                                 need, consume_z, {})  # fmt: skip
-    wanted = (need_dx, need_dw1, need_dw2, need_dtopk)
+                                 wanted, consume_z, {})  # fmt: skip
     wanted += (b1 is not None and need_dw1, b2 is not None and need_dw2)
     # Outputs may not alias each other: each gradient not asked for is its own empty tensor.
     return tuple(g if w else x.new_empty(0) for g, w in zip(grads, wanted, strict=True))

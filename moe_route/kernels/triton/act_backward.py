@@ -142,8 +142,8 @@ _ROWS = ThinKernel(_act_bwd_rows_kernel)
 class RowPassLaunch:
     """The row pass's launch prepared from its operands' layout (dtypes, row strides, the
     router weights' strides, ``E``, ``I``, the tiles and epilogue): what a call of
-    :func:`act_backward_rows_triton` works out before launching, kept by the backward's
-    prepared launch sequence (:class:`.moe.MoEBackwardLaunch`)."""
+    :func:`act_backward_rows_triton` works out before launching, kept among the backward
+    launch sequence's prepared launches (:func:`.moe.prepared`)."""
 
     __slots__ = ("cx", "key", "nt", "partial_dtype", "strides")
 

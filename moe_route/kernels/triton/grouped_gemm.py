@@ -1022,9 +1022,9 @@ def grouped_gemm_triton(
 class ActBackwardLaunch:
     """The fused activation backward's launch (:func:`grouped_gemm_act_backward_triton`)
     prepared from its operands' layout (dtypes, strides, ``w2t``'s shape, the config and
-    epilogue, whether ``dout`` comes permuted), kept by the backward's prepared launch
-    sequence (:class:`.moe.MoEBackwardLaunch`). The TMA descriptors (``cfg.use_tma``) depend on
-    the addresses too: they are built per call."""
+    epilogue, whether ``dout`` comes permuted), kept among the backward launch sequence's
+    prepared launches (:func:`.moe.prepared`). The TMA descriptors (``cfg.use_tma``) depend
+    on the addresses too: they are built per call."""
 
     __slots__ = ("cfg", "cx", "key", "partial_dtype", "permuted", "shape", "static", "strides")
 
@@ -1037,7 +1037,7 @@ class ActBackwardLaunch:
         sd, sw, sh, sz = dout.stride(), w2t.stride(), wh.stride(), z.stride()
         st = topk_weights.stride()
         self.static = (cfg, epilogue, dout.dtype, z.dtype, wh.dtype, topk_weights.dtype, sd, sw,
-                       sh, sz[0], st)  # fmt: skip
+                       sh, sz[0], st, allow_tf32, E, n_out, kd, permuted)  # fmt: skip
         self.strides = (*sd, *sw, *sh, sz[0], *st)
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         self.cx = dict(
@@ -1048,7 +1048,6 @@ class ActBackwardLaunch:
             GROUP_M=cfg.group_m, SPLIT_EPILOGUE=bm * bn >= 4096 and bn >= 32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        self.static += (allow_tf32, E, n_out, kd, permuted)
         # without TMA nothing depends on the addresses: one key for every call
         self.key = None if cfg.use_tma else LaunchKey((*self.static, False, False, False))
 

@@ -328,8 +328,8 @@ class WeightGradLaunch:
     """The weight gradient's launch prepared from its operands' layout (dtypes, strides,
     which operands are gathered, scaled, whether there is a bias gradient), ``dw``'s shape and
     the config: what a call of :func:`expert_weight_grad_triton` works out before launching,
-    kept by the backward's prepared launch sequence (:class:`.moe.MoEBackwardLaunch`). Which
-    kernel runs is asked per call (the TMA kernel needs 16-byte aligned operands)."""
+    kept among the backward launch sequence's prepared launches (:func:`.moe.prepared`).
+    Which kernel runs is asked per call (the TMA kernel needs 16-byte aligned operands)."""
 
     __slots__ = ("config", "cx", "db_strides", "gather", "key", "scale_strides", "shape",
                  "strides", "tma", "tma_cx", "tma_key")  # fmt: skip
@@ -518,8 +518,8 @@ def _router_weight_grad_kernel(
 class RouterGradLaunch:
     """The router-weight gradient's launch prepared from its operands' layout (dtypes,
     strides, ``K``, the partials' column blocks, whether there is ``b2``): what a call of
-    :func:`router_weight_grad_triton` works out before launching, kept by the backward's
-    prepared launch sequence (:class:`.moe.MoEBackwardLaunch`)."""
+    :func:`router_weight_grad_triton` works out before launching, kept among the backward
+    launch sequence's prepared launches (:func:`.moe.prepared`)."""
 
     __slots__ = ("cx", "key", "strides")
 
