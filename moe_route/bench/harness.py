@@ -325,15 +325,18 @@ def time_eager(fn, device, *, rep_ms: int = 100) -> Timing:
     return Timing(median * 1e-3, p20 * 1e-3, p80 * 1e-3, 0)
 
 
-def time_once(fn, device) -> float:
-    """Seconds of one call of ``fn``, the device drained before and after (a first call's cost,
-    compilation included)."""
+def time_once(fn, device) -> tuple[float, float]:
+    """``(latency, host)`` seconds of one call of ``fn``, the device drained before: until the
+    device has drained again, and until ``fn`` returned (what a compile, or a decision taken
+    again, adds to; the device's own time is not in it). A first call's cost, compilation
+    included."""
     device = torch.device(device)
     _sync(device)
     start = time.perf_counter()
     fn()
+    returned = time.perf_counter()
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, returned - start
 
 
 @dataclass

@@ -23,7 +23,10 @@ the first call at each of up to three
 token counts of ``T``'s power-of-two bucket (``(2^(b-1), 2^b]``, below ``T``) not used before in
 this process, device drained before and after (``median_us`` = the median first call); the
 same calls repeated give ``extra["repeat_us"]``, and ``extra["first_over_repeat"]`` is the worst
-first call over it (near 1 when a new token count compiles nothing).
+first call over it (near 1 when a new token count compiles nothing); ``first_host_us``,
+``repeat_host_us`` and ``host_first_over_repeat`` the same for the host time of those calls
+(until each returns: a compile or a decision taken again shows there, the device's jitter
+does not).
 
 Only public functions are called (``moe_route.*``), so the stage measures whatever the package's
 internals are.
@@ -171,13 +174,21 @@ def _first_calls(shape: Shape, ctx: Context) -> None:
     # calls, the next synchronised call of any T, a seen one too, took 1.3-2x a repeated one
     # (990 against 745 us at qwen3 T=64). One call at the seen T settles that first, so the
     # row measures what a new T costs.
+    # NOTE: H100 (scripts/new_t_probe.py --tokens 8, 2026-11-27): single synchronised calls at
+    # qwen3 T=8 took 243-541 us, a seen T and a new one alike (the device idles between them),
+    # and a suite run read the worst of three first calls as 3.3x the repeated ones. The host
+    # time of each call (until it returns) is where a compile or a decision taken again would
+    # show: its ratio is the row's second.
     time_once(call(shape.T), ctx.device)
     first = [time_once(call(t), ctx.device) for t in counts]
     repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3 if ctx.cuda else 1)]
-    repeat_us = statistics.median(repeat) * 1e6
+    repeat_us = statistics.median(s for s, _ in repeat) * 1e6
+    repeat_host_us = statistics.median(h for _, h in repeat) * 1e6
     row = make_row(
-        STAGE, shape.label, NEW_T, _summarise(first), ctx.ceilings, 0,
-        new_T=counts, first_us=[s * 1e6 for s in first], repeat_us=repeat_us,
-        first_over_repeat=max(first) * 1e6 / repeat_us,
+        STAGE, shape.label, NEW_T, _summarise([s for s, _ in first]), ctx.ceilings, 0,
+        new_T=counts, first_us=[s * 1e6 for s, _ in first], repeat_us=repeat_us,
+        first_over_repeat=max(s for s, _ in first) * 1e6 / repeat_us,
+        first_host_us=[h * 1e6 for _, h in first], repeat_host_us=repeat_host_us,
+        host_first_over_repeat=max(h for _, h in first) * 1e6 / repeat_host_us,
     )  # fmt: skip
     ctx.rows.append(row)

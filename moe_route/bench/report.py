@@ -229,14 +229,17 @@ def host_table(rows: list[Row], stage: str = "host") -> str:
             "`fused_moe`, first call at a token count not used before in the process (the "
             "shape's power-of-two bucket), against the same calls repeated:",
             "",
-            "| shape | new T | first calls | repeated call | worst first ÷ repeated |",
-            "|---|---|---|---|---|",
+            "| shape | new T | first calls | repeated call | worst first ÷ repeated | "
+            "host time: worst first ÷ repeated |",
+            "|---|---|---|---|---|---|",
         ]
         for r in first:
             e = r.extra
             firsts = ", ".join(fmt_time(us) for us in e.get("first_us", []))
+            host = e.get("host_first_over_repeat")
             cells = [r.shape, ", ".join(str(t) for t in e["new_T"]), firsts,
-                     fmt_time(e["repeat_us"]), _fmt_ratio(e["first_over_repeat"])]  # fmt: skip
+                     fmt_time(e["repeat_us"]), _fmt_ratio(e["first_over_repeat"]),
+                     _fmt_ratio(host) if host is not None else "—"]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
