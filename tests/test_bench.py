@@ -499,7 +499,8 @@ def test_cli_without_gpu_runs_the_cpu_comparison(tmp_path, capsys, monkeypatch):
         # a call returns before the device has drained
         assert all(h <= s for h, s in zip(new_t["first_host_us"], new_t["first_us"], strict=True))
         assert new_t["host_first_over_repeat"] == pytest.approx(
-            max(new_t["first_host_us"]) / new_t["repeat_host_us"])
+            max(new_t["first_host_us"]) / new_t["repeat_host_us"]
+        )
     # backward: per-step rows of both implementations at the training size (T >= 64 on a CPU)
     brows = [r for r in data["rows"] if r["stage"] == "backward"]
     assert {r["shape"] for r in brows} == {"cpu-tiny T=64"}
