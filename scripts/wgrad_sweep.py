@@ -7,6 +7,10 @@ process. Relative error of every variant against the first.
     PYTHONPATH=. python scripts/wgrad_sweep.py [--shapes mixtral qwen3 deepseek] [--quick]
                                                [--tokens T] [--extra] [--candidates]
 
+``--pointer`` adds the pointer kernel at larger tiles (``POINTER_WIDE``), on the permuted rows
+and gathering the token rows through the maps, beside the TMA kernel (which needs them
+permuted: an expand, timed here too).
+
 ``--tokens`` replaces each model's training size (e.g. 256: 16 rows per expert at qwen3 and
 deepseek, where the plan takes the pointer kernel; a few pointer tilings are swept there too).
 """
@@ -59,6 +63,14 @@ POINTER_CONFIGS = [
     (32, 64, 128, 4, 4),
     (64, 128, 128, 8, 3),
 ]
+# --pointer: the pointer kernel at the TMA kernel's tile sizes
+POINTER_WIDE = [
+    (64, 128, 256, 8, 3),
+    (32, 128, 256, 8, 4),
+    (64, 256, 128, 8, 3),
+    (32, 128, 128, 4, 4),
+    (64, 128, 128, 4, 3),
+]
 
 
 def bench(fn):
@@ -76,6 +88,7 @@ def main():
     ap.add_argument("--tokens", type=int, help="tokens instead of each model's training size")
     ap.add_argument("--extra", action="store_true", help="also EXTRA_TMA_CONFIGS")
     ap.add_argument("--candidates", action="store_true", help="only CANDIDATES, both orders")
+    ap.add_argument("--pointer", action="store_true", help="the pointer kernel, POINTER_WIDE")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     cc = torch.cuda.get_device_capability()
@@ -141,6 +154,29 @@ def main():
                 variants += [dataclasses.replace(v, k_fastest=False) for v in variants[2:]]
             if rpe <= 16 and not args.quick:
                 variants += [WeightGradConfig(*c) for c in POINTER_CONFIGS]
+            if args.pointer:
+                variants += [WeightGradConfig(*c) for c in POINTER_WIDE]
+                rows, idx = (x_perm if which == "dW1" else dout_perm), (d2s % T).long()
+                expand = lambda tok=tok, idx=idx, rows=rows: tok.index_select(0, idx, out=rows)
+                results.append(
+                    ("expand (index_select of the TMA kernel's rows)", bench(expand), 0.0)
+                )
+                for c in POINTER_WIDE:
+                    cfg = WeightGradConfig(*c)
+
+                    def gathered(c=cfg, a=a, b=b, tok=tok, gather_a=gather_a, dw=dw, off=off,
+                                 d2s=d2s, M=M):  # fmt: skip
+                        if gather_a:
+                            expert_weight_grad_triton(tok, b, off, dw, c, dest_to_src=d2s,
+                                                      a_gather=True, num_rows=M)  # fmt: skip
+                        else:
+                            expert_weight_grad_triton(a, tok, off, dw, c, dest_to_src=d2s,
+                                                      b_gather=True, num_rows=M)  # fmt: skip
+
+                    dw.fill_(float("nan"))
+                    gathered()
+                    results.append((f"pointer+gather {c[0]}x{c[1]}x{c[2]} w{c[3]} s{c[4]}",
+                                    bench(gathered), rel(dw[:8], ref)))  # fmt: skip
             for c in variants:
                 try:
                     dw.fill_(float("nan"))
