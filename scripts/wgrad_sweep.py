@@ -157,7 +157,9 @@ def main():
             if args.pointer:
                 variants += [WeightGradConfig(*c) for c in POINTER_WIDE]
                 rows, idx = (x_perm if which == "dW1" else dout_perm), (d2s % T).long()
-                expand = lambda tok=tok, idx=idx, rows=rows: tok.index_select(0, idx, out=rows)
+                expand = lambda tok=tok, idx=idx, rows=rows: torch.index_select(
+                    tok, 0, idx, out=rows
+                )
                 results.append(
                     ("expand (index_select of the TMA kernel's rows)", bench(expand), 0.0)
                 )
