@@ -249,6 +249,10 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
     115 us), so the launch sequence keeps the expand. Storing the permuted rows from the GEMM
     that gathers them anyway cost about what the expand costs (step 1 fused: +116 us at
     qwen3; its plain GEMM: +88 us).
+    NOTE: H100, bf16 (scripts/wgrad_sweep.py --quick --pointer, 2026-11-27, qwen3 T=8192): the
+    pointer kernel gathering the token rows through the maps at the TMA kernel's tiles and
+    four others took dW1 / dW2 1230-1758 / 751-954 us, the same kernel on permuted rows 887-1010
+    / 463-508, the TMA kernel 749 / 391 and an index_select of the rows 165: the expand stays.
 
     NOTE: H100, bf16 (scripts/wgrad_ws.py of commit 243e9c4, a trial kept in the history
     only, 2026-11-25): a warp-specialised Gluon kernel (one warp issuing the TMA loads into
