@@ -175,10 +175,12 @@ def _first_calls(shape: Shape, ctx: Context) -> None:
     # (990 against 745 us at qwen3 T=64). One call at the seen T settles that first, so the
     # row measures what a new T costs.
     # NOTE: H100 (scripts/new_t_probe.py --tokens 8, 2026-11-27): single synchronised calls at
-    # qwen3 T=8 took 243-541 us, a seen T and a new one alike (the device idles between them),
-    # and a suite run read the worst of three first calls as 3.3x the repeated ones. The host
-    # time of each call (until it returns) is where a compile or a decision taken again would
-    # show: its ratio is the row's second.
+    # qwen3 T=8 took 243-541 us, a seen T and a new one alike, and one suite run read the worst
+    # of three first calls as 3.3x the repeated ones (the next run: 1.16x). The host time of
+    # each call (until it returns) is where a compile (100s of ms) or a decision taken again
+    # would show; it is noisy too: a call right after the device drained took 94-561 us of
+    # host time against 35-95 us per call in a loop, first calls 1.3-1.9x the repeated ones
+    # (bench/data/host_h100.json).
     time_once(call(shape.T), ctx.device)
     first = [time_once(call(t), ctx.device) for t in counts]
     repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3 if ctx.cuda else 1)]
