@@ -276,6 +276,148 @@ def test_expert_grouped_order(counts, n_tiles, group_m):
     assert [tuple(r) for r in out.tolist()] == want
 
 
+# ----------------------------------------------------------------------------- tail launch
+TAILED = dataclasses.replace(PERSISTENT, tail_m=8)
+
+
+@pytest.mark.parametrize("sms", [1, 3])
+@pytest.mark.parametrize("gather", [False, True], ids=["perm", "gather"])
+@pytest.mark.parametrize(
+    ("activation", "layout"),
+    [("swiglu", "concat"), ("swiglu", "interleaved"), ("identity", "concat")],
+    ids=["swiglu", "swiglu-interleaved", "identity"],
+)
+def test_tail_launch(monkeypatch, spy, activation, layout, gather, sms):
+    """``tail_m``: the experts' last m-tiles of at most 8 rows go to a second launch of 8-row
+    tiles (16-row tiles in the first): the per-tile kernel's bits, the pre-activation ``z``
+    too, dropped rows zero (written by the first launch alone)."""
+    a, w, b, maps = gemm_case(37, 2, 5, 27, 19, activation, bias=True, gather=gather, seed=3)
+    M = maps.num_expanded_rows
+    kw = dict(activation=activation, layout=layout, gather=gather)
+    zs = [torch.full((M, w.shape[1]), NAN) for _ in range(2)]
+    monkeypatch.setattr(gk, "CPU_SMS", sms)
+    per_tile = launch(a, w, maps, b, config=PER_TILE, pre_activation=zs[0], **kw)
+    spy["grids"].clear()
+    out = launch(a, w, maps, b, config=TAILED, pre_activation=zs[1], **kw)
+    assert spy["persistent"] == 2 and spy["grids"] == [sms, sms]
+    counts = maps.expert_first_token_offset.diff()
+    assert bool(((counts % 16 > 0) & (counts % 16 <= 8)).any())  # the tail launch has work
+    assert torch.equal(out, per_tile) and torch.equal(zs[1], zs[0])
+    assert_matches(out, gemm_reference(a, w, maps, b, **kw), TOL[torch.float32])
+    assert_dropped_rows_zero(out, maps)
+    assert_dropped_rows_zero(zs[1], maps)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["perm", "gather"])
+def test_tail_launch_fp16_tma(monkeypatch, gather):
+    """fp16 through TMA (the interpreter's emulation): the tail launch's own 8-row ``A`` box
+    and stores bounded at its expert's last row; GEMM2 over ``W2`` stored k-major."""
+    inter = 48
+    cfg = dataclasses.replace(TAILED, block_n=32)
+    a, w, b, maps = gemm_case(37, 2, 5, 32, inter, "swiglu", dtype=torch.float16, bias=True,
+                              gather=gather, seed=4)  # fmt: skip
+    kw = dict(activation="swiglu", gather=gather, use_tma=True)
+    monkeypatch.setattr(gk, "CPU_SMS", 2)
+    h_tile = launch(a, w, maps, b, config=dataclasses.replace(PER_TILE, block_n=32), **kw)
+    h = launch(a, w, maps, b, config=cfg, **kw)
+    assert torch.equal(h, h_tile)
+    assert_dropped_rows_zero(h, maps)
+    w2 = rand(5, inter, 32, dtype=torch.float16, scale=inter**-0.5, seed=5).transpose(1, 2)
+    y_tile = launch(h, w2, maps, use_tma=True, config=dataclasses.replace(PER_TILE, block_n=32))
+    y = launch(h, w2, maps, use_tma=True, config=cfg)
+    assert torch.equal(y, y_tile)
+    assert_matches(y, gemm_reference(h, w2, maps), TOL[torch.float16], what="GEMM2")
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    T=st.integers(1, 40),
+    K=st.integers(1, 3),
+    E=st.integers(1, 6),
+    drop=st.sampled_from([0.0, 0.3, 1.0]),
+    programs=st.integers(1, 5),
+    tail_m=st.sampled_from([2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_tail_launch_random_routings(T, K, E, drop, programs, tail_m, seed):
+    """Any routing, program count and tail size: the two launches write what the per-tile
+    kernel writes, every element (NaN-poisoned outputs)."""
+    K = min(K, E)
+    ids = make_ids(T, K, E, drop=drop, seed=seed)
+    a, w, b, maps = gemm_case(T, K, E, 18, 9, "swiglu", bias=True, gather=True, ids=ids,
+                              seed=seed)  # fmt: skip
+    kw = dict(activation="swiglu", gather=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gk, "CPU_SMS", programs)
+        per_tile = launch(a, w, maps, b, config=PER_TILE, **kw)
+        out = launch(a, w, maps, b, config=dataclasses.replace(TAILED, tail_m=tail_m), **kw)
+    assert torch.equal(out, per_tile)
+    assert_dropped_rows_zero(out, maps)
+
+
+@triton.jit
+def _split_order_kernel(offsets_ptr, out_ptr, E, n_tiles, BLOCK_M: tl.constexpr,
+                        GROUP_M: tl.constexpr, E_POW2: tl.constexpr, TAIL: tl.constexpr,
+                        SPLIT_M: tl.constexpr):  # fmt: skip
+    tile = tl.program_id(0)
+    ends = gk._expert_ends(offsets_ptr, E, BLOCK_M, E_POW2, TAIL, SPLIT_M)
+    e, first_row, row_end, n_tile = gk._expert_grouped_tile(
+        offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2, TAIL, SPLIT_M
+    )
+    tl.store(out_ptr + 4 * tile, e)
+    tl.store(out_ptr + 4 * tile + 1, first_row)
+    tl.store(out_ptr + 4 * tile + 2, row_end)
+    tl.store(out_ptr + 4 * tile + 3, n_tile)
+    tl.store(out_ptr + 4 * tl.num_programs(0), tl.max(ends, axis=0))
+
+
+def split_tiles(offsets, n_tiles, block_m, tail, split_m):
+    """Every (e, first_row, row_end, n_tile) of one launch of a split, from the kernel."""
+    E = offsets.numel() - 1
+    # the tile count first, from one program (its last store)
+    probe = torch.full((4 + 1,), -1, dtype=torch.int64)
+    _split_order_kernel[(1,)](offsets, probe, E, n_tiles, BLOCK_M=block_m, GROUP_M=2,
+                              E_POW2=gk.next_pow2(E + 1), TAIL=tail,
+                              SPLIT_M=split_m)  # fmt: skip
+    count = int(probe[-1]) * n_tiles
+    if count == 0:
+        return []
+    out = torch.full((count * 4 + 1,), -1, dtype=torch.int64)
+    _split_order_kernel[(count,)](offsets, out, E, n_tiles, BLOCK_M=block_m, GROUP_M=2,
+                                  E_POW2=gk.next_pow2(E + 1), TAIL=tail,
+                                  SPLIT_M=split_m)  # fmt: skip
+    return [tuple(r) for r in out[:-1].view(count, 4).tolist()]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 70), min_size=1, max_size=8),
+    n_tiles=st.integers(1, 3),
+    tail=st.sampled_from([1, 4, 8, 15]),
+)
+def test_tail_split_covers_every_row_once(counts, n_tiles, tail):
+    """The main launch (16-row m-tiles, an expert's last one only past ``tail`` rows) and the
+    tail launch (``tail``-row m-tiles where 1..``tail`` rows are left) cover each expert's rows
+    exactly once per n-tile, each tile inside its expert, the tail tiles starting where the
+    expert's full 16-row tiles end."""
+    block_m = 16
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+    main = split_tiles(offsets, n_tiles, block_m, tail, 0)
+    rest = split_tiles(offsets, n_tiles, tail, tail, block_m)
+    covered = {}
+    for tiles, bm in ((main, block_m), (rest, tail)):
+        for e, first, end, n in tiles:
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            assert end == hi and lo <= first < hi
+            for r in range(first, min(first + bm, hi)):
+                covered[(r, n)] = covered.get((r, n), 0) + 1
+    want = {(r, n) for r in range(int(offsets[-1])) for n in range(n_tiles)}
+    assert set(covered) == want and set(covered.values()) <= {1}
+    for e, first, _, _ in rest:
+        lo, rows = int(offsets[e]), counts[e]
+        assert first == lo + rows // block_m * block_m and 0 < rows % block_m <= tail
+
+
 # ----------------------------------------------------------------------------- selection
 def test_env_selects_persistent(monkeypatch, spy):
     """``MOE_ROUTE_PERSISTENT=2``: the public grouped_gemm and its backward's two GEMMs (the
