@@ -89,7 +89,7 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
-        OUT_DESC=False, Z_DESC=False, TAIL=0, SPLIT_M=0,
+        OUT_DESC=False, Z_DESC=False,
     )  # fmt: skip
     const.update(epilogue)
     # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).

@@ -14,9 +14,7 @@ Changes (``--change``):
 - ``expert-groups-A-B``: the persistent GEMMs' expert groups of at most A m-tiles against at
   most B;
 - ``wgrad-wide`` (2026-11-25): the weight gradients' 128x256 tiles on 8 warps above 64 up to 128
-  rows per expert (``moe_route.tuning.weight_grad_config``), against 128x128 on 4 warps;
-- ``tail-64``: the persistent GEMMs' experts' last m-tiles of at most 64 rows in a second launch
-  of 64-row tiles on 4 warps (``GemmConfig.tail_m``), against one launch of 128-row tiles.
+  rows per expert (``moe_route.tuning.weight_grad_config``), against 128x128 on 4 warps.
 
     PYTHONPATH=. python scripts/tuning_ab.py [--change refinements] [--shapes qwen3 mixtral
                                              deepseek] [--rounds 7] [--tokens T] [--forward-only]
@@ -68,22 +66,6 @@ def wgrad_narrow(rows_per_expert, n, kd, dtype, cc):
     return _WGRAD(rows_per_expert, n, kd, dtype, cc)
 
 
-def tail_of(rows):
-    """The table with the persistent configs' experts' last m-tiles of at most ``rows`` rows
-    in a second launch of ``rows``-row tiles (``GemmConfig.tail_m``)."""
-
-    def table(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
-        cfg = _TABLE(rows_per_expert, gated, dtype, cc, kd, store_z)
-        return dataclasses.replace(cfg, tail_m=rows) if cfg.persistent else cfg
-
-    return table
-
-
-def without_tail(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
-    """The table with every m-tile in the one launch."""
-    return dataclasses.replace(_TABLE(rows_per_expert, gated, dtype, cc, kd, store_z), tail_m=0)
-
-
 #: change -> (attribute of moe_route.tuning, before, after)
 CHANGES = {
     "expert-groups-8-16": ("_gemm_table", expert_groups_of(8), expert_groups_of(16)),
@@ -92,7 +74,6 @@ CHANGES = {
     "refinements": ("_gemm_table", without_refinements, _TABLE),
     "dgemm2-store": ("act_backward_config", act_backward_without_kd, _ACT_BWD),
     "wgrad-wide": ("weight_grad_config", wgrad_narrow, _WGRAD),
-    "tail-64": ("_gemm_table", without_tail, tail_of(64)),
 }
 
 

@@ -51,7 +51,6 @@ specialised: a new ``T`` reuses the compiled kernel of its tile configuration.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -115,19 +114,6 @@ class GemmConfig:
     #: stored through TMA (asynchronous, overlapping the next tile's main loop) where shared
     #: memory holds their staging beside the main loop's stages.
     tma_store: bool = False
-    #: With ``persistent``: an expert's last m-tile holding at most ``tail_m`` rows (a power
-    #: of two below ``block_m``) is left to a second launch of ``tail_m``-row tiles on
-    #: ``tail_warps`` warps (:func:`tail_config`), whose MMAs then run over fewer padding rows
-    #: (0: one launch, every m-tile ``block_m`` rows).
-    tail_m: int = 0
-    tail_warps: int = 4
-
-
-def tail_config(cfg: GemmConfig) -> GemmConfig:
-    """The tail launch's tiles of a config with ``tail_m``: ``tail_m``-row m-tiles, the same
-    columns, reduction steps, stages and stores."""
-    return dataclasses.replace(cfg, block_m=cfg.tail_m, num_warps=cfg.tail_warps, tail_m=0,
-                               warp_specialize=False)  # fmt: skip
 
 
 @launch_key_part
@@ -182,31 +168,13 @@ def _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _m_tiles_of(rows, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, SPLIT_M: tl.constexpr):
-    """The m-tiles of an expert of ``rows`` rows that this launch computes: all of them
-    (``TAIL == 0``); in the main launch of a split (``SPLIT_M == 0``) the full ones and a last
-    one of more than ``TAIL`` rows; in the tail launch (``SPLIT_M``: the main launch's
-    ``BLOCK_M``) one where the main launch leaves ``1..TAIL`` rows, else none."""
-    if TAIL == 0:
-        n = (rows + BLOCK_M - 1) // BLOCK_M
-    elif SPLIT_M == 0:
-        n = rows // BLOCK_M + (rows % BLOCK_M > TAIL)
-    else:
-        left = rows % SPLIT_M
-        n = ((left > 0) & (left <= TAIL)).to(rows.dtype)
-    return n
-
-
-@triton.jit
-def _expert_ends(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-                 TAIL: tl.constexpr = 0, SPLIT_M: tl.constexpr = 0):  # fmt: skip
+def _expert_ends(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """The first m-tile after each expert (``E_POW2`` lanes; the lanes past ``E`` hold the
-    number of routed m-tiles): a prefix sum of the experts' tile counts (:func:`_m_tiles_of`),
-    in registers."""
+    number of routed m-tiles): a prefix sum of the experts' tile counts, in registers."""
     ex = tl.arange(0, E_POW2)
     lo = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     hi = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
-    return tl.cumsum(_m_tiles_of(hi - lo, BLOCK_M, TAIL, SPLIT_M).to(tl.int32), 0)
+    return tl.cumsum(((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32), 0)
 
 
 @triton.jit
@@ -235,13 +203,11 @@ def _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl
 
 @triton.jit
 def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.constexpr,
-                         GROUP_M: tl.constexpr, E_POW2: tl.constexpr, TAIL: tl.constexpr = 0,
-                         SPLIT_M: tl.constexpr = 0):  # fmt: skip
+                         GROUP_M: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
     """``(e, first_row, row_end, n_tile)`` of routed tile ``tile`` in the expert-grouped order:
     expert after expert (tiles ``[start_e * n_tiles, end_e * n_tiles)`` for the m-tiles
     ``[start_e, end_e)`` of :func:`_expert_ends`), each expert's ``m_e`` m-tiles cut into
-    ``cdiv(m_e, GROUP_M)`` groups of near-equal size, each group sweeping every n-tile. A tail
-    launch's one m-tile (``SPLIT_M``) starts where the main launch's full m-tiles end.
+    ``cdiv(m_e, GROUP_M)`` groups of near-equal size, each group sweeping every n-tile.
 
     A group never mixes experts, so the programs running at once read one expert's weight
     columns, each once per group. (:func:`_swizzle`'s fixed groups of ``GROUP_M`` consecutive
@@ -251,9 +217,7 @@ def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.conste
     start = start.to(tl.int32)
     lo = tl.load(offsets_ptr + e)
     row_end = tl.load(offsets_ptr + e + 1)
-    m_e = _m_tiles_of(row_end - lo, BLOCK_M, TAIL, SPLIT_M).to(tl.int32)  # >= 1: `tile` is in
-    if SPLIT_M:
-        lo += (row_end - lo) // SPLIT_M * SPLIT_M
+    m_e = tl.cdiv(row_end - lo, BLOCK_M).to(tl.int32)  # >= 1: `tile` lies in it
     groups = tl.cdiv(m_e, GROUP_M)
     size = m_e // groups  # the first `extra` groups take one m-tile more
     extra = m_e % groups
@@ -523,7 +487,7 @@ def _gemm_persistent_kernel(
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, ONE_DOT: tl.constexpr, OUT_DESC: tl.constexpr,
-    Z_DESC: tl.constexpr, TAIL: tl.constexpr, SPLIT_M: tl.constexpr,
+    Z_DESC: tl.constexpr,
 ):  # fmt: skip
     """:func:`_gemm_kernel`'s work, done by a fixed number of programs (a few per SM).
 
@@ -536,21 +500,16 @@ def _gemm_persistent_kernel(
     tile fewer above take them first). ``M_TILES`` (the per-tile kernel's bound) is unused.
     ``ONE_DOT``: a gated ``W1``'s gate and up rows through one TMA box and one accumulator
     (see :func:`_mainloop` and the launcher's note).
-
-    ``TAIL``: the launch is one of two (``GemmConfig.tail_m``): with ``SPLIT_M == 0`` the
-    main one, which leaves every expert's last m-tile of at most ``TAIL`` rows (and zeroes
-    the dropped rows); with ``SPLIT_M`` (the main launch's ``BLOCK_M``) the tail one, of
-    ``BLOCK_M = TAIL`` rows, computing just those (:func:`_m_tiles_of`).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2, TAIL, SPLIT_M)
+    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
     routed_tiles = tl.max(ends, axis=0)
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     for tile in tl.range(pid, routed_tiles * n_tiles, programs, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
         e, first_row, row_end, n_tile = _expert_grouped_tile(
-            offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2, TAIL, SPLIT_M
+            offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2
         )
         _gemm_tile(
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr,
@@ -562,8 +521,6 @@ def _gemm_persistent_kernel(
         )  # fmt: skip
     routed = tl.load(offsets_ptr + E)
     zero_tiles = tl.cdiv(M_ROWS - routed, BLOCK_M) * n_tiles
-    if SPLIT_M:  # the tail launch: the main one zeroes the dropped rows
-        zero_tiles = 0
     for tile in range(programs - 1 - pid, zero_tiles, programs):
         _zero_rows(out_ptr, z_ptr, routed + (tile // n_tiles) * BLOCK_M, tile % n_tiles, M_ROWS,
                    N_OUT, stride_om, stride_on, stride_zm, GATED, STORE_PRE, BLOCK_M,
@@ -922,23 +879,15 @@ class GemmLaunch:
     """
 
     __slots__ = ("E", "cfg", "cx", "epilogue", "gather", "kd", "key", "n_out", "sms",
-                 "split_m", "static", "strides", "tail")  # fmt: skip
+                 "static", "strides")  # fmt: skip
 
     def __init__(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
                  cfg: GemmConfig, epilogue: GemmEpilogue, bias: torch.Tensor | None,
-                 gather: bool, pre_activation: torch.Tensor | None, allow_tf32: bool, *,
-                 split_m: int = 0):  # fmt: skip
+                 gather: bool, pre_activation: torch.Tensor | None, allow_tf32: bool):  # fmt: skip
         E, n_w, kd = w.shape
         n_out = n_w // 2 if epilogue.gated else n_w
         self.E, self.kd, self.n_out, self.cfg, self.epilogue = E, kd, n_out, cfg, epilogue
         self.gather = gather
-        # a config with tail_m: this launch leaves each expert's last m-tile of at most tail_m
-        # rows to a second one (split_m: this is that one, of tail_config's tiles)
-        self.split_m = split_m
-        self.tail = None
-        if cfg.persistent and cfg.tail_m:
-            self.tail = GemmLaunch(a, w, out, tail_config(cfg), epilogue, bias, gather,
-                                   pre_activation, allow_tf32, split_m=cfg.block_m)  # fmt: skip
         out_dtype, so = (a.dtype, (n_out, 1)) if out is None else (out.dtype, out.stride())
         sz0 = so[0] if pre_activation is None else pre_activation.stride(0)
         # each stride tuple read once (a Tensor.stride() call per element costs more)
@@ -949,7 +898,6 @@ class GemmLaunch:
         self.static = (
             cfg, epilogue, a.dtype, w.dtype, out_dtype, b_dtype, sa, sw, so, sz0,
             sb if bias is not None else None, gather, store_pre, allow_tf32, E, n_out, kd,
-            split_m,
         )  # fmt: skip
         self.strides = (*sa, *sw, *so, sz0, *sb)
         self.cx = dict(
@@ -982,8 +930,7 @@ class GemmLaunch:
             key = (*self.static, a_desc is not None, w_desc is not None, w_kmajor, one_dot,
                    out_desc is not None, z_desc is not None)  # fmt: skip
         a_desc, w_desc, _, _, out_desc, z_desc = descs
-        # (a tail launch computes at most one m-tile per expert)
-        m_tiles = min(E, M) if self.split_m else _m_tiles(M, E, bm)
+        m_tiles = _m_tiles(M, E, bm)
         tiles = m_tiles * cdiv(n_out, cfg.block_n)
         z = pre_activation if pre_activation is not None else out
         b = bias if bias is not None else out
@@ -1001,8 +948,6 @@ class GemmLaunch:
             ),
             lambda: self.constexprs(descs),
         )  # fmt: skip
-        if self.tail is not None:
-            self.tail(a, w, offsets, out, bias, dest_to_src, num_rows, pre_activation)
 
     def _descriptors(self, a, w, out, pre_activation) -> tuple:
         """``(a_desc, w_desc, w_kmajor, one_dot, out_desc, z_desc)`` for this call's tensors."""
@@ -1037,8 +982,6 @@ class GemmLaunch:
             cx["ONE_DOT"] = one_dot
             cx["OUT_DESC"] = out_desc is not None
             cx["Z_DESC"] = z_desc is not None
-            cx["TAIL"] = cfg.block_m if self.split_m else cfg.tail_m
-            cx["SPLIT_M"] = self.split_m
         return cx
 
 
