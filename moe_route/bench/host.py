@@ -180,7 +180,8 @@ def _first_calls(shape: Shape, ctx: Context) -> None:
     # each call (until it returns) is where a compile (100s of ms) or a decision taken again
     # would show; it is noisy too: a call right after the device drained took 94-561 us of
     # host time against 35-95 us per call in a loop, first calls 1.3-1.9x the repeated ones
-    # (bench/data/host_h100.json).
+    # (bench/data/host_h100.json): after waiting out the device the host runs cold, for
+    # torch's own calls as for ours (scripts/sync_probe.py: 3-5x after a 2 ms idle gap).
     time_once(call(shape.T), ctx.device)
     first = [time_once(call(t), ctx.device) for t in counts]
     repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3 if ctx.cuda else 1)]
