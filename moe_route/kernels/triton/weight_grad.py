@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part, next_pow2
-from .grouped_gemm import _mma, num_sms
+from .grouped_gemm import _acc, _mma, _precision, num_sms
 from .tma import TMA_DTYPES, bounded_rows_descriptor, descriptor, load_rows, tma_ok
 
 
@@ -345,29 +345,22 @@ class WeightGradLaunch:
         self.scale_strides = (scale.stride(0), scale.stride(1)) if db_scale is not None else (0, 0)
         self.tma = c.use_tma and not (a_gather or b_gather)
         sa, sb, sw = a.stride(), b.stride(), dw.stride()
-        acc = tl.float64 if a.dtype == torch.float64 else tl.float32
         has_db, a_scale = db is not None, db_scale is not None
-        if a.dtype == torch.float64:
-            precision = "fma"
-        else:
-            precision = "tf32" if allow_tf32 or a.dtype != torch.float32 else "ieee"
         self.strides = (*sa, *sb, *sw)
-        self.key = LaunchKey((
-            c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw, dbt.stride(),
-            scale.stride(), a_gather, b_gather, a_scale, has_db, allow_tf32, N, KD,
-        ))  # fmt: skip
+        # what both kernels' keys hold: the operands' dtypes and strides, the config
+        layouts = (c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw,
+                   dbt.stride(), scale.stride())  # fmt: skip
+        self.key = LaunchKey((*layouts, a_gather, b_gather, a_scale, has_db, allow_tf32, N, KD))
         self.cx = dict(
-            A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=a_scale, HAS_DBIAS=has_db, ACC=acc,
-            DOT_PRECISION=precision, BLOCK_R=c.block_r, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            num_warps=c.num_warps, num_stages=c.num_stages,
+            A_GATHER=a_gather, B_GATHER=b_gather, A_SCALE=a_scale, HAS_DBIAS=has_db,
+            ACC=_acc(a.dtype), DOT_PRECISION=_precision(a.dtype, allow_tf32), BLOCK_R=c.block_r,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
+            num_stages=c.num_stages,
         )  # fmt: skip
         self.tma_key = self.tma_cx = None
         if self.tma:
             dw_tma = c.tma_store and tma_operands_ok(dw)
-            self.tma_key = LaunchKey((
-                c, a.dtype, b.dtype, dw.dtype, dbt.dtype, scale.dtype, sa, sb, sw, dbt.stride(),
-                scale.stride(), has_db, a_scale, N, KD, dw_tma,
-            ))  # fmt: skip
+            self.tma_key = LaunchKey((*layouts, has_db, a_scale, N, KD, dw_tma))
             self.tma_cx = dict(
                 N=N, KD=KD, A_SCALE=a_scale, HAS_DBIAS=has_db, DW_DESC=dw_tma,
                 K_FASTEST=c.k_fastest, FLAT=c.flat, ASM_OFFSETS=not INTERPRETING,
