@@ -8,7 +8,7 @@ by expert, ascending, then token, then slot, with dropped slots (``-1``) last in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,9 @@ class RoutingMaps:
     inverse to each other, experts in range and grouped as the offsets say) when the tables
     are on the CPU, or on a GPU with ``MOE_ROUTE_CHECK_IDS=1`` or :meth:`validate` (reading
     them synchronises). Unchecked inconsistent maps on a GPU are undefined behaviour. A table
-    given as a strided view is kept as a contiguous copy (the kernels read flat arrays).
+    given as a strided view is kept as a contiguous copy (the kernels read flat arrays). The
+    constructor has no unchecked mode: only the library's own code, which builds the tables
+    by construction, skips the checks (a private classmethod).
     """
 
     #: ``[N] int32`` — dest (permuted) row of expanded source row ``s = k*T + t``.
@@ -56,12 +58,8 @@ class RoutingMaps:
     top_k: int
     #: ``E``, experts.
     num_experts: int
-    #: Built by :func:`build_routing_maps` (no checks needed).
-    trusted: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.trusted:
-            return
         n = self.num_tokens * self.top_k
         for name in (
             "expanded_source_row_to_expanded_dest_row",
@@ -91,8 +89,9 @@ class RoutingMaps:
             self.validate()
 
     @classmethod
-    def built(cls, tables, num_tokens: int, top_k: int, num_experts: int) -> RoutingMaps:
-        """Maps from the library's own kernels (``tables`` in :meth:`tensors` order).
+    def _built(cls, tables, num_tokens: int, top_k: int, num_experts: int) -> RoutingMaps:
+        """Maps from the library's own kernels (``tables`` in :meth:`tensors` order), unchecked:
+        private, for code that builds the tables by construction.
 
         NOTE: filled in directly, not through the frozen dataclass's ``__init__`` (one
         ``object.__setattr__`` per field and the ``__post_init__`` call): 0.55 against 2.2 us
@@ -105,9 +104,7 @@ class RoutingMaps:
             d["expert_for_source_row"],
             d["expert_first_token_offset"],
         ) = tables
-        d["num_tokens"], d["top_k"], d["num_experts"], d["trusted"] = (
-            num_tokens, top_k, num_experts, True,
-        )  # fmt: skip
+        d["num_tokens"], d["top_k"], d["num_experts"] = num_tokens, top_k, num_experts
         return maps
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,7 +223,7 @@ def maps_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> RoutingMa
         tables = _ROUTING_MAPS.op(topk_ids, num_experts, backend)
     else:
         tables = routing_maps_tables(topk_ids, num_experts, backend)
-    return RoutingMaps.built(tables, T, K, num_experts)
+    return RoutingMaps._built(tables, T, K, num_experts)
 
 
 def maps_backend(device: torch.device, backend: str, T: int, K: int, num_experts: int) -> str:
@@ -322,7 +319,7 @@ class MapsCall:
         tables = new_tables(ids, E)
         launch(ids, *tables)
         T, K = ids.shape
-        return RoutingMaps.built(tables, T, K, E)
+        return RoutingMaps._built(tables, T, K, E)
 
 
 #: :func:`build_routing_maps`'s decisions by call signature

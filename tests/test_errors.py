@@ -246,3 +246,24 @@ def test_routing_maps_dataclass_checks_its_fields(maps):
         moe_route.RoutingMaps(**dict(fields, num_tokens=T + 1))
     with pytest.raises(Exception, match="cannot assign"):
         maps.num_tokens = 3  # frozen
+
+
+def test_routing_maps_constructor_has_no_unchecked_mode(maps):
+    """The public constructor always checks: no keyword turns the checks off, and a forged
+    dest row (which the kernels would read out of bounds) is rejected, by
+    ``dataclasses.replace`` as well."""
+    import dataclasses
+
+    tables = maps.tensors()
+    with pytest.raises(TypeError, match="trusted"):
+        moe_route.RoutingMaps(*tables, T, K, E, trusted=True)
+    forged = tables[0].clone()
+    forged[0] = 2**30
+    with pytest.raises(ValueError, match=r"expanded_source_row_to_expanded_dest_row\[0\] = "):
+        moe_route.RoutingMaps(forged, *tables[1:], T, K, E)
+    with pytest.raises(ValueError, match=r"expanded_source_row_to_expanded_dest_row\[0\] = "):
+        dataclasses.replace(maps, expanded_source_row_to_expanded_dest_row=forged)
+    built = moe_route.build_routing_maps(random_topk_ids(T, K, E), E, backend="torch")
+    with pytest.raises(ValueError, match="is out of range"):
+        dataclasses.replace(built, expanded_source_row_to_expanded_dest_row=forged)
+    assert not any(f.name == "trusted" for f in dataclasses.fields(moe_route.RoutingMaps))

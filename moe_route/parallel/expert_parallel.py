@@ -72,7 +72,7 @@ import torch.distributed._functional_collectives as fc
 
 from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
-from ..maps import build_routing_maps, maps_op
+from ..maps import RoutingMaps, build_routing_maps, maps_op
 from ..moe import moe_plan, run_experts
 from ..permute import expand_rows
 from ..routing import tokens_per_expert
@@ -290,10 +290,12 @@ class _Chunk:
             block = offsets[efs.clamp(min=0) // El * El]
             sent = (efs >= 0) & (maps.expanded_source_row_to_expanded_dest_row - block < C)
             ids = torch.where(sent.view(K, T).t(), ids, torch.full_like(ids, -1))
-            # the finalize skips the slots not sent, exactly like dropped ones
-            maps = dataclasses.replace(
-                maps, expert_for_source_row=torch.where(sent, maps.expert_for_source_row, -1)
-            )
+            # the finalize skips the slots not sent, exactly like dropped ones; a slot not sent
+            # keeps its dest row inside its expert's range, which the public constructor's
+            # check rejects, so these maps are built unchecked
+            src_to_dest, dest_to_src, efs, offs = maps.tensors()
+            efs = torch.where(sent, efs, -1)
+            maps = RoutingMaps._built((src_to_dest, dest_to_src, efs, offs), T, K, maps.num_experts)
             self._fixed_indices(offsets, counts.sum(1), T * K)
         self.maps, self.ids, self.counts = maps, ids, counts
         self.in_splits = self.out_splits = None  # dynamic mode: set from the count exchange
