@@ -1,6 +1,6 @@
 """A real client: a transformers Qwen3-MoE model (4 decoder layers at Qwen3-30B-A3B's MoE sizes,
 random weights, bf16) run eagerly with each experts implementation: prefill of 2048 tokens and
-decode steps with a KV cache (issue 11's comparison). CUDA only.
+decode steps with a KV cache. CUDA only.
 
     python bench/bench_hf.py [--layers 4] [--prefill 2048] [--decode 32] [--rounds 3]
                              [--impls eager grouped_mm moe_route]

@@ -1,9 +1,9 @@
 """How an op runs: a ``torch.library`` custom op under ``torch.compile``, its implementation
 called directly in eager mode.
 
-The custom-op dispatcher costs about 20 µs of host time per call on an H100 host
-(``scripts/host_probe.py``: 24 µs for a no-op against 4 µs for the same Python function), more
-than a Triton launch through :class:`moe_route.kernels.triton.ThinKernel`. So an :class:`Op`
+The custom-op dispatcher costs about 20 µs of host time per call on an H100 host, more than a
+Triton launch through :class:`moe_route.kernels.triton.ThinKernel` (docs/decisions.md, "Thin
+eager path"). So an :class:`Op`
 registers the custom op (schema, fake implementation, autograd: what ``torch.compile``,
 ``opcheck`` and users of ``torch.ops.moe_route`` see) and, outside compilation, calls the same
 implementation itself — through an ``autograd.Function`` built from the same ``setup_context``
@@ -70,9 +70,9 @@ def needs_dispatcher(args) -> bool:
     if torch._C._len_torch_dispatch_stack():
         return True
     for a in args:
-        # NOTE: H100 host (scripts/host_profile.py layer1): reading the dispatch keys of every
-        # weight cost an inference MoELayer call more than its decode launches; plain tensors
-        # and plain Parameters (the type itself, not a subclass) never dispatch in Python.
+        # Reading every weight's dispatch keys costs more host time than the decode launches;
+        # plain tensors and Parameters never dispatch in Python (docs/decisions.md, "Thin
+        # eager path").
         kind = type(a)
         if (
             kind not in _PLAIN
@@ -90,8 +90,8 @@ def _resolving_backend(impl: Callable) -> Callable:
     """``impl`` with its ``backend`` argument (if it has one) passed through
     :func:`moe_route.arch.resolve_backend` on the device of its first tensor argument; the
     same signature, so the custom op infers the same schema."""
-    # NOTE: the check costs 0.3 us per eager call (0.65 against 0.34 us around a no-op
-    # implementation, 2-core CPU host): a resolved name is passed on as it is.
+    # A resolved name is passed on as it is: the check costs host time on every eager call
+    # (docs/decisions.md, "Thin eager path").
     sig = inspect.signature(impl, eval_str=True)
     names = list(sig.parameters)
     if "backend" not in names:

@@ -41,12 +41,8 @@ BACKENDS = ("triton", "cupy", "torch")
 BACKEND_ALIASES = {"reference": "torch"}
 FINALIZE_PATHS = ("fused", "standalone")
 
-# NOTE: on an H200 the atomic epilogue-fused finalize ran 0.4-0.98x the speed of GEMM2 plus the
-# standalone finalize at every standard shape (bench/bench_moe.py), so "auto" never picks it.
-# FUSED_FINALIZE_WINS says whether the ordered (deterministic) fused epilogue beat the
-# standalone pair on SM90; "auto" follows it. On an H100 (bench/bench_moe.py --sweep-fused,
-# bench/data/fused_sweep_h100.csv) it ran 0.97-0.98x at mixtral, 0.31-0.34x at qwen3 and
-# 0.51-0.64x at deepseek-v3 (0.49-0.77x with its best tiles).
+# Whether the ordered fused finalize beats GEMM2 + the standalone finalize on SM90 ("auto"
+# follows it; the atomic mode never wins): docs/decisions.md, "Finalize path".
 FUSED_FINALIZE_WINS = False
 
 
@@ -103,15 +99,7 @@ class Choice:
     why: str
 
 
-# NOTE: measured on an H200 by bench/bench_cupy.py (E=256, K=8; two runs of 3 alternating
-# repeats, run-to-run spread <= 3.5 %): the CuPy routing-maps kernels ran 1.15x the Triton ones
-# at 512 slots (T=64), 1.02x at 2048 (T=256), 1.25x at 131072 (T=16384) and 1.44x at 262144
-# (T=32768), and tied at 32768 slots (T=4096). Expand (0.985-0.997x) and finalize
-# (0.70-0.78x) stayed Triton's. At the small sizes the device time saved is under 1 µs, while
-# CuPy's launch path costs the host several times Triton's thin launch (H100 host stage, qwen3:
-# 50-66 µs per build_routing_maps call at T=1..64), and small calls are the host-bound ones; so
-# "auto" picks CuPy (when installed) only from CUPY_MAPS_MIN_LARGE_SLOTS up, where the device
-# time dominates.
+# CuPy's maps only where device time dominates its host cost: docs/decisions.md, "CuPy backend".
 CUPY_MAPS_MIN_LARGE_SLOTS = 131072
 
 

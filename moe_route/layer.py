@@ -83,9 +83,8 @@ class _LayerCall:
     launch serves, and the decode path's, prepared at the first call that takes it (from the
     router's outputs, whose layout the signature fixes; checked on each use). Keeps no tensor.
 
-    NOTE: H100 host (scripts/decode_host_split.py, 2026-11-25, qwen3-30b-a3b sizes, T=1): the
-    plan, the router's and the decode path's decisions and launch keys were ~60 of an
-    inference layer call's 145 us.
+    Those decisions and launch keys were ~40 % of an inference layer call's host time
+    (docs/decisions.md, "Call memos").
     """
 
     __slots__ = ("_decode", "_decode_meta", "_sorted", "_sorted_meta", "ask_capture",
@@ -470,8 +469,8 @@ class MoELayer(nn.Module):
         output instead (no converted copies; the products of 16-bit values are exact in
         float32 either way, and both sum in float32).
 
-        NOTE: H100 host (scripts/layer_host.py, 2026-11-24): the two conversions cost 13 and
-        15 us of host time per call at T=1, the float32 linear 24 us, the one matmul 25 us.
+        The two conversions cost more host time than the matmul (docs/decisions.md, "Call
+        memos").
         """
         rdt = x2.dtype if self.router_dtype is None else self.router_dtype
         w = self.gate.weight
@@ -636,8 +635,8 @@ class MoELayer(nn.Module):
         and device, made once (and again if something wrote into it), not a fill launch per
         call.
 
-        NOTE: H100 host (scripts/layer_host.py, 2026-11-25): ``torch.zeros(())`` on the GPU
-        cost 9.6 us of an inference layer call's 139 us at qwen3-30b-a3b sizes, T=1.
+        A fill launch per call costs measurable host time at decode sizes (docs/decisions.md,
+        "Call memos").
         """
         if torch.compiler.is_compiling():  # traced once: nothing to save, no state to keep
             return torch.zeros((), dtype=dtype, device=device)

@@ -93,9 +93,9 @@ class RoutingMaps:
         """Maps from the library's own kernels (``tables`` in :meth:`tensors` order), unchecked:
         private, for code that builds the tables by construction.
 
-        NOTE: filled in directly, not through the frozen dataclass's ``__init__`` (one
-        ``object.__setattr__`` per field and the ``__post_init__`` call): 0.55 against 2.2 us
-        per call on a 2-core CPU host, once per ``fused_moe`` call and per layer call."""
+        Filled in directly, not through the frozen dataclass's ``__init__`` (one
+        ``object.__setattr__`` per field and the ``__post_init__`` call), which costs four times
+        as much host time per call (docs/decisions.md, "Call memos")."""
         maps = object.__new__(cls)
         d = maps.__dict__
         (

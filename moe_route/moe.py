@@ -448,10 +448,8 @@ class FusedCall:
     same signature runs this without checking its arguments again: the signature holds all
     that the checks and decisions read.
 
-    NOTE: H100 host (scripts/memo_probe.py, 2026-11-25, qwen3-30b-a3b sizes, T=1): the checks,
-    the plan's lookup and the launcher's key building were 36 of an eager call's 76 us (one
-    ``index_select``: 13.5 us); what a call must still do (the signature, two allocations, two
-    launches) took 38 us.
+    The checks and decisions were half of an eager decode call's host time (docs/decisions.md,
+    "Call memos").
     """
 
     __slots__ = (
@@ -549,12 +547,8 @@ def moe_plan(x, w1, w2, K, activation: str, gate_up_layout: str, finalize: str,
     if plan is None:
         path = arch.finalize_path_for(x.device, finalize, deterministic).value
         if gather is None:
-            # NOTE: H200, bf16: the TMA-fed GEMM1 over x_perm beat the gathering GEMM1 by 6%
-            # at mixtral (I=14336), more than the expand costs; at qwen3 (I=768) and
-            # deepseek-v3 (I=2048) the expand cost more than it saved (bench/bench_moe.py
-            # --sweep). H100, 2026-11-27 (scripts/step_kernels.py --gather no): in training
-            # too (GEMM1 also storing z) the TMA-fed GEMM1 saved ~7 us at qwen3 T=8192 (816
-            # against 823 us) and nothing at deepseek-v3 T=4096, against a 109 / 193 us expand.
+            # Expand only where I is large enough for the TMA-fed GEMM1 to pay for it
+            # (docs/decisions.md, "Gather or expand before GEMM1").
             gather = w2.shape[2] < 4096
         plan = _CALL_PLANS[key] = _plan_for(x, w1, w2, K, activation, gate_up_layout, path,
                                             gather, allow_tf32, backend)  # fmt: skip
@@ -595,11 +589,8 @@ class PreparedExperts:
     through :class:`_Experts`. The same launch sequences as the op's route: the same bits.
     Keeps no tensor.
 
-    NOTE: H100 host, qwen3-30b-a3b sizes, T=1 (scripts/backward_host.py, 2026-11-27): an
-    eager forward + backward took 668 us of host time through the ops (one ``index_select``:
-    13 us); of the backward's launch sequence's 191 us, the launchers' working out of
-    strides, keys and constexprs and the plan's lookup were the part that a call of a known
-    signature need not repeat.
+    Working out strides, keys and constexprs per call was most of the backward sequence's host
+    time (docs/decisions.md, "Prepared launch sequences").
     """
 
     __slots__ = ("activation", "allow_tf32", "backward", "forward", "layout", "plan")
@@ -656,11 +647,8 @@ def decode_planned(plan: MoEPlan, x, *params) -> bool:
     """Whether a call takes the decode path, CUDA-graph capture aside (the caller asks that per
     call: :class:`FusedCall`, the layer): a decode plan, eager inference.
 
-    NOTE: H100, bf16 (bench host stage, scripts/decode_sweep.py, 2026-11-26): at qwen3 T=1
-    the decode path cut the host time of an eager call from ~160 to 67-73 us (two launches,
-    no maps), but its device time is 46 us against the sorted path's 41 (at deepseek-v3 T=1
-    245 against 268; see :func:`moe_route.tuning.decode_config`). So CUDA-graph capture and
-    torch.compile, where host time is not paid per call, keep the sorted path.
+    The decode path saves host time but not device time, so CUDA-graph capture and
+    torch.compile keep the sorted path (docs/decisions.md, "Decode path threshold").
     """
     return not (plan.decode is None or _wants_grad(x, *params) or torch.compiler.is_compiling())
 

@@ -58,8 +58,8 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``torch.topk`` leaves the order of equal values unspecified (on the CPU it put expert 5
     before expert 4 on a tie), and ties are common with bf16 router weights; a stable
-    descending sort pins them. NOTE: sorting ``E <= 256`` scores per token costs little next
-    to the experts' GEMMs, so the defined order is worth it.
+    descending sort pins them. Sorting ``E <= 256`` scores per token costs little next to the
+    experts' GEMMs, so the defined order is worth it.
     """
     values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], ids[..., :k]
@@ -154,14 +154,9 @@ def route_softmax_fused(x: torch.Tensor, gate_weight: torch.Tensor, k: int, reno
     wanted, torch.compile, CUDA-graph capture, tensors that need the dispatcher, the torch
     backend. No argument checks (internal composition: the layer's eager inference).
 
-    NOTE: H100 (scripts/layer_host.py, 2026-11-24, two runs), qwen3-30b-a3b sizes, T=1: an
-    inference MoELayer call cost 108 / 143 us of host time with the one launch against 141 /
-    194 us with the float32-output matmul and ``softmax_topk`` (same process; index_select
-    13.2 / 12.3 us), three launches instead of four. The one launch is slower on the device
-    (one program reads the 512 KiB gate: 14.8 us against 12.5 us for the two kernels, CUDA
-    graphs, T=1-64), which an eager call hides only while its host time exceeds its device
-    time: hence the bound on the experts' bytes (qwen3 up to T=3, olmoe up to T=2, none at
-    mixtral's size).
+    The one launch saves host time and a launch but is slower on the device than the matmul and
+    the top-k kernel, hence the bound on the experts' bytes: it serves while a call is
+    host-bound (docs/decisions.md, "One-launch router").
     """
     launch = fused_router(x, gate_weight, k, renormalize, logits_dtype, expert_bytes, backend)
     if launch is None or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing()):
@@ -174,10 +169,8 @@ def softmax_topk_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`softmax_topk` in torch ops, differentiable by autograd (no checks).
 
-    NOTE: on an H100 host this path (then with slices where the gather is) cost 156 µs of host
-    time per eager call at T=1, E=128, K=8, the stable ``torch.sort`` alone 62 µs (a radix sort
-    of several kernels and copies), against 10-13 µs for one thin Triton launch: hence the
-    kernel on CUDA.
+    On CUDA the kernel runs instead: this path's stable sort alone costs several times a thin
+    launch of host time (docs/decisions.md, "One-launch router").
     """
     scores = logits.to(_score_dtype(logits))
     ids = _topk(scores, k)[1]
@@ -395,9 +388,8 @@ def sigmoid_grouped_topk_torch(
     """:func:`sigmoid_grouped_topk` in torch ops, differentiable by autograd (no checks): the
     ``"torch"`` backend, and the kernel's oracle.
 
-    NOTE: on an H100 host this path cost ~120 µs of host time and ~60 µs of device time per
-    call at T=1 (sorts, topk, scatter, masked_fill, gather: a dozen launches), against one
-    thin Triton launch for the kernel: hence the kernel on CUDA.
+    On CUDA the kernel runs instead: this path is a dozen launches (docs/decisions.md,
+    "One-launch router").
     """
     T, E = logits.shape
     scores = torch.sigmoid(logits.to(_score_dtype(logits)))

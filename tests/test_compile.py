@@ -44,8 +44,8 @@ def test_compile_fullgraph_reference_chain():
 
 
 def test_compile_fullgraph_default_check_ids_on_cpu():
-    # Regression (fixed in b9ef25f): the default CPU id value check is a data-dependent branch
-    # (bool(tensor.any())) that fullgraph could not trace; under compile it is now skipped.
+    # Regression: the default CPU id value check is a data-dependent branch (bool(tensor.any()))
+    # that fullgraph cannot trace, so it is skipped under compile.
     torch._dynamo.reset()
 
     def build(topk_ids):

@@ -156,8 +156,8 @@ MIB = 1 << 20
     ],
 )  # fmt: skip
 def test_decode_config_slots(name, K, E, expert_bytes, largest_T):
-    """The largest token bucket the decode path takes (tuning.decode_config's NOTE has the
-    measurements behind each boundary)."""
+    """The largest token bucket the decode path takes (docs/decisions.md, "Decode path
+    threshold", has the measurements behind each boundary)."""
     buckets = (1, 2, 4, 8, 16, 32)
     taken = [T for T in buckets if tuning.decode_config(T, K, E, expert_bytes, torch.bfloat16)]
     assert taken == [T for T in buckets if largest_T >= T]

@@ -1,4 +1,4 @@
-"""No compile at a new token count (issue 11): after one call per token bucket, or after
+"""No compile at a new token count: after one call per token bucket, or after
 ``moe_route.warmup``, calls at any other ``T`` launch only variants already compiled."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The public ops' call memos (issue 11): ``build_routing_maps``, ``expand_rows``,
+"""The public ops' call memos: ``build_routing_maps``, ``expand_rows``,
 ``finalize_moe_routing`` and ``grouped_gemm`` check and decide once per call signature, and a
 later call that differs in anything the checks or decisions read gets its own answer (or its
 error), never a stale one.

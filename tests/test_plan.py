@@ -1,5 +1,5 @@
-"""The per-call plan of ``fused_moe`` (issue 11): one cached decision per call shape that never
-serves a stale answer, errors before any launch, and the warm-up that compiles every bucket.
+"""The per-call plan of ``fused_moe``: one cached decision per call shape that never serves a
+stale answer, errors before any launch, and the warm-up that compiles every bucket.
 
 CPU: the Triton kernels run under the interpreter (fp32/fp16 only, see moe_cases)."""
 

@@ -111,9 +111,9 @@ def test_gathered_operand_matches_permuted():
 
 def test_tuning_writes_short_reductions_with_pointer_stores():
     """The bf16 SM90 tiles for 17-128 rows per expert take one program per SM and pointer
-    stores (see the tuning NOTE: with TMA stores, dW's dirty lines pushed the operands out of
-    L2), 128x256 above 64 rows; longer reductions keep the TMA store; the decode sizes take the
-    pointer kernel."""
+    stores (docs/decisions.md, "Weight gradients at 17-128 rows per expert": with TMA stores,
+    dW's dirty lines push the operands out of L2), 128x256 above 64 rows; longer reductions
+    keep the TMA store; the decode sizes take the pointer kernel."""
     from moe_route import tuning
 
     for rows in (17.0, 64.0, 65.0, 128.0):

@@ -139,8 +139,8 @@ def stage_host(shape: Shape, ctx: Context) -> None:
             continue
         host_us = host.median_s * 1e6
         extra = {"calls": ctx.host_calls, "eager_us": eager_us}
-        # NOTE: H100 host (2026-11-24): index_select took 7.5-18 us per call in runs of one
-        # session (a shared CPU); timing it next to each row keeps the ratio within one window.
+        # A shared host's speed drifts: timed next to each row, the ratio stays within one
+        # window (docs/decisions.md, "Host-stage method").
         yardstick_us = host_us if name == YARDSTICK else _yardstick_us(calls[YARDSTICK], ctx)
         extra["index_select_us"] = yardstick_us
         extra["per_index_select"] = host_us / yardstick_us
@@ -170,18 +170,11 @@ def _first_calls(shape: Shape, ctx: Context) -> None:
     def call(t):
         return lambda: moe_route.fused_moe(x[:t], w1, w2, tw[:t], ids[:t], backend=ctx.backend)
 
-    # NOTE: H100 (scripts/new_t_probe.py, 2026-11-26): right after a loop of unsynchronised
-    # calls, the next synchronised call of any T, a seen one too, took 1.3-2x a repeated one
-    # (990 against 745 us at qwen3 T=64). One call at the seen T settles that first, so the
-    # row measures what a new T costs.
-    # NOTE: H100 (scripts/new_t_probe.py --tokens 8, 2026-11-27): single synchronised calls at
-    # qwen3 T=8 took 243-541 us, a seen T and a new one alike, and one suite run read the worst
-    # of three first calls as 3.3x the repeated ones (the next run: 1.16x). The host time of
-    # each call (until it returns) is where a compile (100s of ms) or a decision taken again
-    # would show; it is noisy too: a call right after the device drained took 94-561 us of
-    # host time against 35-95 us per call in a loop, first calls 1.3-1.9x the repeated ones
-    # (bench/data/host_h100.json): after waiting out the device the host runs cold, for
-    # torch's own calls as for ours (scripts/sync_probe.py: 3-5x after a 2 ms idle gap).
+    # The first synchronised call after a loop of unsynchronised ones is slow at any T: one call
+    # at the seen T settles that first (docs/decisions.md, "Host-stage method").
+    # Single calls' latency is noisy; their host time (until they return) is where a compile or
+    # a decision taken again would show, a cold host after the wait aside (docs/decisions.md,
+    # "Host-stage method").
     time_once(call(shape.T), ctx.device)
     first = [time_once(call(t), ctx.device) for t in counts]
     repeat = [time_once(call(t), ctx.device) for t in counts for _ in range(3 if ctx.cuda else 1)]

@@ -43,15 +43,12 @@ import torch
 
 from .. import reference
 
-# NOTE: float32, E=8, one CPU thread (torch 2.13): torch._grouped_mm over the routed rows beat
-# one matmul per expert by 1.2-3.3x from 8 rows (5 experts) to 2048 rows at Kd, N in 32-64,
-# and by 1.5x at 512 rows of 1024 x 512; over 2 rows it lost (12 vs 5-11 us).
+# torch._grouped_mm from a few rows, a matmul per expert below: docs/decisions.md, "Torch
+# backend on the CPU".
 _GROUPED_MM_DTYPES = (torch.float32,)
 _GROUPED_MM_MIN_ROWS = 3
-# NOTE: routing maps on one CPU thread (torch 2.13, E=8, K=2): alone, NumPy took 16-29 us from
-# T=1 to 64, torch ops 42-62 us; at 32768 slots NumPy's radix sort of int16 bins took 0.14 ms, a
-# stable torch.sort 0.41 ms. Followed by the MoE forward, as in use, Python lists made
-# maps + forward 99 us at T=1 and 140 us at T=8 where NumPy made it 122-131 and 164 us.
+# Routing maps in Python lists at small T, NumPy's sort at large T: docs/decisions.md, "Torch
+# backend on the CPU".
 _PYTHON_MAPS_MAX_SLOTS = 32
 _INT16_MAX = 2**15 - 1
 

@@ -233,11 +233,9 @@ def _gather(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torc
 def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     """The autograd all-to-all (``None`` splits: equal chunks); its backward is the reverse
     exchange. The result waits lazily: the first op that reads it waits for it."""
-    # NOTE: gloo, 2 ranks on 2 shared CPU cores, 4096x256 float64 rows, forward + backward
-    # (bench/bench_ep.py --collectives, two runs): this functional collective 46 / 54 ms,
-    # torch.distributed.nn.functional.all_to_all_single 44 / 49 ms. The functional one stays:
-    # the other is deprecated (torch 2.13), cannot be compiled (the fixed-capacity layer
-    # compiles fullgraph) and waits at once (ep_chunks relies on the lazy wait to overlap).
+    # The functional collective: the autograd one is deprecated, cannot be compiled and waits
+    # at once, where ep_chunks relies on the lazy wait (docs/decisions.md, "Expert-parallel
+    # all-to-all").
     return fc.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 

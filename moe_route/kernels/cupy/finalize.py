@@ -11,14 +11,8 @@ from .expand import rows_aligned
 # Threads per block (each owns one unit, 16 bytes or one element, of one output row at a time),
 # the permuted rows each thread loads at once (the kernel's KCHUNK), and the units each thread
 # walks through (the blocks per token are cdiv(units of a row, THREADS * UNITS_PER_THREAD)).
-# NOTE: on an H200 (bf16, K=8, T=4096/16384, H=4096/7168; bench/bench_cupy.py --sweep) the
-# first version, which read the slot tables from global memory in every thread between its row
-# loads, ran at 72-77 % of the copy bandwidth at best (4 rows in flight, 64 threads, 60
-# registers; 8 rows, 79 registers: 55-59 %); the Triton kernel ran at 96-103 %. With the tables
-# in shared memory (64 registers at 8 rows in flight), on an H100 (copy 2.96 TB/s): 8 rows in
-# flight, 256 threads, 4 units per thread ran at 96.6 / 98.2 / 100.6 / 100.8 % of the copy
-# bandwidth at the four shapes (Triton 95.5 / 97.4 / 99.4 / 99.3 %); 128 threads within 0.5 %;
-# 4 rows in flight 84-97 %; one unit per thread (a block per 16 bytes x threads) 93-97 %.
+# Slot tables in shared memory, 256 threads, 8 rows in flight: docs/decisions.md, "CuPy kernel
+# shapes".
 THREADS = 256
 ROWS_IN_FLIGHT = 8
 UNITS_PER_THREAD = 4

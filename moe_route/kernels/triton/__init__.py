@@ -6,11 +6,11 @@ public functions in :mod:`moe_route` validate them, once per call). A kernel onl
 :class:`ThinKernel` is how every launcher launches. Triton's ``kernel[grid](...)`` binds and
 specialises every argument on every call (26 µs of host time for a 20-argument kernel on an
 H100 host), where calling the compiled kernel's launcher directly with the tensors' addresses
-costs 6 µs (``scripts/op_layers.py``). A launcher knows which of its arguments can change the
-compiled variant (dtypes, strides, constexprs — the *launch key*; :class:`ThinKernel` adds the
-alignment), so after the first launch with a key it calls the compiled kernel straight away.
-Arguments that vary with the token count are marked ``do_not_specialize`` in the kernels, so a
-new ``T`` never compiles a new variant.
+costs 6 µs (docs/decisions.md, "Thin launches"). A launcher knows which of its arguments can
+change the compiled variant (dtypes, strides, constexprs — the *launch key*; :class:`ThinKernel`
+adds the alignment), so after the first launch with a key it calls the compiled kernel straight
+away. Arguments that vary with the token count are marked ``do_not_specialize`` in the kernels,
+so a new ``T`` never compiles a new variant.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class LaunchKey:
     """A launch key computed once and launched many times (a prepared launcher's): its hash is
     the tuple's, computed at construction, and a dict lookup with the same object compares by
     identity first, so a launch does not hash or compare the ~20 fields again (0.9 µs per
-    launch on an H100 host, ``scripts/decode_host_split.py``). Equal to another key only if the
+    launch on an H100 host, docs/decisions.md, "Thin launches"). Equal to another key only if the
     other is a :class:`LaunchKey` of an equal tuple."""
 
     __slots__ = ("_hash", "fields")

@@ -17,13 +17,8 @@ from ``topk_ids``:
 With ``counts``, program ``(0, 0)`` of the second launch also writes the routed slots per
 expert (``MoELayer``'s ``tokens_per_expert``): integer sums, no extra launch.
 
-NOTE: H100, bf16, 2026-11-25 (commit e86f9bd, reverted): programmatic dependent launch
-(``griddepcontrol.wait`` and the next kernel's release at each kernel's top, CUDA graphs of 16
-calls) made these kernels slower: qwen3 T=1 48.0 -> 48.8 us, T=4 104 -> 130, olmoe T=1
-59 -> 89, deepseek-v3 T=1 247 -> 324; pulling GEMM2's weight rows into L2 before its wait
-slower still (58.7 / 190 / 98 / 368). A likely cause (not profiled): the early-launched
-programs take the SMs GEMM1 leaves free, so GEMM2's few programs crowd onto some SMs instead of
-spreading over all. A chain of small copy kernels saved only 0.4-0.6 us per launch that way.
+The kernels launch plainly, without programmatic dependent launch, which made them slower
+(docs/decisions.md, "No programmatic dependent launch").
 
 Each output element has one owner and a fixed order: the same bits on every run. Each product
 is one row times a weight tile, computed as an MMA with the row in the first of ``BLOCK_M``
@@ -73,9 +68,8 @@ def _row_times(v_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION: tl.constexpr,
     ``col_ok`` (zeros elsewhere). The weight rows past the matrix are masked, not clamped into
     bounds: as in the grouped GEMM's main loop, a clamp hides the rows' contiguity from Triton,
     and a weight that is n-contiguous (a transposed view) then loads element by element."""
-    # NOTE: H100 (scripts/decode_sweep.py): one masked [BLOCK_M, BLOCK_K] load (the other rows
-    # never touch memory) goes through the pipelined shared-memory path like the weight tile;
-    # a [BLOCK_K] load spread over the rows with tl.where was rebuilt in registers every step.
+    # One masked [BLOCK_M, BLOCK_K] load goes through the pipelined shared-memory path like the
+    # weight tile (docs/decisions.md, "Decode tiles").
     first = tl.arange(0, BLOCK_M)[:, None] == 0
     a = tl.load(v_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
                 mask=first & k_ok[None, :], other=0.0)  # fmt: skip

@@ -17,8 +17,7 @@ import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv, next_pow2
 
-# NOTE: 2 KiB of columns per program beat 4/8/16 KiB on an H200 for both gather and scatter
-# forms at the mixtral and deepseek shapes (bench/bench_routing.py --sweep).
+# docs/decisions.md, "Expand and finalize block widths".
 BYTES_PER_PROGRAM = 2048
 
 

@@ -18,8 +18,7 @@ import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv, next_pow2
 
-# NOTE: on an H200, 2-4 KiB of columns per program reached 91-98% of the copy bandwidth at
-# the mixtral and deepseek shapes, 8 KiB 83-84% (bench/bench_routing.py --sweep).
+# docs/decisions.md, "Expand and finalize block widths".
 BYTES_PER_PROGRAM = 2048
 
 

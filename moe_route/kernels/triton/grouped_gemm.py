@@ -260,20 +260,15 @@ def _mainloop(a_ptr, a_desc, w_ptr, w_desc, e, first_row, a_rows, row_ok, w_rows
     ``w_rows`` / ``up_rows``: the ``W[e]`` rows of the tile's columns, read where ``col_ok``
     (zeros elsewhere: those columns are never stored). A mask, not rows clamped into bounds:
     a clamp hides the rows' contiguity from Triton, and where ``W`` is n-contiguous (the
-    backward's ``W.transpose(1, 2)``) every element then loads on its own.
-
-    NOTE: H100, bf16 (scripts/bwd_decode_sweep.py, 2026-11-24): with clamped rows the
-    backward's dX GEMM read W1's transpose at 12-14 % of the copy rate at decode sizes
-    (olmoe-1b-7b T=8: 857 us, against 131 us on a k-contiguous copy).
+    backward's ``W.transpose(1, 2)``) every element then loads on its own (docs/decisions.md,
+    "Transposed weights: mask, not clamp").
 
     With ``A_DESC`` / ``W_DESC`` the tiles come through TMA descriptors (Hopper): rows past the
     expert or the matrix are read (or zero-filled) but never stored. ``N_UP`` is the first up
     row for the descriptor path (concat layout).
 
-    NOTE: H100 (scripts/zero_rows_power.py, 2026-11-25): zero-filling those rows (a bounded
-    descriptor) would not save energy at the 700 W limit: a sustained bf16 8192^3 mm ran 1585
-    us with random A, 1599 with 1/8 of A's rows zero and 1629 with half (699 W, 1350-1380 MHz
-    each).
+    Zero-filling those rows would save no energy at the power limit (docs/decisions.md, "Zero
+    rows save no energy").
 
     ``ONE_DOT`` (gated, ``W_DESC``, instead of ``TWO``): the gate and up rows of the tile come
     in one ``[2*BLOCK_N, BLOCK_K]`` TMA box and go through one MMA into one ``[BLOCK_M,
@@ -574,8 +569,8 @@ def _gemm_act_bwd_kernel(
     bases = (z_ptr + first * stride_zm, dz_ptr + first * stride_zm, wh_ptr + first * stride_om)
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     if SPLIT_EPILOGUE:
-        # NOTE: H100, mixtral T=4096 (ncu): the whole-tile epilogue ran at 255 registers with
-        # 4.7 GB of local-memory spill traffic; two column halves, one after the other.
+        # Two column halves, one after the other: the whole-tile epilogue spills
+        # (docs/decisions.md, "Activation backward: fused or split").
         half: tl.constexpr = BLOCK_N // 2
         acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, half]), [0, 2, 1]))
         part = _act_bwd_epilogue(
@@ -716,8 +711,7 @@ def _gemm_finalize_kernel(
             # About one row in K arrives last: compact those rows to the front (a sort of the
             # row positions, last rows first) and reduce them RED_M at a time, so the K-row
             # gather costs registers and instructions for those rows only.
-            # NOTE: gathering over the whole tile instead ran 0.31-0.98x the standalone pair
-            # on an H100 (bench/data/fused_sweep_h100.csv) and spilled 1.4-5.8 KB per thread.
+            # Gathering over the whole tile spilled (docs/decisions.md, "Finalize path").
             pos = tl.arange(0, BLOCK_M)
             order = tl.sort(tl.where(last, pos, pos + BLOCK_M)) % BLOCK_M
             t_groups = tl.reshape(tl.gather(t, order, 0), [BLOCK_M // RED_M, RED_M])
@@ -956,11 +950,8 @@ class GemmLaunch:
         a_desc = None if self.gather else _a_descriptor(a, bm, bk, cfg.use_tma)
         w_desc, w_kmajor, one_dot = None, False, 0
         if cfg.persistent and cfg.use_tma and epilogue.gated:
-            # NOTE: with gate and up in two accumulators, the persistent kernel's flattened
-            # loop made ptxas serialise the wgmma instructions (warning C7515, sm_90a, Triton
-            # 3.5.1: a select resets an accumulator between wgmma and its wait;
-            # scripts/kernel_resources.py); one accumulator of twice the width, as GEMM2 has,
-            # compiles without it.
+            # One accumulator of twice the width: two make ptxas serialise the wgmma
+            # instructions (docs/decisions.md, "Gated GEMM1 accumulator").
             w_desc, one_dot = _gate_up_descriptor(w, n_out, bn, bk, epilogue.interleaved)
         if w_desc is None and not (epilogue.gated and epilogue.interleaved):
             w_desc, w_kmajor = _w_descriptor(w, bn, bk, cfg.use_tma)

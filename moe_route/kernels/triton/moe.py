@@ -21,27 +21,16 @@ never ``x_perm``, ``h`` or GEMM2's output):
 The weight gradients (steps 3 and 5) are the TMA kernel of :mod:`.weight_grad` where the
 operands allow, else its pointer kernel reading ``dout`` / ``x`` through the maps.
 
-NOTE: H100, bf16, 2026-11-25 (commit efb28dd, reverted; profiler timelines): the memory
-passes on a side stream beside the GEMMs, each launched right after its GEMM with one program
-per SM, hide little. Beside a GEMM a pass runs at a fraction of its rate and slows the GEMM by
-most of what it saves: qwen3 T=8192 x's expand beside dX 679 us (109 alone), dX 749 (662);
-dx's sum beside dW1 536 (106), dW1 782 (725); dout's expand beside step 1 (which then gathers
-dout) 709, step 1 435 (383). Eager steps moved by -0.6 to +2.2 % (within the rounds' spread);
-in eager order the sum's programs were at times placed before dW1's, which then waited. As a
-CUDA graph (one replay each, one run) qwen3 took 3955-3970 us against 4107-4130 without,
-deepseek-v3 and mixtral the same as without.
-NOTE: H100, 2026-11-25 (commit 1f14548, reverted; scripts/overlap_ab.py there): the same trial
-with the step on a high-priority stream (the passes' side stream at the default, lowest
-priority), qwen3 T=8192, 8 alternating rounds: eager 20 steps back to back 1.001x / 0.998x
-(priority) and 1.003x / 1.004x (without); CUDA graphs of 10 replays 3911-3929 against
-3980-3989 us (1.5-1.8 %). Over 200 steps back to back the board drew 687-694 W of its 700 W
-limit at 1575-1665 MHz, eager and graph alike (overlap 3: eager 4302 against 4315 us, graph
-4132 against 4271): sustained training steps at this shape are power-bound, as mixtral's are
-(stop 31), so overlap, which saves no energy, gains little there. Less energy per step (fewer
-padded MMAs, fewer bytes) is what would help.
+Everything runs on the caller's stream: memory passes on a side stream beside the GEMMs slow
+the GEMMs by most of what they save, and sustained steps are power-bound (docs/decisions.md,
+"No side stream in the backward").
 
 No float atomics anywhere in the backward: same inputs, same bits. The caller (the plan)
-chooses every configuration; nothing here decides policy.
+chooses the paths and every tile configuration; what depends only on the operands' layouts is
+decided here when a launch is prepared (:class:`WeightGradOperand`: expand the token rows or
+gather them; the launchers: TMA or pointer loads). The stage-by-stage backward
+(:func:`grouped_gemm_backward_triton`) computes the activation's backward with
+:func:`moe_route.reference.activation_backward_reference` (torch ops on the device).
 """
 
 from __future__ import annotations

@@ -293,10 +293,8 @@ class GateLaunch:
         E = gate_weight.shape[0]
         self.E, self.k, self.logits_dtype = E, k, logits_dtype
         block_e = max(16, next_pow2(E))
-        # NOTE: H100, bf16 (device time, 2026-11-24): one program reads the whole gate, so what
-        # it keeps in flight sets the speed. 128-wide H steps, 4 stages, 4 warps were best or
-        # within 5 % at E=128 / 64 / 8, H=2048-4096, T=1-64 (E=128 H=2048 T=1: 18 us; the
-        # 64-wide steps on 3 stages, 25 us). 256 experts take 64-wide steps (shared memory).
+        # One program reads the whole gate, so what it keeps in flight sets the speed; 256
+        # experts take 64-wide steps for shared memory (docs/decisions.md, "One-launch router").
         block_h = 32 if x.dtype == torch.float32 else (128 if block_e <= 128 else 64)
         stages = 3 if x.dtype == torch.float32 else 4
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32: ignored for 16-bit)

@@ -70,9 +70,8 @@ def check_num_experts_supported(
         )
 
 
-# NOTE: an in-program sort of n keys costs ~n log² n: on an H200 one 512-key tile took 5 µs,
-# 2048 keys 21 µs, 4096 keys 71 µs (bench/bench_routing.py --sweep). So one launch covers the
-# decode sizes and larger inputs use many small tiles.
+# An in-program sort of n keys costs ~n log² n: one launch covers the decode sizes, larger
+# inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles").
 ONE_TILE_MAX = 1024
 TILE = 512
 

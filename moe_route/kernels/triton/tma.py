@@ -39,9 +39,8 @@ class Descriptor:
     descriptor it has seen (the weights' every call; the activations' whenever the allocator
     hands back the same block).
 
-    NOTE: H100 host, qwen3-30b-a3b T=4096 forward + backward (scripts/backward_host.py,
-    2026-11-24): building ``TensorDescriptor`` objects and encoding them at each launch took
-    ~25 % of the launch sequences' host time (13 descriptors per step).
+    Building and encoding descriptors at each launch took a quarter of the launch sequences'
+    host time (docs/decisions.md, "Thin launches").
 
     The launchers check what TMA needs (:func:`tma_ok`) before they build one."""
 

@@ -262,7 +262,7 @@ def _expert_weight_grad_tma_kernel(
     are compile-time constants, so that the tile index's division into ``(e, n-tile, k-tile)``,
     redone at every row step of the flat loop, is a multiply and shift rather than an integer
     division: ~45 fewer instructions per step, where a program issues one instruction every
-    ~4 cycles (see the tuning NOTE of :func:`moe_route.tuning.weight_grad_config`).
+    ~4 cycles (docs/decisions.md, "Weight-gradient tiles").
 
     Consecutive tiles step along ``Kd`` (``K_FASTEST``) or along ``N`` (the tuning picks:
     along the dimension with fewer tiles, the programs running at once share the other
