@@ -39,8 +39,17 @@ from .grouped_gemm import (
 )
 from .kernels import torch_impl
 from .kernels.triton.decode import MAX_SLOTS, DecodeConfig, DecodeLaunch, moe_decode_triton
-from .kernels.triton.moe import MoEConfigs, moe_backward_triton, moe_forward_triton
+from .kernels.triton.grouped_gemm import MAX_EXPERTS
+from .kernels.triton.moe import (
+    MoEConfigs,
+    QuantConfigs,
+    moe_backward_triton,
+    moe_forward_quant_triton,
+    moe_forward_triton,
+)
 from .maps import MapsCall, check_kernel_limits, maps_backend
+from .quant import QuantSpec, as_quant, check_weight, dequantize_experts
+from .reference import GATE_UP_LAYOUTS
 from .tuning import token_bucket, token_buckets
 
 
@@ -341,6 +350,186 @@ def _decode_fake(x, w1, w2, topk_weights, topk_ids, *rest):
 DECODE = Op("moe_decode", moe_decode_tables, _decode_fake)
 
 
+# --------------------------------------------------------------------------- quantised experts
+@functools.cache
+def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout,
+                spec: QuantSpec, backend, env):  # fmt: skip
+    """The plan of a call on quantised experts: the standalone finalize, GEMM1 gathering."""
+    chosen = arch.backend_for(device, backend).value
+    maps_chosen = maps_backend(device, backend, bucket, K, E)
+    check_kernel_limits(maps_chosen, E, K, device)
+    if chosen == "torch":
+        return MoEPlan("torch", maps_chosen, None, "standalone", True)
+    epi = epilogue_for(activation, layout)
+    cc = arch.compute_capability(device)
+    rows = bucket * K / E
+    mx = spec.format == "mxfp4"
+    cfg = QuantConfigs(
+        gemm1=tuning.quant_gemm_config(rows, epi.gated, mx, cc),
+        gemm2=tuning.quant_gemm_config(rows, False, mx, cc), epilogue=epi, fp8=spec.fp8,
+        x_group=max(spec.act_group, 0), ue8m0=spec.ue8m0,
+        w_block_rows=spec.block[0] if spec.format == "fp8_block" else 1,
+    )  # fmt: skip
+    return MoEPlan("triton", maps_chosen, cfg, "standalone", True)
+
+
+def _quant_plan_for(x, w1, w2, K, activation, layout, spec: QuantSpec, backend) -> MoEPlan:
+    return _quant_plan(x.device, x.dtype, tuple(w1.shape), tuple(w2.shape), w1.shape[0], K,
+                       token_bucket(x.shape[0]), activation, layout, spec, backend,
+                       arch.env_key())  # fmt: skip
+
+
+def moe_quant_tables(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    src_to_dest: torch.Tensor,
+    dest_to_src: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: str,
+    gate_up_layout: str,
+    quant: str,
+    backend: str,
+) -> torch.Tensor:
+    """``out [T, H]`` of the experts on quantised weights (``quant``: the spec's name) on a
+    resolved ``backend``."""
+    spec = as_quant(quant)
+    maps = (src_to_dest, dest_to_src, expert_for_src, offsets)
+    if backend == "torch":
+        return torch_impl.moe_forward_quant_torch(
+            x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, *maps, activation,
+            gate_up_layout, spec,
+        )  # fmt: skip
+    plan = _quant_plan_for(x, w1, w2, topk_weights.shape[1], activation, gate_up_layout, spec,
+                           backend)  # fmt: skip
+    return moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias,
+                                    maps, plan.configs)  # fmt: skip
+
+
+def _moe_quant_fake(x, *_):
+    return x.new_empty(x.shape)
+
+
+def _quant_setup_context(ctx, inputs, output):
+    x, w1, w1s, w2, w2s, tw, b1, b2, bias, s2d, d2s, efs, offsets, act, layout, quant, be = inputs
+    ctx.save_for_backward(x, w1, w1s, w2, w2s, tw, b1, b2, s2d, d2s, efs, offsets)
+    ctx.config = (act, layout, quant, be)
+    ctx.bias_meta = None if bias is None else (bias.dim(), bias.dtype)
+
+
+def _quant_backward(ctx, dout):
+    """Gradients of ``x``, the router weights and the biases on frozen quantised experts:
+    bf16 (the activations' dtype) products on the weights dequantised for this backward, at
+    the unquantised ``x`` (the quantisers pass gradients straight through), by the 16-bit
+    backward's launch sequence (which recomputes GEMM1's pre-activation first). FP8 products
+    would need ``dout`` quantised too: that is FP8 training, not adapters on an FP8 base."""
+    x, w1, w1s, w2, w2s, tw, b1, b2, s2d, d2s, efs, offsets = ctx.saved_tensors
+    act, layout, quant, be = ctx.config
+    need = ctx.needs_input_grad
+    spec = as_quant(quant)
+    n1 = w1.shape[1]
+    w1d = dequantize_experts(w1, w1s, spec, x.shape[1]).to(x.dtype)
+    w2d = dequantize_experts(w2, w2s, spec, n1 // 2 if as_activation(act).gated else n1)
+    w2d = w2d.to(x.dtype)
+    maps = (s2d, d2s, efs, offsets)
+    _, z = MOE(x, w1d, w2d, tw, b1, b2, None, *maps, act, layout, "standalone", True, False, be,
+               True)  # fmt: skip
+    dx, _, _, dtw, db1, db2 = _MOE_BACKWARD(
+        dout, x, w1d, w2d, tw, b1, b2, z, *maps, act, layout, need[0], need[6], need[7],
+        need[5], False, False, be,
+    )  # fmt: skip
+    dbias = None
+    if need[8]:
+        ndim, dtype = ctx.bias_meta
+        acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+        dbias = (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
+    grads = (dx, None, None, None, None, dtw, db1, db2)
+    return (
+        tuple(
+            g if n and g is not None and g.numel() else None
+            for g, n in zip(grads, need[:8], strict=True)
+        )
+        + (dbias,)
+        + (None,) * 8
+    )
+
+
+QMOE = Op("moe_experts_quant", moe_quant_tables, _moe_quant_fake,
+          setup_context=_quant_setup_context, backward=_quant_backward)  # fmt: skip
+
+
+def run_quant_experts(plan: MoEPlan, x, w1, w1_scale, w2, w2_scale, topk_weights, maps,
+                      activation: str, gate_up_layout: str, quant: str, b1=None, b2=None,
+                      bias=None) -> torch.Tensor:  # fmt: skip
+    """The experts on quantised weights, on checked inputs and built maps, through the op."""
+    return QMOE(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, *maps.tensors(),
+                activation, gate_up_layout, quant, plan.backend)  # fmt: skip
+
+
+class PreparedQuantExperts:
+    """:func:`run_quant_experts` for one call signature in eager inference on the Triton
+    backend and plain tensors: the launch sequence's prepared launches kept (as
+    :class:`PreparedExperts` keeps the 16-bit ones). Calls that want a gradient go through
+    the op. Keeps no tensor."""
+
+    __slots__ = ("activation", "forward", "layout", "plan", "quant")
+
+    def __init__(self, plan: MoEPlan, activation: str, gate_up_layout: str, quant: str):
+        self.plan, self.activation, self.layout, self.quant = (
+            plan,
+            activation,
+            gate_up_layout,
+            quant,
+        )
+        self.forward: dict = {}
+
+    def __call__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, maps, b1=None, b2=None,
+                 bias=None):  # fmt: skip
+        if _wants_grad(x, topk_weights, b1, b2, bias):
+            return run_quant_experts(self.plan, x, w1, w1_scale, w2, w2_scale, topk_weights,
+                                     maps, self.activation, self.layout, self.quant, b1, b2,
+                                     bias)  # fmt: skip
+        return moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2,
+                                        bias, maps.tensors(), self.plan.configs,
+                                        self.forward)  # fmt: skip
+
+
+def _check_quant_args(x, w1, w1_scale, w2, w2_scale, b1, b2, spec: QuantSpec, activation,
+                      gate_up_layout: str) -> tuple[int, int]:  # fmt: skip
+    """Validate ``fused_moe``'s experts on quantised weights; ``(E, I)``."""
+    _checks.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    act = as_activation(activation)
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}")
+    _checks.check_tensor("w1", w1, ndim=3)
+    _checks.check_tensor("w2", w2, ndim=3)
+    H = x.shape[1]
+    E, n1 = w1.shape[0], w1.shape[1]
+    if act.gated and n1 % 2:
+        raise ValueError(f"w1 for gated activation {str(act)!r} must have an even N = 2*I, got "
+                         f"{_checks.describe(w1)}")  # fmt: skip
+    n_inter = n1 // 2 if act.gated else n1
+    check_weight("w1", w1, "w1_scale", w1_scale, spec, (E, n1, H))
+    check_weight("w2", w2, "w2_scale", w2_scale, spec, (E, H, n_inter))
+    for name, b, n in (("b1", b1, n1), ("b2", b2, H)):
+        if b is not None:
+            _checks.check_tensor(name, b, ndim=2, dtypes=(x.dtype, torch.float32))
+            if tuple(b.shape) != (E, n):
+                raise ValueError(f"{name} must be [E, N] = [{E}, {n}], got {_checks.describe(b)}")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"w1 has E = {E} experts; the grouped GEMM takes at most {MAX_EXPERTS}")
+    _checks.check_same_device(x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, b1=b1,
+                              b2=b2)  # fmt: skip
+    return E, n_inter
+
+
 # --------------------------------------------------------------------------- public API
 def fused_moe(
     x: torch.Tensor,
@@ -359,6 +548,9 @@ def fused_moe(
     gather: bool | None = None,
     allow_tf32: bool = False,
     backend: str = "auto",
+    quant: str | QuantSpec | None = None,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer's expert computation: maps → GEMM1 + activation → GEMM2 → finalize.
 
@@ -381,6 +573,13 @@ def fused_moe(
             expand first so that GEMM1 loads its rows with TMA. ``None`` picks by shape: a
             separate expand pays off only when each row carries much work (large ``I``).
         backend: ``"auto"``, ``"triton"``, ``"cupy"`` (its maps, Triton GEMMs) or ``"torch"``.
+        quant: quantised experts (:mod:`moe_route.quant`: ``"fp8"``, ``"fp8_ue8m0"``,
+            ``"fp8_channel"``, ``"mxfp4"`` or a :class:`moe_route.QuantSpec`): ``w1`` / ``w2``
+            hold the codes and ``w1_scale`` / ``w2_scale`` their scales in that layout
+            (:func:`moe_route.quantize_experts` makes both). FP8 quantises the tokens per
+            call; the finalize is the standalone one. The weights are frozen: gradients reach
+            ``x``, the router weights and the biases (bf16 products on the dequantised
+            weights).
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
@@ -394,10 +593,14 @@ def fused_moe(
     if memo_wanted():
         key = _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, activation,
                         gate_up_layout, finalize, deterministic, gather, allow_tf32,
-                        backend)  # fmt: skip
+                        backend, quant, tensor_key(w1_scale), tensor_key(w2_scale))  # fmt: skip
         call = _CALLS.get(key)
         if call is not None:
-            return call(x, w1, w2, topk_weights, topk_ids, b1, b2, bias)
+            return call(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale, w2_scale)
+    if quant is not None or w1_scale is not None or w2_scale is not None:
+        return _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation,
+                                gate_up_layout, b1, b2, bias, finalize, backend, quant,
+                                w1_scale, w2_scale)  # fmt: skip
     spec = as_activation(activation)
     E, n_inter = check_gemm_args("x", x, "w1", w1, "b1", b1, spec, gate_up_layout)
     # The op and the plan carry the spec as its canonical string: a constant for
@@ -440,6 +643,47 @@ def fused_moe(
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
 
 
+def _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation, gate_up_layout, b1, b2,
+                     bias, finalize, backend, quant, w1_scale, w2_scale):  # fmt: skip
+    """:func:`fused_moe` on quantised experts, first call of its signature: checks, plan."""
+    spec = as_quant(quant)
+    if spec is None:
+        raise ValueError("w1_scale / w2_scale are given without quant=: name the weights' format "
+                         "(e.g. quant='fp8')")  # fmt: skip
+    if finalize not in ("auto", "standalone"):
+        raise ValueError(f"finalize={finalize!r}: quantised experts take the standalone finalize "
+                         "('auto' or 'standalone')")  # fmt: skip
+    E, _ = _check_quant_args(x, w1, w1_scale, w2, w2_scale, b1, b2, spec, activation,
+                             gate_up_layout)  # fmt: skip
+    activation = str(as_activation(activation))
+    T, H = x.shape
+    if bias is not None:
+        _checks.check_tensor("bias", bias, dtypes=_checks.FLOAT_DTYPES)
+        if tuple(bias.shape) not in ((H,), (T, H)):
+            raise ValueError(
+                f"bias must be [H] = [{H}] or [T, H] = [{T}, {H}], got {_checks.describe(bias)}"
+            )
+    _checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_checks.FLOAT_DTYPES)
+    ids = _checks.check_topk_ids(topk_ids, E)
+    if topk_weights.shape[0] != T or tuple(topk_weights.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"topk_weights {_checks.describe(topk_weights)} must match topk_ids "
+            f"{_checks.describe(ids)} and have T = {T} rows like x"
+        )
+    _checks.check_same_device(x=x, w1=w1, bias=bias, topk_weights=topk_weights, topk_ids=ids)
+    plan = _quant_plan_for(x, w1, w2, ids.shape[1], activation, gate_up_layout, spec, backend)
+    if plan.backend == "triton":
+        if x.dtype == torch.float32 and not spec.fp8:
+            raise TypeError(f"x is float32: MXFP4 experts take bf16 / fp16 tokens, got "
+                            f"{_checks.describe(x)}")  # fmt: skip
+        check_interpreter_dtype("x", x, plan.backend)
+    call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
+                     gate_up_layout, False, key is not None, str(spec))  # fmt: skip
+    if token_bucket(T) * ids.shape[1] < 2**31:
+        _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale))
+    return call(x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
+
+
 # --------------------------------------------------------------------------- call memo
 class FusedCall:
     """What :func:`fused_moe` decided for one call signature (:func:`_call_key`): the plan, the
@@ -463,12 +707,13 @@ class FusedCall:
         "layout",
         "maps",
         "plan",
+        "quant",
     )  # fmt: skip
 
     def __init__(self, plan: MoEPlan, x, w1, w2, topk_weights, ids, b1, b2, bias,
                  activation: str, gate_up_layout: str, allow_tf32: bool,
-                 eager: bool):  # fmt: skip
-        self.plan, self.E = plan, w1.shape[0]
+                 eager: bool, quant: str | None = None):  # fmt: skip
+        self.plan, self.E, self.quant = plan, w1.shape[0], quant
         self.activation, self.layout, self.allow_tf32 = activation, gate_up_layout, allow_tf32
         self.check_ids = _checks.ids_value_check_wanted(ids, None)
         self.cuda = x.is_cuda
@@ -485,15 +730,26 @@ class FusedCall:
         self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
         self.experts = None
         if eager and plan.backend == "triton" and not needs_dispatcher(args):
-            self.experts = PreparedExperts(plan, activation, gate_up_layout, allow_tf32)
+            if quant is None:
+                self.experts = PreparedExperts(plan, activation, gate_up_layout, allow_tf32)
+            else:
+                self.experts = PreparedQuantExperts(plan, activation, gate_up_layout, quant)
 
-    def __call__(self, x, w1, w2, topk_weights, ids, b1, b2, bias) -> torch.Tensor:
+    def __call__(self, x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale=None,
+                 w2_scale=None) -> torch.Tensor:  # fmt: skip
         if self.check_ids:
             _checks.check_topk_id_values(ids, self.E)
         decode = self.decode  # (None under torch.compile: nothing below traces a capture query)
         if decode is not None and not (self.cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
         maps = self.maps(ids)
+        if self.quant is not None:
+            if self.experts is not None:
+                return self.experts(x, w1, w1_scale, w2, w2_scale, topk_weights, maps, b1, b2,
+                                    bias)  # fmt: skip
+            return run_quant_experts(self.plan, x, w1, w1_scale, w2, w2_scale, topk_weights,
+                                     maps, self.activation, self.layout, self.quant, b1, b2,
+                                     bias)  # fmt: skip
         if self.experts is not None:
             return self.experts(x, w1, w2, topk_weights, maps, b1, b2, bias)
         return run_experts(self.plan, x, w1, w2, topk_weights, maps, self.activation,

@@ -130,6 +130,22 @@ def _gemm_table(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int
     return GemmConfig(128, n, big_k, group, 8, 3, tma, persistent=persistent, tma_store=tma_store)
 
 
+def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
+                      cc: int | None) -> GemmConfig:  # fmt: skip
+    """Tiles of the grouped GEMM on quantised weights (:mod:`moe_route.kernels.triton.quant`).
+
+    FP8: ``block_k`` is the scale block (128) and ``block_n`` 128, the activations' group
+    (GEMM1's epilogue quantises its output per tile). MXFP4: 16-bit products on weights
+    unpacked in the loader, the same tile shape. Rows per expert pick the m-tile: 64 up to 64
+    rows (decode and small batches read each expert's weights once per n-tile either way),
+    else 128 on 8 warps. Two weight operands (gated) take one stage less of shared memory.
+    """
+    del cc  # one table for every architecture the FP8 path runs on (SM89+, the interpreter)
+    if rows_per_expert <= 64:
+        return GemmConfig(64, 128, 128, 8, 4, 3)
+    return GemmConfig(128, 128, 128, 8, 8, 3 if gated else 4)
+
+
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,
                         kd: int | None = None):  # fmt: skip
     """Step 1 of the backward (GEMM2's input gradient with the activation's backward): the fused

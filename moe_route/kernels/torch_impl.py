@@ -583,3 +583,64 @@ def moe_backward_torch(
         dw1 = _as(_segment_outer(dz, x_rows, seg), w1.dtype)
         db1 = _as(_segment_sum(dz, seg), w1.dtype)
     return dx, dw1, dw2, dtopk, db1, db2
+
+
+# --------------------------------------------------------------------------- quantised experts
+def moe_forward_quant_torch(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    src_to_dest: torch.Tensor,
+    dest_to_src: torch.Tensor,
+    expert_for_src: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: str,
+    gate_up_layout: str,
+    spec,
+) -> torch.Tensor:
+    """The MoE forward on quantised experts (:mod:`moe_route.quant`), the contract the Triton
+    kernels keep: weights dequantised to float32; on FP8 the tokens quantised per token (per
+    128 columns, or per row for ``fp8_channel``) by the reference quantiser and GEMM2's input
+    ``act(z)`` quantised per 128 columns from its float32 value; on MXFP4 the activations stay
+    16-bit (``act(z)`` rounded to ``x.dtype``, as GEMM2 reads it). Products and the finalize in
+    float32, rounded once to ``x.dtype``."""
+    from .. import quant
+    from ..activations import as_activation
+
+    T, K = topk_weights.shape
+    M = dest_to_src.numel()
+    seg = _Segments(offsets)
+    n = seg.n
+    n1 = w1.shape[1]
+    W1 = quant.dequantize_experts(w1, w1_scale, spec, x.shape[1])
+    n_inter = n1 // 2 if as_activation(activation).gated else n1
+    W2 = quant.dequantize_experts(w2, w2_scale, spec, n_inter)
+    if spec.fp8:
+        xq, xs = quant.quantize_fp8_rows(x, spec.act_group, ue8m0=spec.ue8m0)
+        rows = quant.dequantize_fp8_rows(xq, xs, spec.act_group)
+    else:
+        rows = x.float()
+    z = _segment_mm(_gathered_rows(rows, dest_to_src, n, torch.float32), W1, seg, b1)
+    h = _activation(z, activation, gate_up_layout)
+    if spec.fp8:
+        hq, hs = quant.quantize_fp8_rows(h, quant.SCALE_K, ue8m0=spec.ue8m0)
+        h = quant.dequantize_fp8_rows(hq, hs, quant.SCALE_K)
+    else:
+        h = h.to(x.dtype).float()
+    y = _segment_mm(h, W2, seg, b2)
+    if T == 0:
+        return x.new_empty(0, x.shape[1])
+    weights = _as(topk_weights.t(), torch.float32)
+    if n < M:
+        y = _with_zero_tail(y, M, torch.float32)
+        weights = torch.where(expert_for_src.view(K, T) >= 0, weights, 0)
+    acc = _finalize_rows(y.index_select(0, src_to_dest), weights, None, K, T)
+    if bias is not None:
+        acc += _as(bias, torch.float32)
+    return _as(acc, x.dtype)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cdiv
 from .act_backward import ActBackwardConfig, RowPassLaunch
 from .expand import ExpandLaunch
 from .finalize import FinalizeLaunch, finalize_triton
@@ -51,6 +52,7 @@ from .grouped_gemm import (
     grouped_gemm_finalize_triton,
     grouped_gemm_triton,
 )
+from .quant import SCALE_K, QuantGemmLaunch, QuantizeRowsLaunch
 from .tma import TMA_DTYPES
 from .weight_grad import (
     RouterGradLaunch,
@@ -287,3 +289,62 @@ class WeightGradOperand:
         rows = token_rows.new_empty(M, token_rows.shape[1])
         self.expand(token_rows, src_to_dest, expert_for_src, rows)
         return rows, False
+
+
+# --------------------------------------------------------------------------- quantised experts
+@dataclass(frozen=True)
+class QuantConfigs:
+    """The launch configurations of one ``fused_moe`` call on quantised experts."""
+
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+    epilogue: GemmEpilogue
+    #: FP8 activations and weights (else MXFP4 weights, 16-bit activations)
+    fp8: bool
+    #: columns per scale of the tokens' FP8 codes (0: one per token)
+    x_group: int
+    #: rows per scale block of the FP8 weights (1: per channel)
+    w_block_rows: int
+    ue8m0: bool
+
+
+def moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, maps,
+                             cfg: QuantConfigs, launches=None) -> torch.Tensor:  # fmt: skip
+    """``out [T, H]`` of the experts on quantised weights (:mod:`.quant`): on FP8, the tokens
+    quantised once (``[T, H]``), GEMM1 gathering their codes and writing GEMM2's input as FP8
+    codes and scales, GEMM2 writing 16-bit rows; on MXFP4, 16-bit rows throughout. Then the
+    standalone finalize. ``launches``: see :func:`prepared`."""
+    L = {} if launches is None else launches
+    src_to_dest, dest_to_src, expert_for_src, offsets = maps
+    M = dest_to_src.numel()
+    T, H = x.shape
+    K = topk_weights.shape[1]
+    n_inter = w1.shape[1] // 2 if cfg.epilogue.gated else w1.shape[1]
+    fp8 = torch.float8_e4m3fn
+    if cfg.fp8:
+        groups = 1 if cfg.x_group == 0 else cdiv(H, cfg.x_group)
+        xq = torch.empty(T, H, dtype=fp8, device=x.device)
+        xs = torch.empty(T, groups, dtype=torch.float32, device=x.device)
+        prepared(L, "quant_x", QuantizeRowsLaunch, x, cfg.x_group, cfg.ue8m0)(x, xq, xs)
+        h = torch.empty(M, n_inter, dtype=fp8, device=x.device)
+        hs = torch.empty(M, cdiv(n_inter, SCALE_K), dtype=torch.float32, device=x.device)
+        rows, rows_s = xq, xs
+    else:
+        h, hs = x.new_empty(M, n_inter), None
+        rows, rows_s = x, None
+    gemm1 = prepared(L, "gemm1", QuantGemmLaunch, rows, rows_s, w1, w1_scale, x.shape[1],
+                     cfg.gemm1, cfg.epilogue, b1, True, h.dtype, cfg.fp8, not cfg.fp8,
+                     cfg.w_block_rows, cfg.ue8m0)  # fmt: skip
+    gemm1(rows, rows_s, w1, w1_scale, offsets, h, hs, b1, dest_to_src, M)
+    del rows, rows_s
+    y = x.new_empty(M, H)
+    gemm2 = prepared(L, "gemm2", QuantGemmLaunch, h, hs, w2, w2_scale, n_inter, cfg.gemm2,
+                     IDENTITY, b2, False, y.dtype, False, not cfg.fp8, cfg.w_block_rows,
+                     cfg.ue8m0)  # fmt: skip
+    gemm2(h, hs, w2, w2_scale, offsets, y, None, b2)
+    del h, hs
+    out = x.new_empty(T, H)
+    if T:
+        fin = prepared(L, "finalize", FinalizeLaunch, y, topk_weights, bias, K, x.dtype)
+        fin(y, topk_weights, src_to_dest, expert_for_src, bias, out)
+    return out

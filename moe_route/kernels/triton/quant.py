@@ -1,0 +1,395 @@
+"""Quantised experts: the activations' FP8 quantiser and the grouped GEMM on quantised weights.
+
+* :func:`_quantize_rows_kernel` — ``x [R, C]`` to e4m3 codes and one float32 scale per row per
+  ``GROUP`` columns (or per row): :func:`moe_route.quant.quantize_fp8_rows`'s bits. ``fused_moe``
+  quantises the tokens ``[T, H]`` once (a token goes to ``K`` experts; GEMM1 gathers its
+  codes and scales through the maps).
+* :func:`_quant_gemm_kernel` — GEMM1 / GEMM2 over expert-grouped rows (the tile order, expert
+  lookup and epilogue of :mod:`.grouped_gemm`, shared through its ``@triton.jit`` helpers), in
+  one of two products:
+
+  - ``MXFP4 = False``: FP8 × FP8. Each ``BLOCK_K = 128`` step is one tensor-core product of
+    e4m3 codes whose float32 result is scaled by the row's activation scale and the weight
+    block's scale and added to a float32 accumulator: Hopper's FP8 MMA accumulates with
+    reduced precision, so no partial sum runs longer than one scale block (DeepSeek-V3's and
+    DeepGEMM's promotion). Per-channel scales (``fp8_channel``) come with a zero k-stride.
+  - ``MXFP4 = True``: 16-bit activations × e2m1 weights: the loader unpacks two codes per
+    byte, scales each 32 values by their ue8m0 exponent and feeds a 16-bit MMA (Hopper has no
+    FP4 MMA).
+
+  ``OUT_FP8`` (GEMM1 on FP8): the epilogue quantises ``act(...)`` per row over its
+  ``BLOCK_N = 128`` columns (the activations' group) and writes GEMM2's input as e4m3 codes and
+  scales, so the intermediate is half the bytes and no separate pass reads it. Dropped rows
+  ``[offset[E], M)`` are written as zeros (codes and scales), so every output is defined.
+
+``UPCAST`` / ``SOFT_FP8`` (the CPU interpreter only, whose FP8 dot and float-to-e4m3 rounding
+are wrong): the e4m3 operands are widened to fp16 (exactly) before the product, and codes are
+rounded in integer arithmetic (:func:`_e4m3_bits`); the scaling, gathers and epilogue are the
+GPU's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, next_pow2
+from .activation import gated_forward, plain_forward
+from .grouped_gemm import (
+    GemmConfig,
+    GemmEpilogue,
+    _a_rows,
+    _beyond_tiles,
+    _gate_up_rows,
+    _m_tiles,
+    _program_tile,
+    _tile_expert,
+)
+
+#: The largest finite e4m3 value and the floor of a block's absolute maximum
+#: (:mod:`moe_route.quant`'s constants, restated as kernel literals).
+FP8_MAX: tl.constexpr = 448.0
+FP8_EPS: tl.constexpr = 1e-10
+#: Columns per scale block along the reduction (the FP8 formats' ``k`` block).
+SCALE_K = 128
+#: Values per MXFP4 scale.
+MX_GROUP = 32
+
+_VARYING = ["M_ROWS", "M_TILES", "T", "R"]
+
+
+# --------------------------------------------------------------------------- FP8 quantiser
+@triton.jit
+def _pow2_ceil(s):
+    """The smallest power of two >= ``s`` (positive normal float32), exactly."""
+    bits = s.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale(amax, UE8M0: tl.constexpr):
+    s = tl.math.div_rn(tl.maximum(amax, FP8_EPS), FP8_MAX)
+    if UE8M0:
+        s = _pow2_ceil(s)
+    return s
+
+
+@triton.jit
+def _round_bits(bits):
+    """float32 bits rounded to 3 mantissa bits, nearest even, shifted down: a carry out of
+    the mantissa goes into the exponent, as it must."""
+    return (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """The e4m3 codes of finite float32 ``|v| <= 448`` as ``uint8``, rounded to nearest even,
+    in integer arithmetic. The CPU interpreter's own conversion drops the carry of a rounding
+    into the exponent (124.3 became 64), so it runs this; the GPU runs its conversion."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    tiny = a < 0.015625  # 2^-6, e4m3's smallest normal: below it, steps of 2^-9
+    # a + 2^-6 is exact and rounds the subnormal steps where a normal 2^-6 + k 2^-9 rounds
+    shifted = tl.where(tiny, a + 0.015625, a).to(tl.int32, bitcast=True)
+    code = _round_bits(shifted) - (120 << 3) - tl.where(tiny, 8, 0)
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def fp8_codes(v, s, SOFT_FP8: tl.constexpr):
+    """``e4m3(clamp(v / s, -448, 448))``, ``s`` broadcast over ``v`` (as ``uint8`` codes with
+    ``SOFT_FP8``: :func:`_e4m3_bits`)."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)
+    if SOFT_FP8:
+        return _e4m3_bits(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xc, stride_qr, stride_sr,
+                          GROUP: tl.constexpr, ROW_WISE: tl.constexpr, UE8M0: tl.constexpr,
+                          SOFT_FP8: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):  # fmt: skip
+    """Program ``(i, g)``: rows ``[i*BLOCK_R, ...)``, column group ``g`` (``GROUP = BLOCK_C``
+    columns); with ``ROW_WISE`` one scale per row over all ``C`` columns (two passes)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xr
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_qr
+    if ROW_WISE:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ok = row_ok[:, None] & (cols < C)[None, :]
+            v = tl.load(x_rows + cols[None, :] * stride_xc, mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        s = fp8_scale(amax, UE8M0)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ok = row_ok[:, None] & (cols < C)[None, :]
+            v = tl.load(x_rows + cols[None, :] * stride_xc, mask=ok, other=0.0).to(tl.float32)
+            tl.store(q_rows + cols[None, :], fp8_codes(v, s[:, None], SOFT_FP8), mask=ok)
+        tl.store(s_ptr + rows.to(tl.int64) * stride_sr, s, mask=row_ok)
+    else:
+        g = tl.program_id(1)
+        cols = g * GROUP + tl.arange(0, BLOCK_C)
+        ok = row_ok[:, None] & (cols < C)[None, :]
+        v = tl.load(x_rows + cols[None, :] * stride_xc, mask=ok, other=0.0).to(tl.float32)
+        s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
+        tl.store(q_rows + cols[None, :], fp8_codes(v, s[:, None], SOFT_FP8), mask=ok)
+        tl.store(s_ptr + rows.to(tl.int64) * stride_sr + g, s, mask=row_ok)
+
+
+_QUANTIZE_ROWS = ThinKernel(_quantize_rows_kernel)
+
+
+class QuantizeRowsLaunch:
+    """:func:`_quantize_rows_kernel`'s launch prepared from ``x``'s layout and the group
+    (``group=0``: one scale per row). Writes ``q [R, C]`` (contiguous e4m3) and ``s [R, G]``
+    (contiguous float32)."""
+
+    __slots__ = ("block_r", "cx", "groups", "key", "strides")
+
+    def __init__(self, x: torch.Tensor, group: int, ue8m0: bool):
+        C = x.shape[1]
+        row_wise = group == 0
+        block_c = 128 if row_wise else next_pow2(group)
+        self.block_r = 16
+        self.groups = 1 if row_wise else cdiv(C, group)
+        sx = x.stride()
+        self.strides = (C, *sx, C, self.groups)
+        self.key = LaunchKey((x.dtype, sx, C, group, ue8m0))
+        self.cx = dict(GROUP=max(group, 1), ROW_WISE=row_wise, UE8M0=ue8m0,
+                       SOFT_FP8=INTERPRETING, BLOCK_R=self.block_r, BLOCK_C=block_c,
+                       num_warps=4)  # fmt: skip
+
+    def __call__(self, x, q, s) -> None:
+        R = x.shape[0]
+        if R == 0 or x.shape[1] == 0:
+            return
+        C, sxr, sxc, sqr, ssr = self.strides
+        q = q.view(torch.uint8) if INTERPRETING else q
+        _QUANTIZE_ROWS.launch(self.key, (cdiv(R, self.block_r), self.groups),
+                              (x, q, s, R, C, sxr, sxc, sqr, ssr), lambda: self.cx)  # fmt: skip
+
+
+def quantize_rows_triton(x: torch.Tensor, group: int = 128, ue8m0: bool = False):
+    """``(q, s)`` of ``x [R, C]``: see :func:`moe_route.quant.quantize_fp8_rows`."""
+    R, C = x.shape
+    q = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(R, 1 if group == 0 else cdiv(C, group), dtype=torch.float32, device=x.device)
+    QuantizeRowsLaunch(x, group, ue8m0)(x, q, s)
+    return q, s
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+@triton.jit
+def _e2m1(c):
+    """float32 values of e2m1 codes (the low 4 bits of ``c``; bit 3 the sign)."""
+    c = c.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk, stride_sn,
+                stride_sk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """``[BLOCK_K, BLOCK_N]`` float32 weights of columns ``k0 ...`` from packed e2m1 codes
+    (``KP`` bytes per row) and their ue8m0 scales (``KS`` per row)."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    p = tl.load(w_base + w_rows[None, :].to(tl.int64) * stride_wn + kp[:, None] * stride_wk,
+                mask=(kp < KP)[:, None] & col_ok[None, :], other=0)  # fmt: skip
+    pairs = tl.join(_e2m1(p & 0xF), _e2m1(p >> 4))  # [BK/2, BN, 2]: even column, odd column
+    w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    e8 = tl.load(s_base + w_rows[None, :].to(tl.int64) * stride_sn + ks[:, None] * stride_sk,
+                 mask=(ks < KS)[:, None] & col_ok[None, :], other=127)  # fmt: skip
+    scale = (e8.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 127)
+    w = tl.reshape(w, (BLOCK_K // 32, 32, BLOCK_N)) * scale[:, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _fp8_step(a, a_s, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UPCAST: tl.constexpr):
+    """``acc + (a @ w) · a_s · w_s`` for one scale block of the reduction."""
+    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
+    if UPCAST:
+        part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+    else:
+        part = tl.dot(a, w, out_dtype=tl.float32)
+    return acc + part * a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
+def _quant_mainloop(a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, w_rows, col_ok, KD, KP, KS,
+                    stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk,
+                    stride_sn, stride_sk, SN: tl.constexpr, MXFP4: tl.constexpr,
+                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """``A[a_rows] @ W[e][w_rows].T`` over ``KD`` in float32 (see the module doc)."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MXFP4:
+        for k0 in range(0, KD, BLOCK_K):
+            k_ok = k0 + ks < KD
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _mxfp4_tile(w_base, ws_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
+                            stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
+            acc = tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
+            a_ptrs += BLOCK_K * stride_ak
+    else:
+        w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+        ws_ptrs = ws_base + (w_rows // SN).to(tl.int64) * stride_sn
+        as_ptrs = as_ptr + a_rows * stride_asm
+        for k0 in range(0, KD, BLOCK_K):
+            k_ok = k0 + ks < KD
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+            acc = _fp8_step(a, a_s, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UPCAST)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+            as_ptrs += stride_ask
+            ws_ptrs += stride_sk
+    return acc
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _quant_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
+    E, M_ROWS, M_TILES, N_OUT, KD, KP, KS, T,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn,
+    ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr, MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr,
+    UE8M0: tl.constexpr, UPCAST: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``out[d] = act(A[d] @ W[e].T + b[e])`` for each routed row ``d`` of expert ``e``; with
+    ``OUT_FP8`` stored as e4m3 codes plus one scale per row per column tile."""
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    os_ptrs = os_ptr + rows.to(tl.int64) * stride_osm + n_tile
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
+        row_ok = rows < M_ROWS
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, zeros, mask=row_ok[:, None] & col_ok[None, :])
+        if OUT_FP8:
+            tl.store(os_ptrs, tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_ok)
+        return
+    row_ok = rows < row_end
+    gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
+    a_rows = _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    ws_base = ws_ptr + e.to(tl.int64) * stride_se
+    acc = _quant_mainloop(
+        a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, col_ok, KD, KP, KS,
+        stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk, stride_sn,
+        stride_sk, SN, MXFP4, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        b_base = bias_ptr + e.to(tl.int64) * stride_be
+        acc += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
+            None, :
+        ]
+    if GATED:
+        acc_up = _quant_mainloop(
+            a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, up_rows, col_ok, KD, KP, KS,
+            stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk, stride_sn,
+            stride_sk, SN, MXFP4, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if HAS_BIAS:
+            acc_up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :
+            ]
+        h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET)
+    else:
+        h = plain_forward(acc, ACT)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if OUT_FP8:
+        s = fp8_scale(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=1), UE8M0)
+        tl.store(out_ptrs, fp8_codes(h, s[:, None], UPCAST), mask=mask)
+        tl.store(os_ptrs, s, mask=row_ok)
+    else:
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_QUANT_GEMM = ThinKernel(_quant_gemm_kernel)
+
+
+class QuantGemmLaunch:
+    """GEMM1 / GEMM2 on quantised weights, prepared from the operands' layouts (as
+    :class:`.grouped_gemm.GemmLaunch` is for 16-bit weights).
+
+    ``a``: e4m3 rows with ``a_scale [rows, groups]`` (FP8), or 16-bit rows (MXFP4); read through
+    ``dest_to_src`` when ``gather``. ``w``: e4m3 ``[E, N, K]`` with ``w_scale`` ``[E, nb, kb]``
+    (block ``(sn, 128)``) or ``[E, N]`` (per channel), or packed e2m1 ``[E, N, K/2]`` with
+    ue8m0 ``[E, N, K/32]``. ``out_fp8``: the output as e4m3 codes and scales per 128 columns
+    (``cfg.block_n`` must be 128). ``kd``: the logical reduction width.
+    """
+
+    __slots__ = ("E", "cfg", "cx", "gather", "kd", "key", "kp", "ks", "n_out", "strides")
+
+    def __init__(self, a, a_scale, w, w_scale, kd: int, cfg: GemmConfig, epilogue: GemmEpilogue,
+                 bias, gather: bool, out_dtype: torch.dtype, out_fp8: bool, mxfp4: bool,
+                 block_n_scale: int, ue8m0: bool):  # fmt: skip
+        E, n_w, kp = w.shape
+        n_out = n_w // 2 if epilogue.gated else n_w
+        self.E, self.kd, self.n_out, self.cfg, self.gather = E, kd, n_out, cfg, gather
+        self.kp, self.ks = kp, w_scale.shape[-1]
+        sa, sw, ss = a.stride(), w.stride(), w_scale.stride()
+        # per channel / per token: one scale for every k block (a zero k-stride)
+        s_strides = (ss[0], ss[1], 0) if w_scale.dim() == 2 else ss
+        sa_s = (0, 0)
+        if a_scale is not None:
+            sa_s = (a_scale.stride(0), 0 if a_scale.shape[1] == 1 else a_scale.stride(1))
+        sb = bias.stride() if bias is not None else (0, 0)
+        so = (n_out, 1)
+        sos = cdiv(n_out, cfg.block_n) if out_fp8 else 0
+        self.strides = (*sa, *sa_s, *sw, *s_strides, *so, sos, *sb)
+        self.key = LaunchKey((cfg, epilogue, a.dtype, w.dtype, w_scale.dtype, out_dtype,
+                              bias.dtype if bias is not None else None, self.strides, gather,
+                              out_fp8, mxfp4, block_n_scale, ue8m0, E, n_out, kd))  # fmt: skip
+        self.cx = dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
+            HAS_BIAS=bias is not None, GATHER=gather, MXFP4=mxfp4, SN=block_n_scale,
+            OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=INTERPRETING and not mxfp4,
+            E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def __call__(self, a, a_scale, w, w_scale, offsets, out, out_scale=None, bias=None,
+                 dest_to_src=None, num_rows=None) -> None:  # fmt: skip
+        M = a.shape[0] if num_rows is None else num_rows
+        if M == 0 or self.n_out == 0:
+            return
+        cfg = self.cfg
+        m_tiles = _m_tiles(M, self.E, cfg.block_m)
+        grid = m_tiles * cdiv(self.n_out, cfg.block_n)
+        a_s = a_scale if a_scale is not None else a
+        o_s = out_scale if out_scale is not None else out
+        if INTERPRETING and out.dtype == torch.float8_e4m3fn:
+            out = out.view(torch.uint8)  # (the codes of _e4m3_bits)
+        b = bias if bias is not None else out
+        d2s = dest_to_src if self.gather else offsets
+        _QUANT_GEMM.launch(
+            self.key, (grid,),
+            (a, a_s, w, w_scale, out, o_s, b, offsets, d2s, self.E, M, m_tiles, self.n_out,
+             self.kd, self.kp, self.ks, a.shape[0], *self.strides),
+            lambda: self.cx,
+        )  # fmt: skip
