@@ -19,6 +19,7 @@ from .layer import MoELayer, MoEOutput
 from .maps import RoutingMaps, build_routing_maps
 from .moe import fused_moe, warmup
 from .permute import expand_rows
+from .quant import QuantSpec, dequantize_experts, quantize_activations, quantize_experts
 from .routing import (
     apply_capacity,
     expert_capacity,
@@ -33,18 +34,22 @@ __all__ = [
     "Activation",
     "MoELayer",
     "MoEOutput",
+    "QuantSpec",
     "RoutingMaps",
     "__version__",
     "activation",
     "apply_capacity",
     "arch",
     "build_routing_maps",
+    "dequantize_experts",
     "expand_rows",
     "expert_capacity",
     "finalize_moe_routing",
     "fused_moe",
     "grouped_gemm",
     "load_balancing_loss",
+    "quantize_activations",
+    "quantize_experts",
     "reference",
     "router_z_loss",
     "sigmoid_grouped_topk",

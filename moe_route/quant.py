@@ -370,3 +370,55 @@ def check_weight(name: str, w: object, scale_name: str, scale: object, spec: Qua
         )
     if scale.device != w.device:
         raise ValueError(f"{scale_name} is on {scale.device} but {name} is on {w.device}")
+
+
+# --------------------------------------------------------------------------- the op
+def _quantize_rows_impl(
+    x: torch.Tensor, group: int, ue8m0: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "torch":
+        return quantize_fp8_rows(x, group, ue8m0=ue8m0)
+    from .kernels.triton.quant import quantize_rows_triton
+
+    return quantize_rows_triton(x, group, ue8m0)
+
+
+def _quantize_rows_fake(x, group, ue8m0, backend):
+    R, C = x.shape
+    groups = 1 if group == 0 else -(-C // group)
+    return (
+        x.new_empty(R, C, dtype=torch.float8_e4m3fn),
+        x.new_empty(R, groups, dtype=torch.float32),
+    )
+
+
+def _quantize_rows_op():
+    from ._dispatch import Op
+
+    return Op("quantize_fp8_rows", _quantize_rows_impl, _quantize_rows_fake)
+
+
+_QUANTIZE_ROWS = None
+
+
+def quantize_activations(
+    x: torch.Tensor, quant: str | QuantSpec = "fp8", *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations' FP8 quantiser as an op: ``(codes [R, C] e4m3, scales [R, G] float32)``
+    of ``x [R, C]`` as ``fused_moe(..., quant=quant)`` quantises its tokens (per 128 columns,
+    or per row for ``fp8_channel``). The Triton kernel on CUDA (``backend="triton"`` runs it
+    under the interpreter too), the reference :func:`quantize_fp8_rows` elsewhere: the same
+    bits. No host synchronisation; capturable and traceable by ``torch.compile``."""
+    global _QUANTIZE_ROWS
+    from . import arch
+
+    spec = as_quant(quant)
+    if spec is None or not spec.fp8:
+        raise ValueError(f"quant={quant!r}: activations are quantised for the FP8 formats only")
+    x = _checks.check_tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES[:3])
+    chosen = arch.backend_for(x.device, backend).value
+    if _QUANTIZE_ROWS is None:
+        _QUANTIZE_ROWS = _quantize_rows_op()
+    return _QUANTIZE_ROWS(
+        x, max(spec.act_group, 0), spec.ue8m0, "torch" if chosen == "torch" else "triton"
+    )
