@@ -16,6 +16,9 @@ from ._env import flag
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The most experts the routing maps hold: their expert ids (and ``E`` itself, a kernel
+#: argument) are int32, whatever the dtype of ``topk_ids``.
+MAX_EXPERTS = 2**31 - 1
 
 
 def describe(t: torch.Tensor) -> str:
@@ -47,11 +50,28 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return first
 
 
+def check_size(name: str, value: object, minimum: int) -> int:
+    """``value`` is a Python int (not a bool) ``>= minimum``; a traced size under
+    ``torch.compile`` passes as it is."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}={value}: expected an int >= {minimum}")
+    return value
+
+
 def check_num_experts(num_experts: object) -> int:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(
+            f"num_experts={num_experts} is more than the int32 expert ids of the routing maps "
+            "(expert_for_source_row) can address: expected num_experts <= 2**31 - 1"
+        )
     return num_experts
 
 

@@ -167,9 +167,10 @@ class MoELayer(nn.Module):
             layer's dtype; ``None``: the input's dtype). Scores are float32 in any case.
         aux_loss_coef: weight of the Switch/Mixtral load-balancing loss in ``aux_loss``.
         z_loss_coef: weight of the router z-loss in ``aux_loss``.
-        capacity_factor: ``None`` (no limit) or ``c > 0``: each expert keeps at most
+        capacity_factor: ``None`` (no limit) or a finite ``c > 0``: each expert keeps at most
             ``ceil(c · T · K / E)`` slots, earliest tokens first; the others are dropped (their
-            token gets the other slots and the shared expert only).
+            token gets the other slots and the shared expert only). ``c >= E`` drops nothing
+            (see :func:`moe_route.expert_capacity`).
         num_shared_experts, shared_intermediate_size: a dense shared expert of width
             ``num_shared_experts · shared_intermediate_size`` (default ``I``) added to every
             token (DeepSeek / Qwen2-MoE), same activation and gate/up layout, no biases.

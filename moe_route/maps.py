@@ -266,7 +266,8 @@ def build_routing_maps(
         topk_ids: ``[T, K]`` int32/int64 expert ids (any strides), a torch tensor or a CuPy
             array (viewed without a copy); ``-1`` marks a dropped slot. ``T = 0`` is allowed;
             ``K <= num_experts``.
-        num_experts: ``E >= 1``. The kernels hold a counter per expert in one program: Triton
+        num_experts: ``1 <= E <= 2**31 - 1`` (the maps' expert ids are int32, whatever the
+            ids' dtype). The kernels hold a counter per expert in one program: Triton
             takes ``E + K + 1 <= 32768`` on an A100/H100/H200 (fewer on GPUs with less shared
             memory), CuPy ``E + K <= opt-in shared memory / 8 bytes``; the reference any ``E``.
         backend: ``"auto"`` (Triton on CUDA, or the CuPy kernels at the sizes where they

@@ -542,12 +542,29 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- capacity
 def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
-    """``ceil(capacity_factor · T · K / E)``: the most slots one expert keeps (static shapes)."""
+    """``ceil(capacity_factor · T · K / E)``, at most ``T · K``: the most slots one expert keeps
+    (static shapes).
+
+    ``T · K`` is every slot of the batch, so a factor ``>= E`` keeps them all: the result is
+    capped there, and an absurdly large factor (``1e308``) means "drop nothing" rather than
+    overflowing.
+
+    Args:
+        capacity_factor: a finite number ``> 0`` (``TypeError`` / ``ValueError`` otherwise).
+        num_tokens: ``T >= 0``. top_k: ``K >= 1``. num_experts: ``E >= 1``. Python ints.
+    """
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
         raise TypeError(f"capacity_factor must be a number, got {type(capacity_factor).__name__}")
-    if not capacity_factor > 0 or math.isinf(capacity_factor):
+    if not capacity_factor > 0 or (
+        isinstance(capacity_factor, float) and math.isinf(capacity_factor)
+    ):
         raise ValueError(f"capacity_factor={capacity_factor}: expected a finite number > 0")
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    T = _checks.check_size("num_tokens", num_tokens, 0)
+    K = _checks.check_size("top_k", top_k, 1)
+    E = _checks.check_num_experts(num_experts)
+    if capacity_factor >= E:  # compared exactly: c · T · K / E could overflow a float
+        return T * K
+    return math.ceil(capacity_factor * T * K / E)
 
 
 def apply_capacity(
@@ -564,16 +581,21 @@ def apply_capacity(
     Args:
         topk_ids: ``[T, K]`` int32/int64; ``-1`` slots stay dropped.
         num_experts: ``E``.
-        capacity: slots per expert, ``>= 0`` (see :func:`expert_capacity`).
+        capacity: slots per expert, an int ``>= 0`` (see :func:`expert_capacity`); any
+            capacity ``>= T · K`` drops nothing.
 
     Returns:
         ``[T, K]`` ids of ``topk_ids``'s dtype (a new tensor).
     """
     E = _checks.check_num_experts(num_experts)
     ids = _checks.check_topk_ids(topk_ids, E)
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise TypeError(f"capacity must be an int, got {type(capacity).__name__} {capacity!r}")
+    if capacity < 0:
         raise ValueError(f"capacity={capacity!r}: expected an int >= 0")
     T, K = ids.shape
+    # Past T·K it keeps every slot; clamped, it compares as an int64 without overflow.
+    capacity = min(capacity, T * K)
     maps = build_routing_maps(ids, E, backend=backend)
     dest = maps.expanded_source_row_to_expanded_dest_row.view(K, T).t().to(torch.int64)
     expert = maps.expert_for_source_row.view(K, T).t().to(torch.int64)

@@ -85,6 +85,19 @@ def test_bad_topk_ids(no_launch, ids, exc, match):
         moe_route.build_routing_maps(ids, E)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_experts", [2**31, 2**40])
+def test_num_experts_past_the_int32_maps_blames_num_experts(no_launch, dtype, num_experts):
+    """The maps' expert ids are int32: ``E`` past them is an error about ``num_experts``,
+    never about an id that is in range."""
+    ids = torch.zeros(T, K, dtype=dtype)
+    ids[:, 1] = 1
+    with pytest.raises(ValueError, match=rf"num_experts={num_experts} is more than the int32"):
+        moe_route.build_routing_maps(ids, num_experts)
+    with pytest.raises(ValueError, match=rf"num_experts={num_experts} is more than the int32"):
+        moe_route.apply_capacity(ids, num_experts, 1)
+
+
 @pytest.mark.parametrize(
     "bad,dtype",
     [(b, d) for d in (torch.int32, torch.int64) for b in (E, E + 7, -2)]

@@ -452,6 +452,17 @@ def test_extra_repr_and_reset_parameters():
 
 
 # ----------------------------------------------------------------------------- errors
+def test_huge_capacity_factor_drops_nothing():
+    """A capacity factor past ``E`` (even ``1e308``) keeps every slot: the layer equals one
+    without capacity, and the first forward does not overflow."""
+    torch.manual_seed(0)
+    free = make_layer()
+    capped = make_layer(capacity_factor=1e308)
+    capped.load_state_dict(free.state_dict())
+    x = torch.randn(7, H)
+    assert torch.equal(capped(x).output, free(x).output)
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [

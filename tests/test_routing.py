@@ -189,6 +189,48 @@ def test_expert_capacity():
         moe_route.expert_capacity(float("nan"), 10, 2, 4)
 
 
+def test_expert_capacity_is_capped_at_every_slot():
+    """A factor ``>= E`` keeps every slot (``T·K``): no overflow, however large the factor."""
+    assert moe_route.expert_capacity(1e308, 8, 2, 4) == 16
+    assert moe_route.expert_capacity(10**400, 8, 2, 4) == 16
+    assert moe_route.expert_capacity(4.0, 8, 2, 4) == 16
+    assert moe_route.expert_capacity(3.99, 8, 2, 4) == 16  # ceil(15.96)
+    assert moe_route.expert_capacity(1e308, 0, 2, 4) == 0
+    with pytest.raises(ValueError, match=r"capacity_factor=inf: expected a finite number > 0"):
+        moe_route.expert_capacity(float("inf"), 8, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        ((1.0, -8, 2, 4), ValueError, r"num_tokens=-8: expected an int >= 0"),
+        ((1.0, 8.0, 2, 4), TypeError, r"num_tokens must be an int, got float 8.0"),
+        ((1.0, True, 2, 4), TypeError, r"num_tokens must be an int, got bool"),
+        ((1.0, 8, 0, 4), ValueError, r"top_k=0: expected an int >= 1"),
+        ((1.0, 8, 2, 0), ValueError, r"num_experts must be >= 1, got 0"),
+        ((1.0, 8, 2, 4.0), TypeError, r"num_experts must be an int, got float"),
+    ],
+)
+def test_expert_capacity_checks_the_sizes(args, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_route.expert_capacity(*args)
+
+
+@pytest.mark.parametrize("capacity", [2**31, 2**63, 2**64 + 1, 10**30])
+def test_apply_capacity_past_every_slot_drops_nothing(capacity):
+    ids = torch.tensor([[0, 1], [1, 0], [0, -1]])
+    assert torch.equal(moe_route.apply_capacity(ids, 2, capacity), ids)
+    assert torch.equal(moe_route.apply_capacity(ids.int(), 2, capacity, backend="torch"), ids.int())
+
+
+def test_apply_capacity_checks_its_capacity():
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"capacity must be an int, got float 2.0"):
+        moe_route.apply_capacity(ids, 8, 2.0)
+    with pytest.raises(TypeError, match=r"capacity must be an int, got bool"):
+        moe_route.apply_capacity(ids, 8, True)
+
+
 def test_apply_capacity_by_hand():
     # expert 0 picked by tokens 0, 1, 2 (slot 0) and token 3 (slot 1); capacity 2
     ids = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 0]])
