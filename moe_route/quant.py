@@ -312,6 +312,19 @@ def quantize_experts(w: torch.Tensor, quant: str | QuantSpec) -> tuple[torch.Ten
     w = _check_float("w", w, 3)
     if w.dim() != 3:
         raise ValueError(f"w must be [E, N, K], got {_checks.describe(w)}")
+    # a few experts at a time: the float32 temporaries stay near 1 GiB whatever E
+    step = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1] * w.shape[2]))
+    parts = [_quantize_chunk(w[e : e + step], spec) for e in range(0, w.shape[0], step)]
+    if len(parts) <= 1:
+        return parts[0] if parts else _quantize_chunk(w, spec)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+#: Elements of the weights :func:`quantize_experts` quantises at once.
+_CHUNK_ELEMENTS = 1 << 28
+
+
+def _quantize_chunk(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     if spec.format == "fp8_block":
         return quantize_fp8_block(w, spec.block, ue8m0=spec.ue8m0)
     if spec.format == "fp8_channel":

@@ -1,0 +1,166 @@
+"""Quantised experts on a CUDA device: the compiled FP8 / MXFP4 kernels against float64
+products of the same quantised operands, the activation quantiser's bits against the
+reference, determinism, poisoned memory, odd sizes, CUDA-graph capture and
+``torch.compile(fullgraph=True)``.
+
+Tolerance: 2e-3 relative (Frobenius) against the float64 product of the same quantised
+operands: the quantisation the format defines is the only error beyond the bf16 output's
+rounding (2^-9) and float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_route
+from moe_route import quant as Q
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = "cuda"
+FORMATS = ("fp8", "fp8_ue8m0", "fp8_channel", "mxfp4")
+# (T, H, I, E, K): odd sizes with partial scale blocks; a decode size; a prefill size
+SHAPES = [(130, 264, 200, 16, 4), (1, 2048, 768, 128, 8), (1024, 2048, 768, 32, 8)]
+
+
+def _case(T, H, n_inter, E, K, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(T, H, device=CUDA, generator=g).bfloat16()
+    w1 = torch.randn(E, 2 * n_inter, H, device=CUDA, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, n_inter, device=CUDA, generator=g) * n_inter**-0.5
+    logits = torch.randn(T, E, device=CUDA, generator=g)
+    if E > 2:
+        logits[:, E - 1] = -1e9  # an expert without rows
+    tw, ids = torch.softmax(logits, -1).topk(K, -1)
+    ids = ids.to(torch.int32)
+    if T > 1:
+        ids[1, 0] = -1  # a dropped slot
+    return x, w1, w2, tw, ids
+
+
+def _expected64(x, w1q, s1, w2q, s2, tw, ids, spec):
+    """float64 products of the quantised operands, per expert (tokens and GEMM2's input
+    quantised by the reference quantisers)."""
+    E, H = w1q.shape[0], x.shape[1]
+    W1 = Q.dequantize_experts(w1q, s1, spec, H).double()
+    n_inter = W1.shape[1] // 2
+    W2 = Q.dequantize_experts(w2q, s2, spec, n_inter).double()
+    if spec.fp8:
+        xq, xs = Q.quantize_fp8_rows(x, spec.act_group, ue8m0=spec.ue8m0)
+        rows = Q.dequantize_fp8_rows(xq, xs, spec.act_group).double()
+    else:
+        rows = x.double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=CUDA)
+    for e in range(E):
+        t, k = (ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        z = rows[t] @ W1[e].T
+        h = torch.nn.functional.silu(z[:, :n_inter]) * z[:, n_inter:]
+        if spec.fp8:
+            hq, hs = Q.quantize_fp8_rows(h.float(), 128, ue8m0=spec.ue8m0)
+            h = Q.dequantize_fp8_rows(hq, hs, 128).double()
+        else:
+            h = h.to(x.dtype).double()
+        out.index_add_(0, t, (h @ W2[e].T) * tw[t, k, None].double())
+    return out
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _quantised(w1, w2, fmt):
+    w1q, s1 = moe_route.quantize_experts(w1, fmt)
+    w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    return w1q, s1, w2q, s2
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_forward_against_float64(fmt, shape):
+    x, w1, w2, tw, ids = _case(*shape)
+    w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
+    # poison the caching allocator: every output element must be written
+    torch.full((64 << 20,), float("nan"), device=CUDA)
+    with torch.no_grad():
+        out = moe_route.fused_moe(x, w1q, w2q, tw, ids, quant=fmt, w1_scale=s1, w2_scale=s2)
+    assert torch.isfinite(out).all()
+    ref = _expected64(x, w1q, s1, w2q, s2, tw, ids, Q.as_quant(fmt))
+    assert _rel(out, ref) < 2e-3
+    full = moe_route.fused_moe(x, w1.bfloat16(), w2.bfloat16(), tw, ids)
+    assert _rel(out, full) < (0.08 if fmt != "mxfp4" else 0.2)
+
+
+@pytest.mark.parametrize("group", [128, 0])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_activation_quantiser_bits(group, ue8m0):
+    x = torch.randn(257, 7168 + 37, device=CUDA).bfloat16() * 50
+    x[3] = 0
+    x[5, :6] = torch.tensor([448.0, -448.0, 1e-4, -1e-4, 0.0, 60000.0])
+    name = {(128, False): "fp8", (128, True): "fp8_ue8m0", (0, False): "fp8_channel",
+            (0, True): "fp8_channel_ue8m0"}[(group, ue8m0)]  # fmt: skip
+    q, s = moe_route.quantize_activations(x, name)
+    rq, rs = Q.quantize_fp8_rows(x.cpu(), group, ue8m0=ue8m0)
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_deterministic_graph_and_compile(fmt):
+    x, w1, w2, tw, ids = _case(200, 512, 384, 8, 2)
+    w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
+    kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
+    with torch.no_grad():
+        first = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+        for _ in range(20):
+            assert torch.equal(moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), first)
+        graph_out = torch.empty_like(first)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out.copy_(moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, first)
+        compiled = torch.compile(
+            lambda *a: moe_route.fused_moe(*a, **kw), fullgraph=True, dynamic=False
+        )
+        assert torch.equal(compiled(x, w1q, w2q, tw, ids), first)
+
+
+def test_quant_no_tokens_and_all_dropped():
+    x, w1, w2, tw, ids = _case(5, 264, 200, 4, 2)
+    w1q, s1, w2q, s2 = _quantised(w1, w2, "fp8")
+    kw = dict(quant="fp8", w1_scale=s1, w2_scale=s2)
+    assert moe_route.fused_moe(x[:0], w1q, w2q, tw[:0], ids[:0], **kw).shape == (0, 264)
+    bias = torch.randn(264, device=CUDA).bfloat16()
+    out = moe_route.fused_moe(x, w1q, w2q, tw, torch.full_like(ids, -1), bias=bias, **kw)
+    assert torch.equal(out, bias.expand(5, 264))
+
+
+def test_quant_backward_matches_dequantised_layer():
+    x, w1, w2, tw, ids = _case(130, 264, 200, 16, 4)
+    w1q, s1, w2q, s2 = _quantised(w1, w2, "fp8")
+    w1d = Q.dequantize_experts(w1q, s1, "fp8").bfloat16()
+    w2d = Q.dequantize_experts(w2q, s2, "fp8").bfloat16()
+    dout = torch.randn_like(x)
+    grads = []
+    for quantised in (True, False):
+        xx, tt = x.clone().requires_grad_(), tw.clone().requires_grad_()
+        if quantised:
+            out = moe_route.fused_moe(xx, w1q, w2q, tt, ids, quant="fp8", w1_scale=s1, w2_scale=s2)
+        else:
+            out = moe_route.fused_moe(xx, w1d, w2d, tt, ids)
+        grads.append(torch.autograd.grad(out, (xx, tt), dout))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
