@@ -21,7 +21,7 @@ from moe_route.kernels.triton.grouped_gemm import (
     grouped_gemm_act_backward_triton,
     grouped_gemm_triton,
 )
-from moe_route.moe import _plan_for
+from moe_route.moe import moe_plan
 from moe_route.reference import topk_routing_reference
 
 CONFIGS = [  # block_m, block_n, block_k, group_m, warps, stages
@@ -56,7 +56,7 @@ def main():
         x = torch.randn(T, H, device=dev, dtype=dt)
         w1 = torch.empty(E, 2 * inter, H, device=dev, dtype=dt)
         w2t = (torch.randn(E, H, inter, device=dev, dtype=dt) * H**-0.5).transpose(1, 2)
-        plan = _plan_for(x, w1, w2t.transpose(1, 2), K, "swiglu", "concat", "standalone", True,
+        plan = moe_plan(x, w1, w2t.transpose(1, 2), K, "swiglu", "concat", "standalone", True, True,
                          False, "auto").configs  # fmt: skip
         dout = torch.randn(T, H, device=dev, dtype=dt)
         dout_perm = dout[d2s % T]

@@ -68,7 +68,7 @@ def main():
     p.add_argument("--layouts", action="store_true", help="current tiles, both weight layouts")
     p.add_argument("--slots", action="store_true", help="current tiles, T*K up to 256")
     args = p.parse_args()
-    base = tuning._DECODE
+    base = tuning.decode_tiles(torch.bfloat16)
     grid = {
         "up_n": [16, 32, 64],
         "up_k": [128, 256],

@@ -91,8 +91,8 @@ TRAINING_GEMMS = {"gemm1_z": ("gemm1", True, True), "dx": ("gemm2", False, False
 
 def store_grid(base: GemmConfig) -> list[GemmConfig]:
     """``--store``: the tables' own tiles with the stores through TMA at 3 stages (4 leave no
-    shared memory for the copies' staging; 2 ran 0.65-0.88x everywhere, H100, 2026-11-24), and
-    with pointer stores at 4 stages."""
+    shared memory for the copies' staging; 2 ran slower everywhere: docs/decisions.md, "TMA store
+    and four-stage GEMM1"), and with pointer stores at 4 stages."""
     return [dataclasses.replace(base, tma_store=True, num_stages=3),
             dataclasses.replace(base, num_stages=4)]  # fmt: skip
 
@@ -292,10 +292,10 @@ class Sweep:
     def suggest(self):
         """Per GEMM kind and rows-per-expert bucket: the config (the tables' own included)
         with the best geometric-mean speedup over the bucket's shapes, as code for the
-        ``rows_per_expert > 64`` tail of ``tuning._gemm_table``."""
+        ``rows_per_expert > 64`` tail of ``tuning.gemm_config``'s table."""
         dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         dtype = str(self.dtype).split(".")[-1]
-        print("\nSuggested tail of moe_route/tuning.py _gemm_table (rows_per_expert > 64; gemm1 is")
+        print("\nSuggested tail of tuning.py's GEMM table (rows_per_expert > 64; gemm1 is")
         print("the gathered GEMM1 that fused_moe runs; gemm1_xperm is in the table and the CSV):\n")
         print(f"    # NOTE: {dev}, {dtype} (scripts/gemm_sweep.py, {time.strftime('%Y-%m-%d')}):")
         print("    # geometric-mean speedup over the previous tables' config")

@@ -112,7 +112,7 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         w_block = f"[1, 2, {bn}, {bk}]" if const["ONE_DOT"] == 1 else f"[1, {2 * bn}, {bk}]"
     sig, attrs = {}, {}
     for i, (name, is_const) in enumerate(params):
-        if not is_const and name not in unit and name not in gg._VARYING:
+        if not is_const and name not in unit and name not in kernel.do_not_specialize:
             attrs[(i,)] = [["tt.divisibility", 16]]
         if is_const or name in unit:
             sig[name] = "constexpr"

@@ -6,14 +6,14 @@ w2 and the router weights), each timed with CUDA events in turns between the two
 
 Changes (``--change``):
 
-- ``refinements`` (2026-11-24): GEMM1 storing z on 4 stages and the TMA-stored GEMM2 / dX
-  (``moe_route.tuning._gemm_table``), against the same tables without them;
+- ``refinements``: GEMM1 storing z on 4 stages and the TMA-stored GEMM2 / dX
+  (``moe_route.tuning.gemm_config``), against the same tables without them;
 - ``dgemm2-store``: the split activation backward's plain GEMM (``g = dout @ W2[e]``) storing
   through TMA where its reduction allows (``act_backward_config(kd=H)``), against pointer
   stores;
 - ``expert-groups-A-B``: the persistent GEMMs' expert groups of at most A m-tiles against at
   most B;
-- ``wgrad-wide`` (2026-11-25): the weight gradients' 128x256 tiles on 8 warps above 64 up to 128
+- ``wgrad-wide``: the weight gradients' 128x256 tiles on 8 warps above 64 up to 128
   rows per expert (``moe_route.tuning.weight_grad_config``), against 128x128 on 4 warps.
 
     PYTHONPATH=. python scripts/tuning_ab.py [--change refinements] [--shapes qwen3 mixtral
@@ -32,15 +32,14 @@ from moe_route.bench.harness import time_cuda
 from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
 
-_TABLE = tuning._gemm_table
+_TABLE = tuning.gemm_config
 _ACT_BWD = tuning.act_backward_config
 _WGRAD = tuning.weight_grad_config
 
 
 def without_refinements(rows_per_expert, gated, dtype, cc, kd=None, store_z=False):
     """The table as it was: no 4-stage GEMM1 for z, no TMA stores."""
-    cfg = _TABLE(rows_per_expert, gated, dtype, cc)
-    return dataclasses.replace(cfg, tma_store=False)
+    return _TABLE(rows_per_expert, gated, dtype, cc)  # no kd: no TMA store; no store_z: 3 stages
 
 
 def act_backward_without_kd(rows_per_expert, dtype, cc, kd=None):
@@ -68,10 +67,10 @@ def wgrad_narrow(rows_per_expert, n, kd, dtype, cc):
 
 #: change -> (attribute of moe_route.tuning, before, after)
 CHANGES = {
-    "expert-groups-8-16": ("_gemm_table", expert_groups_of(8), expert_groups_of(16)),
-    "expert-groups-16-32": ("_gemm_table", expert_groups_of(16), expert_groups_of(32)),
-    "expert-groups-16-64": ("_gemm_table", expert_groups_of(16), expert_groups_of(64)),
-    "refinements": ("_gemm_table", without_refinements, _TABLE),
+    "expert-groups-8-16": ("gemm_config", expert_groups_of(8), expert_groups_of(16)),
+    "expert-groups-16-32": ("gemm_config", expert_groups_of(16), expert_groups_of(32)),
+    "expert-groups-16-64": ("gemm_config", expert_groups_of(16), expert_groups_of(64)),
+    "refinements": ("gemm_config", without_refinements, _TABLE),
     "dgemm2-store": ("act_backward_config", act_backward_without_kd, _ACT_BWD),
     "wgrad-wide": ("weight_grad_config", wgrad_narrow, _WGRAD),
 }
