@@ -62,15 +62,15 @@ def check_size(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def check_num_experts(num_experts: object) -> int:
+def check_num_experts(num_experts: object, name: str = "num_experts") -> int:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(num_experts).__name__}")
     if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        raise ValueError(f"{name} must be >= 1, got {num_experts}")
     if num_experts > MAX_EXPERTS:
         raise ValueError(
-            f"num_experts={num_experts} is more than the int32 expert ids of the routing maps "
-            "(expert_for_source_row) can address: expected num_experts <= 2**31 - 1"
+            f"{name}={num_experts} is more than the int32 expert ids of the routing maps "
+            f"(expert_for_source_row) can address: expected {name} <= 2**31 - 1"
         )
     return num_experts
 

@@ -60,6 +60,9 @@ class RoutingMaps:
     num_experts: int
 
     def __post_init__(self):
+        _checks.check_size("RoutingMaps.num_tokens", self.num_tokens, 0)
+        _checks.check_size("RoutingMaps.top_k", self.top_k, 1)
+        _checks.check_num_experts(self.num_experts, "RoutingMaps.num_experts")
         n = self.num_tokens * self.top_k
         for name in (
             "expanded_source_row_to_expanded_dest_row",

@@ -261,6 +261,35 @@ def test_routing_maps_dataclass_checks_its_fields(maps):
         maps.num_tokens = 3  # frozen
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "exc", "match"),
+    [
+        ("num_tokens", 5.0, TypeError, r"RoutingMaps.num_tokens must be an int, got float 5.0"),
+        ("num_tokens", -5, ValueError, r"RoutingMaps.num_tokens=-5: expected an int >= 0"),
+        ("top_k", True, TypeError, r"RoutingMaps.top_k must be an int, got bool"),
+        ("top_k", 0, ValueError, r"RoutingMaps.top_k=0: expected an int >= 1"),
+        ("top_k", -2, ValueError, r"RoutingMaps.top_k=-2: expected an int >= 1"),
+        ("num_experts", 4.0, TypeError, r"RoutingMaps.num_experts must be an int, got float"),
+        ("num_experts", 0, ValueError, r"RoutingMaps.num_experts must be >= 1, got 0"),
+        ("num_experts", -1, ValueError, r"RoutingMaps.num_experts must be >= 1, got -1"),
+    ],
+)
+def test_routing_maps_sizes_are_ints_in_range(maps, field, value, exc, match):
+    """``T, K, E`` are Python ints (not bools) in range; checked before the tables, whose
+    expected shapes come from them."""
+    sizes = dict(num_tokens=T, top_k=K, num_experts=E)
+    sizes[field] = value
+    with pytest.raises(exc, match=match):
+        moe_route.RoutingMaps(*maps.tensors(), **sizes)
+
+
+def test_routing_maps_of_no_tokens(maps):
+    empty = torch.zeros(0, dtype=torch.int32)
+    off = torch.zeros(E + 1, dtype=torch.int64)
+    got = moe_route.RoutingMaps(empty, empty, empty, off, num_tokens=0, top_k=K, num_experts=E)
+    assert got.num_expanded_rows == 0
+
+
 def test_routing_maps_constructor_has_no_unchecked_mode(maps):
     """The public constructor always checks: no keyword turns the checks off, and a forged
     dest row (which the kernels would read out of bounds) is rejected, by
