@@ -754,3 +754,261 @@ def test_switch_hooks_are_installed_once_and_leave_other_models_alone():
         mixtral = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
         mixtral.set_experts_implementation("eager")
     assert not any("_moe_route_plan" in m.__dict__ for m in mixtral.modules())
+
+
+# ----------------------------------------------------------------------------- FP8 experts
+# transformers loads FineGrainedFP8 checkpoints (DeepSeek-V3, Qwen3-MoE FP8, ...) into
+# FP8Experts: e4m3 gate_up_proj / down_proj with float32 (or e8m0) weight_scale_inv per 128x128
+# block, expert_dtype="fp4": packed e2m1 with e8m0 scales per 32. Its own implementations
+# ("batched_mm", "grouped_mm", "deepgemm", and the eager loop's fp8_linear) need CUDA kernels
+# from the hub, so on the CPU the references here are (a) the format's arithmetic written out in
+# float64 (FP8: tokens and GEMM2's input quantised per token per 128 columns, as fused_moe's
+# contract and transformers' finegrained kernels do) and (b) transformers' own FP8Experts eager
+# loop on the dequantised weights (its linear takes a plain matmul for 16/32-bit weights).
+
+import re  # noqa: E402
+
+from transformers.integrations.finegrained_fp8 import (  # noqa: E402
+    ALL_FP8_EXPERTS_FUNCTIONS,
+    FP8Experts,
+)
+
+import moe_route  # noqa: E402
+from moe_route import quant as Q  # noqa: E402
+
+# The torch backend on the CPU (the interpreter's FP8 products are covered in test_quant.py).
+QUANT_NAME = "moe_route" if DEVICE.type == "cuda" else "moe_route_reference"
+#: e4m3 keeps 3 mantissa bits: a value rounds by at most half an ulp, 2^-4 of itself.
+E4M3_REL = 2.0**-4
+
+
+def fp8_experts_class():
+    """FP8Experts decorated as transformers' FP8 quantizer does (on a subclass: the decorator
+    patches the class it is given)."""
+
+    class TinyFP8Experts(FP8Experts):
+        pass
+
+    return use_experts_implementation(TinyFP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+
+
+def to_fp8_experts(model, quant="fp8", **kwargs):
+    """Swap every ``.experts`` module of ``model`` for an FP8Experts holding its weights
+    quantised to ``quant`` ("fp8", "fp8_ue8m0" with e8m0 scales, "mxfp4" as expert_dtype
+    "fp4"), in transformers' layout. ``kwargs`` go to FP8Experts (e.g. activation_scheme)."""
+    cls = fp8_experts_class()
+    spec = Q.as_quant(quant)
+    opts = dict(block_size=(128, 128))
+    if spec.ue8m0 or spec.format == "mxfp4":
+        opts["scale_fmt"] = "ue8m0"
+    if spec.format == "mxfp4":
+        opts["expert_dtype"] = "fp4"
+    opts |= kwargs
+    for name, module in list(model.named_modules()):
+        if not name.endswith(".experts"):
+            continue
+        new = cls(module.config, **opts)
+        for proj in ("gate_up_proj", "down_proj"):
+            q, s = moe_route.quantize_experts(getattr(module, proj).detach().float(), spec)
+            if spec.format == "mxfp4":
+                q, s = q.view(torch.int8), s.view(torch.float8_e8m0fnu)
+            elif spec.ue8m0:
+                s = s.to(torch.float8_e8m0fnu)  # powers of two: exact
+            setattr(new, proj, nn.Parameter(q, requires_grad=False))
+            setattr(new, f"{proj}_scale_inv", nn.Parameter(s, requires_grad=False))
+        model.set_submodule(name, new.to(module.gate_up_proj.device))
+    return model
+
+
+def fp8_weights(module, proj):
+    """``(codes, scales, spec)`` of one FP8Experts projection in moe_route's terms."""
+    q, s = getattr(module, proj).detach(), getattr(module, f"{proj}_scale_inv").detach()
+    if q.dtype == torch.int8:
+        return q.view(torch.uint8), s.view(torch.uint8), Q.as_quant("mxfp4")
+    return q, s.float(), Q.QuantSpec("fp8_block", (128, 128), s.dtype == torch.float8_e8m0fnu)
+
+
+def dequantized(model):
+    """A copy of ``model`` whose FP8Experts hold their dequantised weights in the model's dtype,
+    running transformers' eager loop (a plain matmul per expert)."""
+    ref = copy.deepcopy(model)
+    dtype = ref.get_output_embeddings().weight.dtype
+    for module in ref.modules():
+        if isinstance(module, FP8Experts):
+            for proj in ("gate_up_proj", "down_proj"):
+                q, s, spec = fp8_weights(module, proj)
+                K = 2 * q.shape[2] if spec.format == "mxfp4" else q.shape[2]
+                w = Q.dequantize_experts(q, s, spec, K).to(dtype)
+                setattr(module, proj, nn.Parameter(w))
+    ref.set_experts_implementation("eager")
+    return ref
+
+
+def fp8_emulated(module, x, ids, weights):
+    """The FP8 / MXFP4 experts' arithmetic in float64 on the module's own codes: FP8 tokens and
+    GEMM2's input quantised per token per 128 columns (from float32), products exact."""
+    q1, s1, spec = fp8_weights(module, "gate_up_proj")
+    q2, s2, _ = fp8_weights(module, "down_proj")
+    H, inter = x.shape[1], q1.shape[1] // 2
+    W1 = Q.dequantize_experts(q1, s1, spec, H).double()
+    W2 = Q.dequantize_experts(q2, s2, spec, inter).double()
+
+    def rows(a):
+        if not spec.fp8:
+            return a.double()
+        aq, asc = Q.quantize_fp8_rows(a.float(), 128, ue8m0=spec.ue8m0)
+        return Q.dequantize_fp8_rows(aq, asc, 128).double()
+
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            z = rows(x[t : t + 1]) @ W1[e].T
+            h = torch.nn.functional.silu(z[:, :inter]) * z[:, inter:]
+            out[t] += float(weights[t, k]) * (rows(h) @ W2[e].T)[0]
+    return out
+
+
+def tiny_fp8_model(family="qwen3_moe", dtype=torch.float32, quant="fp8", **kwargs):
+    """A tiny model of ``family`` (H = 256 and I = 128: two scale blocks, one per gate / up
+    half) with its experts quantised into FP8Experts, eval mode, on DEVICE."""
+    common = dict(
+        vocab_size=96, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        intermediate_size=256, moe_intermediate_size=128, num_experts_per_tok=2,
+    )  # fmt: skip
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        config = DeepseekV3Config(
+            n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=16, **(common | dict(num_key_value_heads=4)),
+        )  # fmt: skip
+    else:
+        config = Qwen3MoeConfig(num_experts=4, norm_topk_prob=True, mlp_only_layers=[0],
+                                head_dim=32, **common)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    with torch.no_grad():  # widen the small init so that the experts dominate the logits
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0.0, 0.06)
+    model = model.to(DEVICE, dtype).eval()
+    return model, to_fp8_experts(copy.deepcopy(model), quant, **kwargs)
+
+
+def fp8_routing(seed=0, T=9, E=4, K=2, H=256, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    return x.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8_ue8m0", "mxfp4"])
+def test_fp8_experts_module_matches_the_format(quant):
+    """One FP8Experts module: moe_route against the format's arithmetic (to float32 rounding
+    and the odd activation code one rounding away) and against transformers' eager loop on the
+    dequantised weights (off by the tokens' quantisation only: at most e4m3's 2^-4 of each
+    product's magnitude; MXFP4 keeps the tokens, so there the two agree to rounding)."""
+    _, model = tiny_fp8_model(quant=quant)
+    experts = model.model.layers[1].mlp.experts
+    x, ids, weights = fp8_routing()
+    expected = {"fp8": "quant='fp8'", "fp8_ue8m0": "quant='fp8_ue8m0'", "mxfp4": "quant='mxfp4'"}
+    assert expected[quant] in moe_hf.describe(model)["model.layers.1.mlp.experts"]
+    model.set_experts_implementation(QUANT_NAME)
+    with torch.no_grad():
+        ours = experts(x, ids, weights)
+        exact = fp8_emulated(experts, x, ids, weights)
+        plain = dequantized(model).model.layers[1].mlp.experts(x, ids, weights)
+    scale = exact.abs().max().item()
+    assert (ours.double() - exact).abs().max().item() <= 2e-3 * scale
+    # |W (x - q(x))| <= 2^-4 |W| |x| for each GEMM; the bound of the sum, per token
+    err = (ours.double() - plain.double()).abs().max().item()
+    assert err <= (E4M3_REL * 2 * scale if quant != "mxfp4" else 1e-5 * scale), err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_model_logits(family):
+    """A whole model whose experts are FP8Experts: logits on moe_route against transformers'
+    eager loop on the dequantised weights (the tokens' quantisation apart: within e4m3's 2^-4
+    of the logits' scale) and against the unquantised model (weights and tokens quantised:
+    twice that)."""
+    original, model = tiny_fp8_model(family)
+    n_fp8 = sum(isinstance(m, FP8Experts) for m in model.modules())
+    report = moe_hf.describe(model)
+    assert n_fp8 and sum("FP8 weights" in how for how in report.values()) == n_fp8, str(report)
+    ids = token_ids()
+    model.set_experts_implementation(QUANT_NAME)
+    with torch.no_grad():
+        ours = model(ids).logits.double()
+        plain = dequantized(model)(ids).logits.double()
+        full = original(ids).logits.double()
+    scale = plain.abs().max().item()
+    assert (ours - plain).abs().max().item() <= E4M3_REL * scale
+    assert (ours - full).abs().max().item() <= 2 * E4M3_REL * scale
+    # the tokens' quantisation is what separates moe_route from the dequantised model
+    assert (ours - plain).abs().max().item() > 0
+
+
+def test_fp8_experts_gradients_reach_the_tokens_not_the_codes():
+    """The FP8 weights are frozen (as transformers' own FP8 backward has them); the tokens'
+    gradient is the dequantised experts' (fused_moe's backward runs on the dequantised
+    weights at the unquantised tokens)."""
+    _, model = tiny_fp8_model()
+    experts = model.model.layers[1].mlp.experts
+    ref = dequantized(model).model.layers[1].mlp.experts
+    x, ids, weights = fp8_routing()
+    model.set_experts_implementation(QUANT_NAME)
+    grads = []
+    for module in (experts, ref):
+        xg, wg = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(xg, ids, wg)
+        out.backward(torch.ones_like(out))
+        grads.append((xg.grad, wg.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    # the router weights' gradient is GEMM2's output (quantised tokens): e4m3 apart
+    g0, g1 = grads[0][1], grads[1][1]
+    assert (g0 - g1).abs().max() <= 2 * E4M3_REL * g1.abs().max()
+    assert all(p.grad is None for p in experts.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(activation_scheme="static"), "activation_scheme='static'"),
+        (dict(block_size=None), "block_size=None"),
+        (dict(block_size=(128, 64)), "block_size=\\[128, 64\\]"),
+    ],
+)
+def test_fp8_experts_unsupported_fall_back(kwargs, reason):
+    """What moe_route cannot run is said by describe() and falls back to transformers' FP8
+    implementations (which need CUDA kernels: ``fallback="error"`` shows the reason here)."""
+    cls = fp8_experts_class()
+    experts = cls(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4),
+                  **({"block_size": (128, 128)} | kwargs))  # fmt: skip
+    assert moe_hf.describe(experts)[""].startswith("fallback: ")
+    assert re.search(reason, moe_hf.describe(experts)[""])
+    experts.config._experts_implementation = "moe_route_strict"
+    x, ids, weights = fp8_routing(E=4, H=256)
+    with pytest.raises(NotImplementedError, match=reason):
+        experts(x, ids, weights)
+
+
+def test_fp8_experts_registered_in_transformers_fp8_interface():
+    assert ALL_FP8_EXPERTS_FUNCTIONS.get_interface("moe_route", None) is not None
+    assert moe_hf.is_quantized_experts(fp8_experts_class()(Qwen3MoeConfig(), block_size=(128, 128)))
+
+
+def test_fp8_experts_example_runs(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fp8_experts.py"
+    spec = importlib.util.spec_from_file_location("fp8_experts_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--backend", "torch" if DEVICE.type == "cpu" else "auto"])
+    out = capsys.readouterr().out
+    assert "max |moe_route fp8 - bf16|" in out and "OK" in out

@@ -47,6 +47,38 @@ The probes run once per module (CPU, float64, a few hundred values) and the plan
 the module until its ``act_fn``, parameters or flags change. Slots that transformers' expert
 parallelism sends elsewhere (ids ``>= E``, weight zero) become dropped slots (``-1``).
 
+Quantised experts. transformers loads FineGrainedFP8 checkpoints (DeepSeek-V3, Qwen3-MoE FP8,
+...) into ``FP8Experts``, whose implementations come from a second table,
+``transformers.integrations.finegrained_fp8.FP8ExpertsInterface`` (``"batched_mm"``,
+``"grouped_mm"``, ``"deepgemm"``); :func:`register` installs ``name`` there too, and such a
+module runs as ``fused_moe(..., quant=..., w1_scale=..., w2_scale=...)`` on its own tensors
+(detached views, no copy: the quantised weights are frozen, gradients reach the tokens and the
+router weights):
+
+* FP8: ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` ``float8_e4m3fn`` are ``w1`` /
+  ``w2`` as stored (``[out, in]``, no transpose), ``gate_up_proj_scale_inv [E, ceil(2I/bn),
+  ceil(H/bk)]`` / ``down_proj_scale_inv`` their float32 block scales (the multipliers, DeepSeek's
+  "scale_inv"), ``quant="fp8[bn x bk]"`` from the module's ``block_size`` (``"fp8"`` at 128x128;
+  ``bk`` must be 128, ``bn`` a multiple or divisor of 128). ``scale_fmt="ue8m0"`` scales
+  (``float8_e8m0fnu``) run as ``"fp8_ue8m0"`` from a float32 copy of the scales made once per
+  module (1/16384 of the weights' bytes). moe_route quantises the tokens per token and 128
+  columns at each call, as transformers' ``activation_scheme="dynamic"`` does.
+* FP4 (``expert_dtype="fp4"``, DeepSeek-V4): ``int8 [E, N, K/2]`` e2m1 pairs (low nibble first)
+  with e8m0 scales ``[E, N, K/32]`` are ``quant="mxfp4"`` through ``.view(torch.uint8)``
+  (float32 power-of-two scales: converted once); the tokens stay 16-bit (DeepGEMM quantises
+  them to FP8 there).
+* Falls back (see below; to transformers' FP8 table): ``activation_scheme="static"``,
+  ``block_size=None`` (one scale per matrix), other block widths, scales of another shape
+  (e.g. the two-row gate/up scale transformers allocates when ``2I < bn``).
+
+gpt-oss's MXFP4 experts (``transformers.integrations.mxfp4.Mxfp4GptOssExperts``) have no such
+table: they are not decorated with ``@use_experts_implementation``, ``Mxfp4GptOssMLP`` calls the
+hub's Triton ``matmul_ogs`` directly, and the loaded weights are swizzled into that kernel's
+tensor objects. :func:`describe` lists them as blocks outside the interface. To run gpt-oss on
+moe_route, load it dequantised (``Mxfp4Config(dequantize=True)``: bf16 experts, moe_route's
+16-bit path), or quantise a layer's experts with ``moe_route.quantize_experts(w, "mxfp4")`` (the
+same e2m1 + ue8m0-per-32 format, unswizzled) and call ``fused_moe(..., quant="mxfp4")``.
+
 Not supported, and what happens then: an ``act_fn`` or ``_apply_gate`` that matches none of
 the above (e.g. Step-3.7's clamp after the activation, a soft-capped SwiGLU, a gated ReLU),
 ``has_post_expert_norm=True`` (the norm sits between GEMM2 and the weighted sum that fused_moe
@@ -331,6 +363,171 @@ def _operands(module: nn.Module, plan: ExpertsPlan):
     return w1, w2, b1, b2
 
 
+# --------------------------------------------------------------------------- quantised experts
+# transformers' FP8Experts (FineGrainedFP8Config: DeepSeek-V3, Qwen3-MoE FP8, ...) holds
+#   gate_up_proj [E, 2I, H] float8_e4m3fn + gate_up_proj_scale_inv [E, ceil(2I/bn), ceil(H/bk)]
+#   down_proj    [E, H, I]  float8_e4m3fn + down_proj_scale_inv    [E, ceil(H/bn), ceil(I/bk)]
+# (block_size = (bn, bk); scales float32, or float8_e8m0fnu for scale_fmt="ue8m0"), which is
+# fused_moe's quant="fp8" layout as it stands: w1 = gate_up_proj, w2 = down_proj, the scales
+# are the multipliers (w ~= q * scale, DeepSeek's "scale_inv"). expert_dtype="fp4" (DeepSeek-V4)
+# holds int8 [E, N, K/2] e2m1 pairs (low nibble first) and [E, N, K/32] e8m0 scales: moe_route's
+# "mxfp4" layout, read through .view(torch.uint8).
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def is_quantized_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds quantised expert weights with their ``*_scale_inv`` scales
+    (transformers' ``FP8Experts``, FP8 or FP4)."""
+    return hasattr(module, "down_proj_scale_inv")
+
+
+def _float_scales(module: nn.Module, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float32 copies of e8m0 scales (1/16384 of the FP8 weights' bytes at 128x128 blocks),
+    made once and kept on the module until a scale tensor changes (its storage or version)."""
+    key = tuple((s.data_ptr(), s._version, s.device, tuple(s.shape)) for s in scales)
+    cached = module.__dict__.get("_moe_route_scales")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, tuple(s.detach().float() for s in scales))
+        module.__dict__["_moe_route_scales"] = cached
+    return cached[1]
+
+
+def _exponent_scales(module: nn.Module, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """MXFP4 scales as ``uint8`` ue8m0 exponents: a view of e8m0 or uint8 scales; float32
+    powers of two converted once (kept like :func:`_float_scales`); others are unsupported."""
+    if all(s.dtype == torch.uint8 or (_E8M0 is not None and s.dtype == _E8M0) for s in scales):
+        return tuple(s.detach().view(torch.uint8) for s in scales)
+    if any(s.dtype != torch.float32 for s in scales):
+        raise Unsupported(f"FP4 weight scales {[s.dtype for s in scales]}: expected e8m0, uint8 "
+                          "or float32 powers of two")  # fmt: skip
+    key = tuple((s.data_ptr(), s._version, s.device, tuple(s.shape)) for s in scales)
+    cached = module.__dict__.get("_moe_route_scales")
+    if cached is None or cached[0] != key:
+        out = []
+        with torch.no_grad():
+            for s in scales:
+                mant, exp = torch.frexp(s.detach())
+                if not bool(((mant == 0.5) & (exp >= -126) & (exp <= 128)).all()):
+                    raise Unsupported("FP4 weight scales are not all powers of two (MXFP4 takes "
+                                      "ue8m0 exponents)")  # fmt: skip
+                out.append((exp - 1 + 127).to(torch.uint8))
+        cached = (key, tuple(out))
+        module.__dict__["_moe_route_scales"] = cached
+    return cached[1]
+
+
+def _quant_operands(module: nn.Module, plan: ExpertsPlan):
+    """``(w1, w2, b1, b2, {quant, w1_scale, w2_scale})`` of a quantised experts module: views
+    of its own tensors (detached: quantised weights are frozen), or :class:`Unsupported`."""
+    from ..quant import QuantSpec, check_weight
+
+    scheme = getattr(module, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise Unsupported(
+            f"activation_scheme={scheme!r}: moe_route quantises the activations per token and "
+            "128 columns at each call ('dynamic'), not with the checkpoint's static scales"
+        )
+    if plan.transposed:
+        raise Unsupported("is_transposed=True on quantised weights (the scale blocks follow the "
+                          "stored [E, out, in] orientation)")  # fmt: skip
+    w1, s1 = getattr(module, plan.w1_name), getattr(module, f"{plan.w1_name}_scale_inv")
+    w2, s2 = module.down_proj, module.down_proj_scale_inv
+    E, n1 = w1.shape[0], w1.shape[1]
+    gated = plan.w1_name == "gate_up_proj"
+    if w1.dtype == torch.float8_e4m3fn and w2.dtype == w1.dtype:
+        block = getattr(module, "block_size", None)
+        if block is None:
+            raise Unsupported(
+                "block_size=None (one scale per expert matrix): moe_route's FP8 experts take "
+                "block scales (fp8[ROWSxCOLS], 128 columns)"
+            )
+        block = tuple(int(b) for b in block)
+        if len(block) != 2 or block[1] != 128 or not (block[0] % 128 == 0 or 128 % block[0] == 0):
+            raise Unsupported(f"block_size={list(block)}: moe_route's FP8 GEMMs take 128 columns "
+                              "per scale and a multiple or divisor of 128 rows")  # fmt: skip
+        ue8m0 = _E8M0 is not None and s1.dtype == _E8M0
+        if ue8m0 or s2.dtype != torch.float32:
+            s1, s2 = _float_scales(module, s1, s2)
+        spec = QuantSpec("fp8_block", block, ue8m0)
+        H = w1.shape[2]
+    elif w1.dtype in (torch.int8, torch.uint8) and w2.dtype == w1.dtype:
+        spec = QuantSpec("mxfp4")
+        w1, w2 = w1.view(torch.uint8), w2.view(torch.uint8)
+        s1, s2 = _exponent_scales(module, s1, s2)
+        H = 2 * w1.shape[2]
+    else:
+        raise Unsupported(
+            f"quantised weights {plan.w1_name} {w1.dtype} / down_proj {w2.dtype}: moe_route takes "
+            "float8_e4m3fn (block scales) or int8 / uint8 packed e2m1 (FP4) weights"
+        )
+    w1, w2, s1, s2 = (t.detach() for t in (w1, w2, s1, s2))
+    try:
+        check_weight(plan.w1_name, w1, f"{plan.w1_name}_scale_inv", s1, spec, (E, n1, H))
+        check_weight("down_proj", w2, "down_proj_scale_inv", s2, spec,
+                     (E, H, n1 // 2 if gated else n1))  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        raise Unsupported(str(exc)) from None
+    b1 = getattr(module, f"{plan.w1_name}_bias", None) if plan.has_bias else None
+    b2 = getattr(module, "down_proj_bias", None) if plan.has_bias else None
+    return w1, w2, b1, b2, {"quant": spec, "w1_scale": s1, "w2_scale": s2}
+
+
+def _resolve(module: nn.Module, plan: ExpertsPlan):
+    """``(w1, w2, b1, b2, quant kwargs)`` of any experts module (empty kwargs: 16/32-bit)."""
+    if is_quantized_experts(module):
+        return _quant_operands(module, plan)
+    return (*_operands(module, plan), {})
+
+
+def _quant_summary(quant: dict) -> str:
+    """How ``describe`` names a quantised path."""
+    spec = quant.get("quant")
+    if spec is None:
+        return ""
+    if spec.format == "mxfp4":
+        return f", FP4 weights as quant={str(spec)!r} (e2m1 + ue8m0 per 32; 16-bit activations)"
+    rows, cols = spec.block
+    return (f", FP8 weights as quant={str(spec)!r} ({rows}x{cols} blocks; activations e4m3 per "
+            f"token per {cols} columns)")  # fmt: skip
+
+
+def _activation_dtype(hidden_states: torch.Tensor, w1: torch.Tensor, quant: dict) -> torch.dtype:
+    """The dtype the experts take their tokens in: the weights' (16/32-bit experts; autocast may
+    hand float32 activations to bf16 experts), the tokens' own for FP8 (bf16 / fp16 / fp32),
+    bf16 for MXFP4 tokens of another dtype on CUDA (its GEMMs take 16-bit tokens)."""
+    spec = quant.get("quant")
+    if spec is None:
+        return w1.dtype
+    dt = hidden_states.dtype
+    if dt in (torch.bfloat16, torch.float16):
+        return dt
+    if dt == torch.float32 and (spec.fp8 or not hidden_states.is_cuda):
+        return dt
+    return torch.bfloat16
+
+
+def _fallback_table(module: nn.Module):
+    """transformers' experts functions for ``module``'s kind (FP8 modules have their own)."""
+    if is_quantized_experts(module):
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+
+        return ALL_FP8_EXPERTS_FUNCTIONS
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ALL_EXPERTS_FUNCTIONS
+
+
+def _register_quantized(name: str, fn) -> None:
+    """Install ``fn`` in transformers' FP8 experts interface too (``FP8Experts`` looks its
+    implementation up there, and rejects a name it does not hold)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # a transformers without FineGrainedFP8
+        return
+    FP8ExpertsInterface.register(name, fn)
+
+
 # --------------------------------------------------------------------------- the forward
 def _fallback_forward(module, hidden_states, top_k_index, top_k_weights, fallback, reason):
     cls = type(module).__name__
@@ -347,9 +544,8 @@ def _fallback_forward(module, hidden_states, top_k_index, top_k_weights, fallbac
         # use_experts_implementation wraps the class's own forward with functools.wraps.
         eager = type(module).forward.__wrapped__
         return eager(module, hidden_states, top_k_index, top_k_weights)
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    return ALL_EXPERTS_FUNCTIONS[fallback](module, hidden_states, top_k_index, top_k_weights)
+    table = _fallback_table(module)
+    return table[fallback](module, hidden_states, top_k_index, top_k_weights)
 
 
 def moe_route_experts_forward(
@@ -377,7 +573,7 @@ def moe_route_experts_forward(
     """
     try:
         plan = plan_for(module)
-        w1, w2, b1, b2 = _operands(module, plan)
+        w1, w2, b1, b2, quant = _resolve(module, plan)
     except Unsupported as exc:
         return _fallback_forward(
             module, hidden_states, top_k_index, top_k_weights, fallback, str(exc)
@@ -387,7 +583,7 @@ def moe_route_experts_forward(
     if getattr(module, "_is_expert_parallel", False):
         ids = torch.where(ids >= E, -1, ids)  # another rank's slot: dropped here
     out = fused_moe(
-        hidden_states.to(w1.dtype),  # autocast may hand float32 activations to bf16 experts
+        hidden_states.to(_activation_dtype(hidden_states, w1, quant)),
         w1,
         w2,
         top_k_weights,
@@ -396,6 +592,7 @@ def moe_route_experts_forward(
         gate_up_layout=plan.gate_up_layout,
         b1=b1,
         b2=b2,
+        **quant,
         **fused_moe_options,
     )
     return out.to(hidden_states.dtype)
@@ -439,6 +636,7 @@ def register(name: str = NAME, *, fallback: str = "grouped_mm", **fused_moe_opti
     fn = functools.partial(moe_route_experts_forward, fallback=fallback, **fused_moe_options)
     functools.update_wrapper(fn, moe_route_experts_forward)
     ExpertsInterface.register(name, fn)
+    _register_quantized(name, fn)
     _REGISTERED.add(name)
     _install_switch_hook()
     return name
@@ -598,8 +796,7 @@ def describe(model: nn.Module, name: str = NAME) -> Description:
             continue
         try:
             plan = plan_for(module)
-            _operands(module, plan)
-            report[module_name] = str(plan)
+            report[module_name] = str(plan) + _quant_summary(_resolve(module, plan)[4])
         except Unsupported as exc:
             report[module_name] = f"fallback: {exc}"
     for module_name, cls in bypassing_experts(model).items():
