@@ -24,9 +24,11 @@ from .arch import check_backend_name
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .maps import MapsCall
-from .moe import DECODE, PreparedExperts, decode_planned, moe_plan, run_experts
+from .moe import DECODE, PreparedExperts, decode_planned, fused_moe, moe_plan, run_experts
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
+from .quant import QuantSpec, as_quant, check_weight
+from .quant import quantize_experts as quantize_weights
 from .reference import GATE_UP_LAYOUTS, activation_reference
 from .routing import (
     ROUTERS,
@@ -42,6 +44,8 @@ from .routing import (
 from .tuning import token_buckets
 
 FINALIZE_CHOICES = ("auto", "fused", "standalone")
+# A quantised layer's expert buffers (MoELayer.quantize_experts).
+_QUANT_BUFFERS = ("w1", "w1_scale_inv", "w2", "w2_scale_inv")
 # What every rank of an expert-parallel group must agree on (checked at construction).
 _EP_CONFIG = (
     "hidden_size", "intermediate_size", "num_experts", "top_k", "router", "renormalize",
@@ -389,10 +393,16 @@ class MoELayer(nn.Module):
         # ``layer.to(torch.bfloat16)`` would round the expert bias, whose updates are ~1e-3:
         # keep it float32 (on whatever device ``fn`` moved it to).
         before = self.expert_bias
+        # quantised experts' codes and scales move, never change dtype
+        codes = {n: self._buffers[n] for n in _QUANT_BUFFERS} if self.quant is not None else {}
         super()._apply(fn, recurse)
         after = self.expert_bias
         if before is not None and after is not None and after.dtype != torch.float32:
             self._buffers["expert_bias"] = before.to(device=after.device, dtype=torch.float32)
+        for name, t in codes.items():
+            moved = self._buffers[name]
+            if moved.dtype != t.dtype:
+                self._buffers[name] = t.to(device=moved.device)
         return self
 
     @property
@@ -423,6 +433,8 @@ class MoELayer(nn.Module):
             )
         parts.append(f"activation={self.activation!r}, gate_up_layout={self.gate_up_layout!r}")
         parts.append(f"bias={self.b1 is not None}")
+        if self.quant is not None:
+            parts.append(f"quant={str(self.quant)!r}")
         parts.append(
             f"finalize={self.finalize!r}, deterministic={self.deterministic}, "
             f"backend={self.backend!r}"
@@ -520,6 +532,8 @@ class MoELayer(nn.Module):
             :class:`MoEOutput` (``output`` has ``x``'s shape; per-token tensors are flattened
             to ``T = x.numel() // H`` rows).
         """
+        if self.quant is not None:
+            return self._forward_quantized(x)
         _checks.check_tensor("x", x)
         H = self.hidden_size
         # each parameter read once (nn.Module.__getattr__ per read)
@@ -763,6 +777,9 @@ class MoELayer(nn.Module):
             ``self``. Values are copied (converted to the layer's dtype and device). An
             expert-parallel layer takes all ``E`` modules and copies its own experts.
         """
+        if self.quant is not None:
+            raise RuntimeError(f"the experts are quantised ({str(self.quant)!r}): load them into "
+                               "an unquantised layer, then quantize_experts()")  # fmt: skip
         if len(experts) != self.num_experts:
             raise ValueError(f"experts has {len(experts)} modules, expected num_experts = "
                              f"{self.num_experts}")  # fmt: skip
@@ -871,6 +888,196 @@ class MoELayer(nn.Module):
             src = src.weight
         _expect_shape(src, tuple(dst.shape), f"{what} weight")
         dst.copy_(src)
+
+    # ------------------------------------------------------------------ quantised experts
+    #: The experts' format once quantised (:meth:`quantize_experts`, or loaded from a quantised
+    #: state dict), else None (16/32-bit ``w1`` / ``w2`` Parameters).
+    quant: QuantSpec | None = None
+
+    @torch.no_grad()
+    def quantize_experts(self, quant: str | QuantSpec = "fp8") -> MoELayer:
+        """Quantise the experts in place, for inference or adapter training on a frozen base.
+
+        ``w1`` / ``w2`` stop being Parameters: they become frozen buffers of codes, beside their
+        scales, so ``state_dict()`` holds (DeepSeek-V3 / transformers naming, the scales being
+        the multipliers: ``w ≈ codes * scale`` block by block)
+
+        ====================  =====================================================
+        ``w1``, ``w2``        codes in the layout of ``quant`` (:mod:`moe_route.quant`),
+                              same ``[E, N, K]`` as before (mxfp4: ``K/2`` bytes)
+        ``w1_scale_inv``,     their scales: fp8 ``[E, ceil(N/128), ceil(K/128)]``
+        ``w2_scale_inv``      float32, fp8_channel ``[E, N]``, mxfp4 ``[E, N, K/32]`` uint8
+        ====================  =====================================================
+
+        The forward then runs ``fused_moe(..., quant=quant)`` (FP8: the tokens quantised per
+        call; the standalone finalize whatever ``finalize`` says). Gradients reach ``x``, the
+        router (``gate.weight``, through the router weights), ``b1`` / ``b2`` and the shared
+        expert, never the experts' codes. Build optimizers after this call (the old ``w1`` /
+        ``w2`` Parameters are gone). ``layer.to(dtype)`` leaves the codes and scales as they are.
+
+        A quantised state dict loads into a layer of the same shapes, quantised or not:
+        ``load_state_dict`` quantises an unquantised layer first (the format read from the
+        codes' dtype and the scales' shape: ``fp8``, ``fp8[ROWSx128]``, ``fp8_channel``,
+        ``mxfp4``; power-of-two ``fp8_ue8m0`` scales are not told apart from ``fp8``'s: call
+        ``quantize_experts("fp8_ue8m0")`` before loading those), then copies the codes and
+        scales bit for bit.
+
+        Args:
+            quant: ``"fp8"`` (default), ``"fp8_ue8m0"``, ``"fp8[ROWSxCOLS]"``, ``"fp8_channel"``,
+                ``"mxfp4"`` or a :class:`moe_route.QuantSpec`.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: the experts are quantised already.
+            ValueError: an unknown format, or weights with NaN / infinite values.
+            TypeError: a float64 layer (quantised experts take bf16 / fp16 / fp32 tokens).
+            NotImplementedError: an expert-parallel layer.
+        """
+        if self.quant is not None:
+            raise RuntimeError(
+                f"the experts are already quantised ({str(self.quant)!r}): quantise an "
+                "unquantised layer (quantising codes again would compound the error)"
+            )
+        spec = as_quant(quant)
+        if spec is None:
+            raise ValueError("quant=None: name a format to quantise to (e.g. quant='fp8')")
+        self._check_quantizable()
+        w1, s1 = quantize_weights(self.w1.detach(), spec)
+        w2, s2 = quantize_weights(self.w2.detach(), spec)
+        self._set_quantized(spec, w1, s1, w2, s2)
+        return self
+
+    def _check_quantizable(self) -> None:
+        if self.ep is not None:
+            raise NotImplementedError("quantised experts on an expert-parallel layer are not "
+                                      "supported yet")  # fmt: skip
+        if self.w1.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(
+                f"the layer is {self.w1.dtype}: quantised experts take bf16 / fp16 / fp32 "
+                "tokens (layer.to(torch.bfloat16) first)"
+            )
+
+    def _set_quantized(self, spec: QuantSpec, w1, s1, w2, s2) -> None:
+        """Replace the ``w1`` / ``w2`` Parameters by buffers of codes and scales (checked)."""
+        E, n1, H = self.w1.shape
+        check_weight("w1", w1, "w1_scale_inv", s1, spec, (E, n1, H))
+        check_weight("w2", w2, "w2_scale_inv", s2, spec, tuple(self.w2.shape))
+        device = self.w1.device
+        del self.w1, self.w2
+        for name, t in (("w1", w1), ("w1_scale_inv", s1), ("w2", w2), ("w2_scale_inv", s2)):
+            self.register_buffer(name, t.to(device))
+        self.quant = spec
+        self._calls.clear()
+
+    def _forward_quantized(self, x: torch.Tensor) -> MoEOutput:
+        """:meth:`forward` on quantised experts: the same routing, losses and capacity, the
+        experts by :func:`moe_route.fused_moe` on the codes and scales."""
+        _checks.check_tensor("x", x)
+        H, dtype = self.hidden_size, self.gate.weight.dtype
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(
+                f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}"
+            )
+        if x.dtype != dtype:
+            raise TypeError(
+                f"x has dtype {x.dtype} but the layer's parameters are {dtype} (its experts "
+                f"{self.quant}): convert one of them (layer.to(dtype) or x.to(dtype))"
+            )
+        x2 = x.reshape(-1, H)
+        T, E = x2.shape[0], self.num_experts
+        logits = self.router_logits(x2)
+        weights, ids = self.route(logits)
+        sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lb = z = aux = self._zero_loss(sdt, x.device)
+        if self.aux_loss_coef:
+            lb = load_balancing_loss(self.router_probs(logits), ids, E)
+        if self.z_loss_coef:
+            z = router_z_loss(logits)
+        if self.aux_loss_coef or self.z_loss_coef:
+            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
+        if self.capacity_factor is not None:
+            cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
+            ids = apply_capacity(ids, E, cap, backend=self.backend)
+        out = fused_moe(
+            x2, self.w1, self.w2, weights, ids, activation=self._activation,
+            gate_up_layout=self.gate_up_layout, b1=self.b1, b2=self.b2,
+            bias=self.shared_expert(x2), deterministic=self.deterministic, backend=self.backend,
+            quant=self.quant, w1_scale=self.w1_scale_inv, w2_scale=self.w2_scale_inv,
+        )  # fmt: skip
+        # slots per expert (a dropped slot, -1, counts in the extra bin): no host sync
+        slots = ids.reshape(-1).long().remainder(E + 1)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
+        counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[:E]
+        return MoEOutput(out.view(x.shape), aux, logits, counts, ids, weights, lb, z)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # fmt: skip
+        # A quantised state dict (codes + *_scale_inv) quantises an unquantised layer first
+        # (empty codes and scales of its format, then copied over); a 16/32-bit one cannot go
+        # into a quantised layer (it would be cast to codes silently).
+        codes, scale = state_dict.get(prefix + "w1"), state_dict.get(prefix + "w1_scale_inv")
+        if self.quant is None and scale is not None and isinstance(codes, torch.Tensor):
+            try:
+                spec = _quant_of(codes, scale)
+                self._check_quantizable()
+                E, n1, H = self.w1.shape
+                w2_shape = tuple(self.w2.shape)
+                empty = [torch.empty(0)] * 4
+                for i, shape in enumerate(((E, n1, H), w2_shape)):
+                    E_, N, K = shape
+                    empty[2 * i : 2 * i + 2] = _empty_quantized(spec, E_, N, K, self.w1.device)
+                self._set_quantized(spec, *empty)
+            except (TypeError, ValueError, NotImplementedError) as exc:
+                error_msgs.append(f"quantised experts in the state dict ({prefix}w1, "
+                                  f"{prefix}w1_scale_inv): {exc}")  # fmt: skip
+                return
+        elif (
+            self.quant is not None
+            and isinstance(codes, torch.Tensor)
+            and (codes.dtype != self.w1.dtype or scale is None)
+        ):
+            error_msgs.append(
+                f"{prefix}w1 is {codes.dtype}{'' if scale is not None else ' without w1_scale_inv'}"
+                f" but the layer's experts are quantised ({str(self.quant)!r}: {self.w1.dtype} "
+                "codes and scales): load it into an unquantised layer, then quantize_experts()"
+            )
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)  # fmt: skip
+
+
+def _quant_of(codes: torch.Tensor, scale: torch.Tensor) -> QuantSpec:
+    """The format of quantised experts from their codes' dtype and their scales' shape."""
+    if codes.dim() != 3:
+        raise ValueError(f"expected [E, N, K] codes, got {_checks.describe(codes)}")
+    N, K = codes.shape[1:]
+    if codes.dtype == torch.uint8:
+        return as_quant("mxfp4")
+    if codes.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"codes of dtype {codes.dtype}: expected float8_e4m3fn or uint8 (mxfp4)")
+    if scale.dim() == 2:
+        return as_quant("fp8_channel")
+    if scale.dim() != 3 or scale.shape[2] != -(-K // 128):
+        raise ValueError(f"scales {_checks.describe(scale)} for codes {list(codes.shape)}: "
+                         "expected [E, N/rows, K/128] blocks or [E, N] channels")  # fmt: skip
+    for rows in (128, 64, 32, 16, 8, 4, 2, 1, 256, 512):
+        if -(-N // rows) == scale.shape[1]:
+            return QuantSpec("fp8_block", (rows, 128))
+    raise ValueError(f"scales {_checks.describe(scale)}: no block of rows fits N = {N}")
+
+
+def _empty_quantized(spec: QuantSpec, E: int, N: int, K: int, device) -> list[torch.Tensor]:
+    """Uninitialised ``(codes, scales)`` of logical ``[E, N, K]`` experts in ``spec``."""
+    if spec.format == "mxfp4":
+        return [torch.empty(E, N, -(-K // 2), dtype=torch.uint8, device=device),
+                torch.empty(E, N, -(-K // 32), dtype=torch.uint8, device=device)]  # fmt: skip
+    codes = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+    if spec.format == "fp8_channel":
+        return [codes, torch.empty(E, N, device=device)]
+    bn, bk = spec.block
+    return [codes, torch.empty(E, -(-N // bn), -(-K // bk), device=device)]
 
 
 def _counts_read_on_host(counts: torch.Tensor) -> bool:

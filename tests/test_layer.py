@@ -724,3 +724,118 @@ def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
         assert torch.equal(out, out_w) and torch.equal(aux, aux_w)
         for a, b in zip(grads, grads_w, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- quantised experts
+QUANT_FORMATS = ("fp8", "fp8_ue8m0", "fp8_channel", "mxfp4")
+#: e4m3 rounds a value by at most half an ulp of its 3 mantissa bits: 2^-4 of itself.
+E4M3_REL = 2.0**-4
+
+
+def _dequantized_params(layer, quantized):
+    """The parameters of ``layer`` with ``w1`` / ``w2`` replaced by ``quantized``'s experts
+    dequantised (float64)."""
+    p = _params(layer)
+    for name in ("w1", "w2"):
+        codes, scale = getattr(quantized, name), getattr(quantized, f"{name}_scale_inv")
+        K = getattr(layer, name).shape[2]
+        p[name] = moe_route.dequantize_experts(codes, scale, quantized.quant, K).double()
+    return p
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("name", ["mixtral", "deepseek", "qwen2-shared-gate-bias"])
+def test_quantized_layer_matches_its_dequantized_experts(name, fmt):
+    """The quantised layer against the oracle on the dequantised experts: the same routing,
+    and the output off by the tokens' FP8 rounding only (each GEMM's input moves by at most
+    2^-4 of itself; MXFP4 keeps the tokens: float32 rounding). Against the unquantised layer,
+    the weights' rounding adds as much again (e2m1's 2^-2 for MXFP4)."""
+    layer = make_layer(**CASES[name])
+    q = make_layer(**CASES[name]).quantize_experts(fmt)
+    assert "w1" not in dict(q.named_parameters()) and q.w1.dtype != layer.w1.dtype
+    x = _x((3, 7, H), torch.float32)
+    with torch.no_grad():
+        out = q(x)
+        exact, _, ids = naive_forward(layer, x.double(), _dequantized_params(layer, q))
+        full = layer(x).output.double()
+    assert torch.equal(out.topk_ids.long(), ids.long().view(out.topk_ids.shape))
+    err = (out.output.double() - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    tokens = 1e-5 if fmt == "mxfp4" else 2 * E4M3_REL
+    assert err <= tokens * scale, (err, scale)
+    weights = 2.0**-2 if fmt == "mxfp4" else E4M3_REL
+    assert (out.output.double() - full).abs().max().item() <= (tokens + 2 * weights) * scale
+    assert torch.equal(out.tokens_per_expert, layer(x).tokens_per_expert)
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_quantized_state_dict_round_trips_bit_exact(fmt):
+    """codes + *_scale_inv (DeepSeek-V3 / transformers naming) load into a fresh unquantised
+    layer (which takes the format from them) or an already quantised one, bit for bit."""
+    q = make_layer(**CASES["deepseek"]).quantize_experts(fmt)
+    sd = q.state_dict()
+    assert {"w1", "w1_scale_inv", "w2", "w2_scale_inv"} <= set(sd)
+    # a fresh layer reads the format from the codes and scales (power-of-two fp8_ue8m0 scales
+    # read as fp8: quantising the target first keeps its format)
+    inferred = "fp8" if fmt == "fp8_ue8m0" else fmt
+    fresh = make_layer(seed=5, **CASES["deepseek"])
+    prepared = make_layer(seed=5, **CASES["deepseek"]).quantize_experts(fmt)
+    for target, want in ((fresh, inferred), (prepared, fmt)):
+        target.load_state_dict(sd)
+        assert str(target.quant) == want
+        for key, value in target.state_dict().items():
+            assert value.dtype == sd[key].dtype, key
+            assert torch.equal(value.view(torch.uint8), sd[key].view(torch.uint8)), key
+    x = _x((5, H), torch.float32)
+    assert torch.equal(prepared(x).output, q(x).output)
+    if inferred == fmt:
+        assert torch.equal(fresh(x).output, q(x).output)
+
+
+def test_quantized_layer_trains_the_router_not_the_experts():
+    layer = make_layer(**CASES["qwen2-shared-gate-bias"]).quantize_experts("fp8")
+    codes = {n: b.clone() for n, b in layer.named_buffers()}
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = _x((9, H), torch.float32).requires_grad_()
+    out = layer(x)
+    (out.output.square().mean() + out.aux_loss).backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    for name in ("gate.weight", "b1", "b2", "shared_w1", "shared_gate.weight"):
+        assert dict(layer.named_parameters())[name].grad.abs().sum() > 0, name
+    before = layer.gate.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(layer.gate.weight, before)
+    for n, b in layer.named_buffers():
+        assert torch.equal(b.view(torch.uint8), codes[n].view(torch.uint8)), n
+
+
+def test_quantized_layer_to_dtype_keeps_codes_and_scales():
+    layer = make_layer(**CASES["mixtral"]).quantize_experts("fp8")
+    layer.to(torch.bfloat16)
+    assert layer.w1.dtype == torch.float8_e4m3fn and layer.w1_scale_inv.dtype == torch.float32
+    out = layer(_x((4, H), torch.bfloat16)).output
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert "quant='fp8'" in repr(layer)
+
+
+def test_quantize_experts_errors():
+    layer = make_layer(**CASES["mixtral"])
+    with pytest.raises(ValueError, match="quant='int4'"):
+        layer.quantize_experts("int4")
+    layer.quantize_experts("fp8")
+    with pytest.raises(RuntimeError, match="already quantised"):
+        layer.quantize_experts("fp8")
+    with pytest.raises(RuntimeError, match="quantised"):
+        layer.load_experts_([nn.Linear(1, 1)] * E)
+    with pytest.raises(TypeError, match="dtype"):
+        layer(_x((4, H), torch.float64))
+    with pytest.raises(TypeError, match="float64"):
+        make_layer(dtype=torch.float64).quantize_experts("fp8")
+    # a 16/32-bit state dict into a quantised layer: said, not cast into codes
+    with pytest.raises(RuntimeError, match="quantised"):
+        layer.load_state_dict(make_layer(**CASES["mixtral"]).state_dict())
+    # codes whose scales fit no format
+    sd = make_layer(**CASES["mixtral"]).quantize_experts("fp8").state_dict()
+    sd["w1_scale_inv"] = sd["w1_scale_inv"][:, :, :0]
+    with pytest.raises(RuntimeError, match="w1_scale_inv"):
+        make_layer(**CASES["mixtral"]).load_state_dict(sd)
