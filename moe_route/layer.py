@@ -41,7 +41,7 @@ from .routing import (
     route_softmax,
     router_z_loss,
 )
-from .tuning import token_buckets
+from .tuning import warmup_buckets
 
 FINALIZE_CHOICES = ("auto", "fused", "standalone")
 # A quantised layer's expert buffers (MoELayer.quantize_experts).
@@ -669,8 +669,9 @@ class MoELayer(nn.Module):
         (one forward per token bucket on random tokens, and a backward when ``backward``:
         gradients computed and dropped, nothing accumulates into ``.grad``, the global RNG
         untouched); see :func:`moe_route.warmup`. An expert-parallel layer runs collectives:
-        call it on every rank. Returns the buckets warmed."""
-        buckets = token_buckets(max_tokens)
+        call it on every rank. Returns the buckets warmed. ``max_tokens`` has the bounds of
+        :func:`moe_route.warmup` (``ValueError`` before anything runs)."""
+        buckets = warmup_buckets(max_tokens, self.top_k, self.w1, self.w2, backward)
         p = self.w1
         gen = torch.Generator(device=p.device).manual_seed(0)
         for T in buckets:

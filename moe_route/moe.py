@@ -50,7 +50,7 @@ from .kernels.triton.moe import (
 from .maps import MapsCall, check_kernel_limits, maps_backend
 from .quant import QuantSpec, as_quant, check_weight, dequantize_experts
 from .reference import GATE_UP_LAYOUTS
-from .tuning import token_bucket, token_buckets
+from .tuning import token_bucket, warmup_buckets
 
 
 @dataclass(frozen=True)
@@ -932,12 +932,15 @@ def warmup(
     of ``x``, the router weights and every weight that requires grad, none accumulated into
     ``.grad``) when ``backward``. Afterwards no call with these shapes, dtypes and flags
     compiles anything, whatever its ``T <= max_tokens`` (serving without compile pauses).
-    Returns the buckets warmed. Synchronises the device (once, at the end).
+    Returns the buckets warmed. Synchronises the device (once, at the end). ``max_tokens``
+    is bounded by the int32 routing maps (``bucket · top_k < 2**31``) and, on a GPU, by the
+    free memory (see :func:`moe_route.tuning.warmup_buckets`): past either, ``ValueError``
+    before anything runs.
     """
-    buckets = token_buckets(max_tokens)
     E, H = w1.shape[0], w2.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, num_experts = {E}]")
+    buckets = warmup_buckets(max_tokens, top_k, w1, w2, backward)
     gen = torch.Generator(device=w1.device).manual_seed(0)
     for T in buckets:
         x = torch.randn(T, H, device=w1.device, dtype=w1.dtype, generator=gen)

@@ -25,6 +25,10 @@ from .kernels.triton.weight_grad import WeightGradConfig
 PERSISTENT_ENV = "MOE_ROUTE_PERSISTENT"
 
 
+#: The most expanded rows (``T * K``) the routing maps index: their row indices are int32.
+MAX_EXPANDED_ROWS = 2**31 - 1
+
+
 def token_bucket(T: int) -> int:
     """``T`` rounded up to a power of two (``0`` stays ``0``): the unit plans are cached on."""
     return 1 << (T - 1).bit_length() if T > 0 else 0
@@ -35,6 +39,48 @@ def token_buckets(max_tokens: int) -> list[int]:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
     return [1 << i for i in range((max_tokens - 1).bit_length() + 1)]
+
+
+def warmup_buckets(
+    max_tokens: int, top_k: int, w1: torch.Tensor, w2: torch.Tensor, backward: bool
+) -> list[int]:
+    """:func:`token_buckets` for a warm-up of the experts ``w1 [E, N1, H]``, ``w2 [E, H, I]``
+    with ``top_k`` slots per token, bounded before anything runs (``ValueError`` otherwise).
+
+    The largest bucket ``B`` (``max_tokens`` rounded up to a power of two) is the ``T`` of
+    the last call, so ``B · top_k`` expanded rows must stay below ``2**31`` (the routing maps'
+    row indices are int32): ``max_tokens`` is at most the largest power of two ``<= (2**31 -
+    1) // top_k``. On a GPU, that call's activations must also fit the device's free memory:
+    an estimate, ``B`` tokens in and out and their ``top_k`` copies through both GEMMs, in the
+    weights' dtype, twice with ``backward`` (the gradients)."""
+    buckets = token_buckets(max_tokens)
+    largest = buckets[-1]
+    if largest * top_k > MAX_EXPANDED_ROWS:
+        most = 1 << ((MAX_EXPANDED_ROWS // top_k).bit_length() - 1)
+        raise ValueError(
+            f"max_tokens={max_tokens}: its bucket T={largest} with top_k={top_k} gives "
+            f"T*top_k={largest * top_k} expanded rows, more than the int32 routing maps hold "
+            f"(< 2**31): expected max_tokens <= {most}"
+        )
+    free = free_memory(w1.device)
+    if free is not None:
+        H, N1, inter = w2.shape[1], w1.shape[1], w2.shape[2]
+        per_token = (2 * H + top_k * (2 * H + N1 + inter)) * w1.element_size()
+        need = largest * per_token * (2 if backward else 1)
+        if need > free:
+            raise ValueError(
+                f"max_tokens={max_tokens}: the warm-up of its bucket T={largest} needs about "
+                f"{need / 2**30:.3g} GiB of activations but {w1.device} has "
+                f"{free / 2**30:.3g} GiB free: expected a smaller max_tokens"
+            )
+    return buckets
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes of a GPU's memory; None elsewhere (no bound is applied)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
 
 
 def persistent_override() -> int | None:

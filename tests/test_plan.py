@@ -128,6 +128,35 @@ def test_warmup_runs_every_bucket_without_touching_grads_or_rng():
         moe_route.warmup(w1, w2, E + 1, 4)
 
 
+@pytest.mark.parametrize("max_tokens", [2**40, 2**30 + 1])
+def test_warmup_past_the_int32_maps_raises_before_any_launch(launches, max_tokens):
+    case = moe_case(T, K, E, H, INTER)
+    match = rf"max_tokens={max_tokens}: .* than the int32 routing maps .* max_tokens <= {2**29}"
+    with pytest.raises(ValueError, match=match):
+        moe_route.warmup(case["w1"], case["w2"], K, max_tokens)
+    layer = moe_route.MoELayer(H, INTER, E, K, backend="triton")
+    with pytest.raises(ValueError, match=match):
+        layer.warmup(max_tokens)
+    assert launches == []
+
+
+def test_warmup_past_the_free_memory_raises_before_any_launch(monkeypatch, launches):
+    """Where the device reports its free memory (a GPU), the largest bucket's activations
+    must fit it (here a CPU pretending to have 1 MiB free)."""
+    from moe_route import tuning
+
+    monkeypatch.setattr(tuning, "free_memory", lambda device: 2**20)
+    case = moe_case(T, K, E, H, INTER)
+    match = r"max_tokens=5000: the warm-up of its bucket T=8192 needs about .* GiB free"
+    with pytest.raises(ValueError, match=match):
+        moe_route.warmup(case["w1"], case["w2"], K, 5000)
+    layer = moe_route.MoELayer(H, INTER, E, K, backend="triton")
+    with pytest.raises(ValueError, match=match):
+        layer.warmup(5000, backward=True)
+    assert launches == []
+    assert moe_route.warmup(case["w1"], case["w2"], K, 2) == [1, 2]  # small enough
+
+
 def test_layer_warmup(launches):
     layer = moe_route.MoELayer(H, INTER, E, K, aux_loss_coef=0.01, backend="triton")
     assert layer.warmup(3, backward=True) == [1, 2, 4]
