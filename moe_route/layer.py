@@ -706,12 +706,12 @@ class MoELayer(nn.Module):
 
         Args:
             tokens_per_expert: ``[E]`` counts, of an integer dtype or (e.g. averaged over
-                ranks) a floating one, on any device. Floating counts must be finite: a NaN
-                or infinite count raises ``ValueError`` when the counts are on the CPU; on a
-                GPU, where reading them would synchronise, such a call leaves the bias as it
-                was (so one bad step never writes NaN into it).
+                ranks) a floating one, on any device. Counts must be finite and ``>= 0``: a
+                negative, NaN or infinite count raises ``ValueError`` when the counts are on
+                the CPU; on a GPU, where reading them would synchronise, such a call leaves
+                the bias as it was (so one bad step never writes NaN into it).
             rate: a finite real number ``>= 0`` (a Python or NumPy scalar; ``0`` changes
-                nothing).
+                nothing), at most the largest value of ``expert_bias``'s dtype (float32).
         """
         if self.expert_bias is None:
             raise ValueError(
@@ -724,6 +724,11 @@ class MoELayer(nn.Module):
             )
         if not math.isfinite(rate) or rate < 0:
             raise ValueError(f"rate must be a finite number >= 0, got {rate!r}")
+        if rate > torch.finfo(self.expert_bias.dtype).max:
+            raise ValueError(
+                f"rate={rate!r} is past the largest {self.expert_bias.dtype} (expert_bias's "
+                f"dtype, {torch.finfo(self.expert_bias.dtype).max:.4g}): expected a smaller rate"
+            )
         counts = _checks.check_tensor("tokens_per_expert", tokens_per_expert, ndim=1)
         if counts.dtype == torch.bool or counts.dtype.is_complex:
             raise TypeError(
@@ -735,21 +740,21 @@ class MoELayer(nn.Module):
                 f"tokens_per_expert must be [E] = [{self.num_experts}], got "
                 f"{_checks.describe(counts)}"
             )
-        floating = counts.is_floating_point()
-        unread = floating and not _counts_read_on_host(counts)
-        if floating and not unread:
-            bad = ~torch.isfinite(counts)
+        unread = not _counts_read_on_host(counts)
+        if not unread:
+            bad = ~torch.isfinite(counts) | (counts < 0)
             if bool(bad.any()):
                 e = int(bad.nonzero()[0])
                 raise ValueError(
-                    f"tokens_per_expert[{e}] = {counts[e].item()} is not finite: expected "
-                    f"finite counts, got {_checks.describe(counts)}"
+                    f"tokens_per_expert[{e}] = {counts[e].item()}: expected finite counts "
+                    f">= 0, got {_checks.describe(counts)}"
                 )
         # float64: integer counts below 2**53 compare with their mean exactly.
         counts = counts.to(device=self.expert_bias.device, dtype=torch.float64)
         step = torch.sign(counts.mean() - counts)
-        if unread:  # not checked (a sync): a non-finite count cancels the whole update
-            step = torch.where(torch.isfinite(counts).all(), step, 0.0)
+        if unread:  # not checked (a sync): a bad count cancels the whole update
+            ok = (torch.isfinite(counts) & (counts >= 0)).all()
+            step = torch.where(ok, step, 0.0)
         self.expert_bias.add_(step.to(self.expert_bias.dtype), alpha=float(rate))
 
     # ------------------------------------------------------------------ loading
@@ -1082,9 +1087,9 @@ def _empty_quantized(spec: QuantSpec, E: int, N: int, K: int, device) -> list[to
 
 
 def _counts_read_on_host(counts: torch.Tensor) -> bool:
-    """Whether ``update_expert_bias`` checks floating counts by reading them (CPU tensors);
-    elsewhere a read would synchronise, and a non-finite count cancels the update on the
-    device instead."""
+    """Whether ``update_expert_bias`` checks the counts by reading them (CPU tensors);
+    elsewhere a read would synchronise, and a negative or non-finite count cancels the update
+    on the device instead."""
     return counts.device.type == "cpu"
 
 

@@ -503,11 +503,11 @@ def test_update_expert_bias_float_counts_exact_and_non_finite_leave_the_bias(mon
     layer = make_layer(router="sigmoid_grouped")
     before = layer.expert_bias.clone()
     counts = torch.tensor([0.0, 1.5, 2, 3, 4.25, 5])
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        poisoned = counts.clone()
+    for bad in (float("nan"), float("inf"), float("-inf"), -1.0, -1):
+        poisoned = counts.clone() if isinstance(bad, float) else counts.long()
         poisoned[3] = bad
         if branch == "read":
-            with pytest.raises(ValueError, match=r"tokens_per_expert\[3\] = .* is not finite"):
+            with pytest.raises(ValueError, match=r"tokens_per_expert\[3\] = .*: expected finite"):
                 layer.update_expert_bias(poisoned, 1e-3)
         else:
             layer.update_expert_bias(poisoned, 1e-3)
@@ -544,8 +544,12 @@ def test_bad_inputs_name_the_argument():
         (torch.tensor([3, 1, 2, 2, 2, 2]), "1e-3", TypeError, "rate must be a real number"),
         (torch.tensor([3, 1, 2, 2, 2, 2]), True, TypeError, "got bool"),
         (torch.tensor([3, 1, 2, 2, 2, 2]), torch.tensor(1e-3), TypeError, "got Tensor"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), 1e308, ValueError, r"rate=1e\+308 is past the largest"),
+        (torch.tensor([3, 1, 2, 2, 2, 2]), 2**200, ValueError, "is past the largest"),
         (torch.tensor([3.0, float("nan"), 2, 2, 2, 2]), 1e-3, ValueError, r"\[1\] = nan"),
         (torch.tensor([3.0, 1, 2, float("-inf"), 2, 2]), 1e-3, ValueError, r"\[3\] = -inf"),
+        (torch.tensor([3, 1, -2, 2, 2, 2]), 1e-3, ValueError, r"\[2\] = -2: expected finite"),
+        (torch.tensor([3.0, 1, 2, 2, -0.5, 2]), 1e-3, ValueError, r"\[4\] = -0.5: expected"),
         (torch.ones(E, dtype=torch.bool), 1e-3, TypeError, "integer or floating dtype"),
         (torch.ones(E, dtype=torch.complex64), 1e-3, TypeError, "integer or floating dtype"),
         (torch.ones(E, 1), 1e-3, ValueError, "tokens_per_expert must have 1 dimensions"),
@@ -553,7 +557,8 @@ def test_bad_inputs_name_the_argument():
         ([1, 2, 3, 4, 5, 6], 1e-3, TypeError, "tokens_per_expert must be a torch.Tensor"),
     ],
     ids=["nan-rate", "inf-rate", "negative-rate", "str-rate", "bool-rate", "tensor-rate",
-         "nan-count", "inf-count", "bool-counts", "complex-counts", "2d", "short", "list"],
+         "huge-rate", "huge-int-rate", "nan-count", "inf-count", "negative-int-count",
+         "negative-float-count", "bool-counts", "complex-counts", "2d", "short", "list"],
 )  # fmt: skip
 def test_update_expert_bias_rejects_bad_input(counts, rate, exc, match):
     layer = make_layer(router="sigmoid_grouped")
