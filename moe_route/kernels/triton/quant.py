@@ -49,8 +49,8 @@ from .grouped_gemm import (
 
 #: The largest finite e4m3 value and the floor of a block's absolute maximum
 #: (:mod:`moe_route.quant`'s constants, restated as kernel literals).
-FP8_MAX: tl.constexpr = 448.0
-FP8_EPS: tl.constexpr = 1e-10
+FP8_MAX = tl.constexpr(448.0)
+FP8_EPS = tl.constexpr(1e-10)
 #: Columns per scale block along the reduction (the FP8 formats' ``k`` block).
 SCALE_K = 128
 #: Values per MXFP4 scale.
@@ -186,36 +186,38 @@ def quantize_rows_triton(x: torch.Tensor, group: int = 128, ue8m0: bool = False)
 
 # --------------------------------------------------------------------------- grouped GEMM
 @triton.jit
-def _e2m1(c):
-    """float32 values of e2m1 codes (the low 4 bits of ``c``; bit 3 the sign)."""
+def _e2m1(c, scale):
+    """float32 ``value(c) · scale`` of e2m1 codes (the low 4 bits of ``c``; bit 3 the sign):
+    a magnitude code ``m >= 2`` is ``2^(m>>1 - 1) · (1 + (m&1)/2)``, built as float32 bits;
+    codes 0 and 1 are 0 and 0.5."""
     c = c.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-    return tl.where((c & 8) != 0, -mag, mag)
+    mag = c & 7
+    bits = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22) | ((c & 8) << 28)
+    v = tl.where(mag < 2, tl.where((c & 8) != 0, -0.5, 0.5) * mag.to(tl.float32),
+                 bits.to(tl.float32, bitcast=True))  # fmt: skip
+    return v * scale
 
 
 @triton.jit
-def _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk, stride_sn,
-                stride_sk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """``[BLOCK_K, BLOCK_N]`` float32 weights of columns ``k0 ...`` from packed e2m1 codes
-    (``KP`` bytes per row) and their ue8m0 scales (``KS`` per row)."""
+def _mxfp4_halves(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk, stride_sn,
+                  stride_sk, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The weights of columns ``k0, k0 + 2, ...`` and ``k0 + 1, k0 + 3, ...`` (the low and high
+    nibbles of ``BLOCK_K / 2`` packed bytes), each ``[BLOCK_K / 2, BLOCK_N]`` float32 scaled by
+    its group's ue8m0 exponent: two halves of the reduction, so no register shuffle interleaves
+    them."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    p = tl.load(w_base + w_rows[None, :].to(tl.int64) * stride_wn + kp[:, None] * stride_wk,
-                mask=(kp < KP)[:, None] & col_ok[None, :], other=0)  # fmt: skip
-    pairs = tl.join(_e2m1(p & 0xF), _e2m1(p >> 4))  # [BK/2, BN, 2]: even column, odd column
-    w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
-    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    e8 = tl.load(s_base + w_rows[None, :].to(tl.int64) * stride_sn + ks[:, None] * stride_sk,
-                 mask=(ks < KS)[:, None] & col_ok[None, :], other=127)  # fmt: skip
+    rows = w_rows[None, :].to(tl.int64)
+    ok = (kp < KP)[:, None] & col_ok[None, :]
+    p = tl.load(w_base + rows * stride_wn + kp[:, None] * stride_wk, mask=ok, other=0)
+    # one scale per 16 bytes (32 values); the repeated addresses come from L1
+    e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
+                 other=127)  # fmt: skip
     scale = (e8.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 127)
-    w = tl.reshape(w, (BLOCK_K // 32, 32, BLOCK_N)) * scale[:, None, :]
-    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+    return _e2m1(p, scale), _e2m1(p >> 4, scale)
 
 
 @triton.jit
-def _fp8_step(a, a_s, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UPCAST: tl.constexpr):
+def _fp8_dot(a, w_ptrs, ws_ptrs, a_s, k_ok, col_ok, acc, UPCAST: tl.constexpr):
     """``acc + (a @ w) · a_s · w_s`` for one scale block of the reduction."""
     w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
@@ -227,37 +229,56 @@ def _fp8_step(a, a_s, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _quant_mainloop(a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, w_rows, col_ok, KD, KP, KS,
-                    stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk,
-                    stride_sn, stride_sk, SN: tl.constexpr, MXFP4: tl.constexpr,
-                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-    """``A[a_rows] @ W[e][w_rows].T`` over ``KD`` in float32 (see the module doc)."""
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+def _quant_mainloop(a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok,
+                    KD, KP, KS, stride_am, stride_ak, stride_asm, stride_ask, stride_wn,
+                    stride_wk, stride_sn, stride_sk, SN: tl.constexpr, GATED: tl.constexpr,
+                    MXFP4: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``(A[a_rows] @ W[e][gate_rows].T, A[a_rows] @ W[e][up_rows].T)`` over ``KD`` in float32
+    (the second only when ``GATED``; both from one read of each ``A`` tile). See the module
+    doc for the two products."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MXFP4:
+        ks = 2 * tl.arange(0, BLOCK_K // 2)  # the even columns; the odd ones follow each
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
         for k0 in range(0, KD, BLOCK_K):
-            k_ok = k0 + ks < KD
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = _mxfp4_tile(w_base, ws_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
-                            stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
-            acc = tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
+            ok_e = row_ok[:, None] & (k0 + ks < KD)[None, :]
+            ok_o = row_ok[:, None] & (k0 + ks + 1 < KD)[None, :]
+            a_even = tl.load(a_ptrs, mask=ok_e, other=0.0)
+            a_odd = tl.load(a_ptrs + stride_ak, mask=ok_o, other=0.0)
+            lo, hi = _mxfp4_halves(w_base, ws_base, gate_rows, col_ok, k0, KP, KS, stride_wn,
+                                   stride_wk, stride_sn, stride_sk, BLOCK_K)  # fmt: skip
+            acc = tl.dot(a_even, lo.to(a_even.dtype), acc, out_dtype=tl.float32)
+            acc = tl.dot(a_odd, hi.to(a_odd.dtype), acc, out_dtype=tl.float32)
+            if GATED:
+                lo, hi = _mxfp4_halves(w_base, ws_base, up_rows, col_ok, k0, KP, KS, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, BLOCK_K)  # fmt: skip
+                acc_up = tl.dot(a_even, lo.to(a_even.dtype), acc_up, out_dtype=tl.float32)
+                acc_up = tl.dot(a_odd, hi.to(a_odd.dtype), acc_up, out_dtype=tl.float32)
             a_ptrs += BLOCK_K * stride_ak
     else:
-        w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-        ws_ptrs = ws_base + (w_rows // SN).to(tl.int64) * stride_sn
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+        g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+        u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+        gs_ptrs = ws_base + (gate_rows // SN).to(tl.int64) * stride_sn
+        us_ptrs = ws_base + (up_rows // SN).to(tl.int64) * stride_sn
         as_ptrs = as_ptr + a_rows * stride_asm
         for k0 in range(0, KD, BLOCK_K):
             k_ok = k0 + ks < KD
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
-            acc = _fp8_step(a, a_s, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UPCAST)
+            acc = _fp8_dot(a, g_ptrs, gs_ptrs, a_s, k_ok, col_ok, acc, UPCAST)
+            if GATED:
+                acc_up = _fp8_dot(a, u_ptrs, us_ptrs, a_s, k_ok, col_ok, acc_up, UPCAST)
             a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
             as_ptrs += stride_ask
-            ws_ptrs += stride_sk
-    return acc
+            gs_ptrs += stride_sk
+            us_ptrs += stride_sk
+    return acc, acc_up
 
 
 @triton.jit(do_not_specialize=_VARYING)
@@ -295,26 +316,21 @@ def _quant_gemm_kernel(
     a_rows = _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = ws_ptr + e.to(tl.int64) * stride_se
-    acc = _quant_mainloop(
-        a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, col_ok, KD, KP, KS,
+    acc, acc_up = _quant_mainloop(
+        a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP, KS,
         stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk, stride_sn,
-        stride_sk, SN, MXFP4, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        stride_sk, SN, GATED, MXFP4, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
         acc += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
             None, :
         ]
-    if GATED:
-        acc_up = _quant_mainloop(
-            a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, up_rows, col_ok, KD, KP, KS,
-            stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk, stride_sn,
-            stride_sk, SN, MXFP4, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        if HAS_BIAS:
+        if GATED:
             acc_up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
                 None, :
             ]
+    if GATED:
         h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET)
     else:
         h = plain_forward(acc, ACT)
