@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_route.__main__ import main as cli_main
-from moe_route.bench import backward, harness, host, profiling, report, stages, suite
+from moe_route.bench import backward, baselines, harness, host, profiling, report, stages, suite
 from moe_route.bench.harness import Ceilings, Row, Timing, add_speedups, make_row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -609,3 +609,179 @@ def test_summary_percentiles_bracket_the_median(samples, repeats):
     bars); equal samples, whose interpolated percentiles can land an ulp off, included."""
     t = harness._summarise(samples + [samples[0]] * repeats)
     assert t.p20_s <= t.median_s <= t.p80_s
+
+
+# --------------------------------------------------------------------------- the quant stage
+
+
+def _meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _scaled_grouped_mm_standin(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+                               out_dtype=None, use_fast_accum=False):  # fmt: skip
+    """``torch._scaled_grouped_mm`` on the CPU: its layout checks (the meta function's, those of
+    the CUDA kernel), then each group's product in float32. Rows past ``offs[-1]`` stay NaN."""
+    torch.ops.aten._scaled_grouped_mm(_meta(a), _meta(b), _meta(scale_a), _meta(scale_b),
+                                      offs=_meta(offs), out_dtype=out_dtype)  # fmt: skip
+    assert a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0
+    out = torch.full((a.shape[0], b.shape[-1]), float("nan"), dtype=out_dtype)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        a_g = a[start:end].float() * scale_a[start:end, None]
+        out[start:end] = (a_g @ (b[g].float() * scale_b[g][None, :])).to(out_dtype)
+        start = end
+    return out
+
+
+def _quant_case(T=64, H=256, I=128, E=8, K=2):  # noqa: E741
+    import moe_route
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w1 = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16()
+    logits = torch.randn(T, E, generator=g)
+    tw, ids = moe_route.reference.topk_routing_reference(logits, K, renormalize=True)
+    ref = moe_route.fused_moe(x, w1, w2, tw, ids, backend="torch")
+    return x, w1, w2, tw, ids, ref
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_scaled_grouped_mm_pipeline_passes_the_operator_checks(align):
+    """The ``_scaled_grouped_mm`` baseline hands the operator what its checks want (mat_a
+    row-major, mat_b ``[E, K, N]`` column-major, scale_a ``[M]``, scale_b ``[E, N]``, int32
+    group ends; groups padded to ``align`` rows) and computes the MoE forward."""
+    import moe_route
+
+    x, w1, w2, tw, ids, ref = _quant_case()
+    q1, s1 = moe_route.quantize_experts(w1, "fp8_channel")
+    q2, s2 = moe_route.quantize_experts(w2, "fp8_channel")
+    out = baselines.scaled_grouped_mm_forward(x, q1, s1, q2, s2, tw, ids, align=align,
+                                              mm=_scaled_grouped_mm_standin)  # fmt: skip
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert stages.rel_err(out, ref) < 0.1
+
+
+def test_transformers_fp8_baseline_takes_moe_route_fp8_weights(monkeypatch):
+    """transformers' FP8 grouped_mm experts function on moe_route's ``fp8`` layout (its hub
+    kernel replaced by a CPU stand-in of the same signature)."""
+    pytest.importorskip("transformers")
+    fp8mod = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    import moe_route
+
+    def grouped_matmul(x, w, scale, offsets=None, tokens_per_expert=None, block_size=None):
+        wd = moe_route.quant.dequantize_fp8_block(w, scale, tuple(block_size))
+        out, start = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype), 0
+        for g, end in enumerate(offsets.tolist()):
+            out[start:end] = (x[start:end].float() @ wd[g].t()).to(x.dtype)
+            start = end
+        return out
+
+    kernel = type("Kernel", (), {"grouped_matmul": staticmethod(grouped_matmul)})
+    monkeypatch.setattr(fp8mod, "load_finegrained_fp8_kernel", lambda: kernel)
+    x, w1, w2, tw, ids, ref = _quant_case()
+    q1, s1 = moe_route.quantize_experts(w1, "fp8")
+    q2, s2 = moe_route.quantize_experts(w2, "fp8")
+    out = baselines.transformers_fp8_experts(q1, s1, q2, s2)(x, tw, ids)
+    assert out.dtype == x.dtype and stages.rel_err(out, ref) < 0.1
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp4"])
+def test_quantize_chunked_matches_the_whole_tensor(fmt):
+    import moe_route
+    from moe_route.bench import quant
+
+    w = torch.randn(5, 96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    whole = moe_route.quantize_experts(w, fmt)
+    chunked = quant.quantize_chunked(w, fmt, max_numel=2 * 96 * 256)  # 2, 2, 1 experts
+    for a, b in zip(chunked, whole, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what runs without a GPU")
+def test_quant_stage_on_the_cpu(tmp_path, capsys):
+    """The quant stage's CPU comparison: the prefill rows (fp32 reference, the three formats),
+    the decode rows against the weight-read floor, host times; the GPU-only baselines listed as
+    skipped with their reason, not failed; tables and the plot rendered."""
+    rc = suite.main(["--device", "cpu", "--stages", "quant", "--tokens", "8", "256", "--budget",
+                     "0.003", "--host-calls", "4", "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "optional baseline(s) skipped" in out
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert data["failures"] == []
+    assert (
+        data["environment"]["fp8_mm_TFLOP_s"] > 0 and "_scaled_mm" in data["environment"]["fp8_mm"]
+    )
+    rows = {(r["stage"], r["impl"]): r for r in data["rows"]}
+    prefill = {i: r for (s, i), r in rows.items() if s == "quant"}
+    assert list(prefill) == ["moe_route fp32", "moe_route fp8", "moe_route fp8_channel",
+                             "moe_route mxfp4"]  # fmt: skip
+    assert all(r["shape"] == "cpu-tiny T=256" for r in prefill.values())
+    flops = 6 * 256 * 2 * 64 * 32
+    for impl, r in prefill.items():
+        e = r["extra"]
+        assert r["flops"] == flops and e["tflops"] == pytest.approx(flops / r["median_us"] / 1e6)
+        assert e["of_dense"] > 0 and e["rate"] == ("fp8" if "fp8" in impl else "mm")
+        if impl != "moe_route fp32":
+            assert e["x_fp32"] == pytest.approx(prefill["moe_route fp32"]["median_us"] /
+                                                r["median_us"])  # fmt: skip
+            assert 0.01 < e["rel_err"] < (0.4 if impl.endswith("mxfp4") else 0.15), r
+    wb = {i: r["extra"]["weight_bytes"] for (s, i), r in rows.items() if s == "quant-dec"}
+    assert list(wb) == ["moe_route fp32", "moe_route fp8", "moe_route mxfp4"]
+    assert wb["moe_route fp32"] > wb["moe_route fp8"] > wb["moe_route mxfp4"]
+    for impl in wb:
+        r = rows[("quant-dec", impl)]
+        assert r["bytes"] == wb[impl] and r["flops"] == 0 and 0 < r["extra"]["touched"] <= 8
+        assert r["extra"]["over_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
+    host = {i: r for (s, i), r in rows.items() if s == "quant-host"}
+    assert list(host) == ["fused_moe fp32", "fused_moe fp8", "fused_moe mxfp4"]
+    assert host["fused_moe fp32"]["extra"]["over_ref"] == 1.0
+    assert all(r["extra"]["calls"] == 4 and r["median_us"] > 0 for r in host.values())
+    skipped = {f["impl"]: f["reason"] for f in data["skipped"]}
+    assert set(skipped) == {"torch._scaled_grouped_mm fp8 rowwise", "transformers fp8 grouped_mm"}
+    assert "CPU" in skipped["torch._scaled_grouped_mm fp8 rowwise"]
+    md = (tmp_path / "suite.md").read_text()
+    for stage in ("quant", "quant-dec", "quant-host"):
+        assert f"### {stage}\n" in md
+    assert "| cpu-tiny T=256 | moe_route fp8 |" in md and "### skipped" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "suite_quant.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_quant_tables_render_gpu_rows():
+    """The quant tables on rows as a GPU run writes them: the baselines' rows, the FP8 rate,
+    the speed-ups over bf16 and over the baseline of the same format, a device-bound host row."""
+
+    def row(stage, impl, us, nbytes=1e9, flops=1e12, **extra):
+        return make_row(stage, "m T=4096", impl, Timing(us * 1e-6, us * 1e-6, us * 1e-6, 3),
+                        Ceilings(1e12, 1e15), nbytes, flops, **extra)  # fmt: skip
+
+    rows = [
+        row("quant", "moe_route bf16", 2000.0, quant="bf16", tflops=500.0, of_dense=0.7,
+            rate="mm", peak_mib=2048.0),
+        row("quant", "moe_route fp8_channel", 1000.0, quant="fp8_channel", tflops=1000.0,
+            of_dense=0.6, rate="fp8", x_bf16=2.0, x_scaled_grouped_mm=1.5, rel_err=0.061),
+        row("quant", "torch._scaled_grouped_mm fp8 rowwise", 1500.0, quant="fp8_channel",
+            tflops=667.0, of_dense=0.4, rate="fp8", x_bf16=1.33, rel_err=0.07, mismatch=True),
+        row("quant-dec", "moe_route fp8", 375.0, 3e8, 0.0, quant="fp8", touched=64,
+            weight_bytes=3e8, over_floor=1.25, x_bf16=1.8, rel_err=0.06),
+        row("quant-host", "fused_moe fp8", 50.0, 0, 0, quant="fp8", eager_us=120.0,
+            graph_us=110.0, device_bound=True, over_ref=1.1),
+    ]  # fmt: skip
+    env = {"gpu": "G", "fp8_mm_TFLOP_s": 1500.0, "copy_TB_s": 3.0, "bf16_mm_TFLOP_s": 700.0}
+    skipped = [{"stage": "quant", "shape": "m T=4096", "impl": "transformers fp8 grouped_mm",
+                "reason": "ImportError: no kernels"}]  # fmt: skip
+    md = report.markdown([report.Source("x.json", env, rows, skipped=skipped)])
+    assert "FP8 matmul 1500 TFLOP/s" in md
+    assert ("| m T=4096 | moe_route fp8_channel | 1.00 ms | 1000 TFLOP/s (60 % of FP8 dense) "
+            "| 2.00× | 1.50× scaled_grouped_mm | 0.061 | — |") in md  # fmt: skip
+    assert "| 0.07 ⚠ mismatch |" in md and "| 2.0 GiB |" in md
+    assert (
+        "| m T=4096 | moe_route fp8 | 375 µs | 64 | 286 MiB | 300 µs |" in md
+        and "| 1.25× | 1.80× |" in md
+    )
+    assert "| m T=4096 | fused_moe fp8 | 50.0 µs (device-bound) | 1.10× | 120 µs | 110 µs |" in md
+    assert "- quant / m T=4096 / transformers fp8 grouped_mm: ImportError: no kernels" in md
+    src = report.Source("x.json", {"gpu": "G"}, rows)
+    assert report.plot_roofline([src], "unused.png") is None  # tables of their own

@@ -41,22 +41,31 @@ ENV_COLUMNS = ("gpu", "capability", "torch", "triton", "moe_route", "timestamp")
 class Ceilings:
     copy_bytes_per_s: float  # bytes read + written per second by a large device-to-device copy
     mm_flops_per_s: float  # dense matmul rate on random data (bf16 on CUDA, float32 on CPU)
+    # Dense FP8 matmul rate (``torch._scaled_mm``, e4m3, bf16 out; 0: not measured) and how
+    # it was scaled: measured only for the stages that use it (``fp8=True``).
+    fp8_mm_flops_per_s: float = 0.0
+    fp8_mm: str = ""
 
     @classmethod
-    def measure(cls, device: torch.device | str | None = None) -> Ceilings:
+    def measure(cls, device: torch.device | str | None = None, *, fp8: bool = False) -> Ceilings:
         device = torch.device(device or "cuda")
         if device.type != "cuda":
-            return cls._measure_cpu()
-        n = 1 << 28  # 512 MiB of bf16 per buffer, far past L2
-        src = torch.randn(n, device=device, dtype=torch.bfloat16)
-        dst = torch.empty_like(src)
-        t_copy = time_cuda(lambda: dst.copy_(src), use_graph=False).median_s
-        src = dst = None  # free 1 GiB before the matmul
-        m = 8192
-        a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-        b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-        t_mm = time_cuda(lambda: a @ b, use_graph=False).median_s
-        return cls(copy_bytes_per_s=2 * n * 2 / t_copy, mm_flops_per_s=2 * m**3 / t_mm)
+            ceilings = cls._measure_cpu()
+        else:
+            n = 1 << 28  # 512 MiB of bf16 per buffer, far past L2
+            src = torch.randn(n, device=device, dtype=torch.bfloat16)
+            dst = torch.empty_like(src)
+            t_copy = time_cuda(lambda: dst.copy_(src), use_graph=False).median_s
+            src = dst = None  # free 1 GiB before the matmul
+            m = 8192
+            a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+            b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+            t_mm = time_cuda(lambda: a @ b, use_graph=False).median_s
+            a = b = None
+            ceilings = cls(copy_bytes_per_s=2 * n * 2 / t_copy, mm_flops_per_s=2 * m**3 / t_mm)
+        if fp8:
+            ceilings.fp8_mm_flops_per_s, ceilings.fp8_mm = measure_fp8_mm(device)
+        return ceilings
 
     @classmethod
     def _measure_cpu(cls) -> Ceilings:
@@ -69,8 +78,48 @@ class Ceilings:
         t_mm = time_cpu(lambda: a @ b, inner=2, outer=7).median_s
         return cls(copy_bytes_per_s=2 * n * 4 / t_copy, mm_flops_per_s=2 * m**3 / t_mm)
 
+    def mm_rate(self, fp8: bool = False) -> float:
+        """The dense matmul rate of FP8 products where asked and measured, else bf16's."""
+        if fp8 and self.fp8_mm_flops_per_s > 0:
+            return self.fp8_mm_flops_per_s
+        return self.mm_flops_per_s
+
     def floor_s(self, bytes_moved: float, flops: float = 0.0) -> float:
         return max(bytes_moved / self.copy_bytes_per_s, flops / self.mm_flops_per_s)
+
+
+def measure_fp8_mm(device: torch.device | str) -> tuple[float, str]:
+    """``(FLOP/s, how)`` of a dense FP8 matmul: ``torch._scaled_mm`` of two e4m3 matrices
+    (8192³ on CUDA, 512³ on the CPU) with bf16 output, tensorwise scales (rowwise where this
+    torch / device refuses those); ``(0.0, "not measured: <why>")`` where neither runs."""
+    device = torch.device(device)
+    m = 8192 if device.type == "cuda" else 512
+    why = "torch._scaled_mm is missing"
+    if not hasattr(torch, "_scaled_mm"):
+        return 0.0, f"not measured: {why}"
+    a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device=device)
+    scalings = {
+        "tensorwise": (one, one),
+        "rowwise": (torch.ones(m, 1, device=device), torch.ones(1, m, device=device)),
+    }
+    for name, (sa, sb) in scalings.items():
+
+        def fn(sa=sa, sb=sb):
+            return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+        try:
+            fn()
+            if device.type == "cuda":
+                t = time_cuda(fn, use_graph=False).median_s
+            else:
+                t = time_cpu(fn, inner=1, outer=5).median_s
+        except Exception as exc:  # this scaling is not supported here: try the next
+            why = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        return 2 * m**3 / t, f"torch._scaled_mm e4m3 {m}^3, {name} scales, bf16 out"
+    return 0.0, f"not measured: {why}"
 
 
 @dataclass
@@ -435,6 +484,11 @@ def environment(ceilings: Ceilings, device: torch.device | str | None = None) ->
         "copy_TB_s": ceilings.copy_bytes_per_s / 1e12,
         "bf16_mm_TFLOP_s": ceilings.mm_flops_per_s / 1e12,  # float32 on CPU, see mm_dtype
         "mm_dtype": mm_dtype,
+        **(
+            {"fp8_mm_TFLOP_s": ceilings.fp8_mm_flops_per_s / 1e12, "fp8_mm": ceilings.fp8_mm}
+            if ceilings.fp8_mm
+            else {}
+        ),
     }
 
 
@@ -476,8 +530,14 @@ def _notes(r: Row) -> str:
     """The console's last column: speed-ups and the measurements some stages add."""
     e = r.extra
     notes = [f"{k}={v:.2f}x" for k, v in e.items() if k.startswith("x_")]
+    if "tflops" in e and "of_dense" not in e:
+        notes.append(f"{e['tflops']:.0f} TFLOP/s")
     if "of_dense" in e:
         notes.append(f"{100 * e['of_dense']:.0f}% of dense mm")
+    if "over_floor" in e:
+        notes.append(f"{e['over_floor']:.2f}x the weight-read floor")
+    if "rel_err" in e and "quant" in e:
+        notes.append(f"err {e['rel_err']:.3g}")
     if "peak_mib" in e:
         notes.append(f"peak {e['peak_mib']:.0f} MiB")
     if "activation_MiB" in e:
@@ -497,21 +557,23 @@ def _notes(r: Row) -> str:
 def print_table(rows: list[Row], env: dict, file=None) -> None:
     mm = "bf16" if env.get("mm_dtype", "bfloat16") == "bfloat16" else env["mm_dtype"]
     copy, rate = env["copy_TB_s"], env["bf16_mm_TFLOP_s"]
+    fp8 = f", FP8 mm {env['fp8_mm_TFLOP_s']:.3g} TFLOP/s" if env.get("fp8_mm_TFLOP_s") else ""
     print(
         f"\n{env['gpu']} ({env['capability']}), torch {env['torch']}, triton {env['triton']}: "
-        f"copy {copy:.3g} TB/s, {mm} mm {rate:.3g} TFLOP/s",
+        f"copy {copy:.3g} TB/s, {mm} mm {rate:.3g} TFLOP/s{fp8}",
         file=file,
     )
     wi = max([16, *(len(r.impl) + 2 for r in rows)])
+    ws = max([10, *(len(r.stage) + 1 for r in rows)])
     head = (
-        f"{'stage':<10}{'shape':<30}{'impl':<{wi}}{'median us':>11}{'p20-p80':>22}"
+        f"{'stage':<{ws}}{'shape':<30}{'impl':<{wi}}{'median us':>11}{'p20-p80':>22}"
         f"{'GB/s':>8}{'roof':>7}  notes"
     )
     print(head, file=file)
     print("-" * (len(head) + 20), file=file)
     for r in rows:
         print(
-            f"{r.stage:<10}{r.shape:<30}{r.impl:<{wi}}{r.median_us:>11.1f}"
+            f"{r.stage:<{ws}}{r.shape:<30}{r.impl:<{wi}}{r.median_us:>11.1f}"
             f"{f'{r.p20_us:.1f}-{r.p80_us:.1f}':>22}{r.achieved_gb_s:>8.0f}"
             f"{100 * r.roofline_fraction:>6.0f}%  {_notes(r)}",
             file=file,

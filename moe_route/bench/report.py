@@ -9,7 +9,9 @@ Plots (matplotlib, ``pip install 'moe_route[bench]'``):
 * ``roofline`` — per stage, each implementation's fraction of its roofline floor per shape;
 * ``speedup`` — per stage, moe_route's speed-up over each baseline per shape (log scale);
 * ``decode`` — forward latency against T at decode sizes (T <= 128), per model, with the
-  p20–p80 band and the roofline floor (reading the touched experts' weights).
+  p20–p80 band and the roofline floor (reading the touched experts' weights);
+* ``quant`` — the ``quant`` stage: each quantised forward's speed-up over the bf16 one per
+  prefill shape, and each format's decode latency over its weight-read floor.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from dataclasses import dataclass, field
 from .backward import BACKWARD_STEPS, MOE_ROUTE_GEMMS, TOTAL
 from .harness import BASELINES, Row, add_speedups, row_from_dict
 from .profiling import OTHER
+from .quant import DECODE as QUANT_DECODE
+from .quant import HOST as QUANT_HOST
+from .quant import STAGE as QUANT
 
 BEGIN = "<!-- bench-results:begin -->"
 END = "<!-- bench-results:end -->"
 STAGE_ORDER = (
     "maps", "expand", "finalize", "gemm1", "gemm2+fin", "forward", "train", "backward", "host",
+    QUANT, QUANT_DECODE, QUANT_HOST,
 )  # fmt: skip
 # Tuning sweeps (tile / block / GEMM config) are not part of the tables or plots.
 _SWEEP_IMPL = re.compile(r"^(tile=|block=|\d+/\d+/)")
@@ -42,6 +48,7 @@ class Source:
     rows: list[Row]
     shapes: dict = field(default_factory=dict)  # label -> {model, T, H, I, E, K}
     failures: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  # optional baselines not offered there
 
 
 def parse_label(label: str) -> tuple[str, dict]:
@@ -80,7 +87,7 @@ def load(paths) -> list[Source]:
             rows.append(r)
         sources.append(
             Source(path, data.get("environment", {}), add_speedups(rows),
-                   data.get("shapes", {}), data.get("failures", []))
+                   data.get("shapes", {}), data.get("failures", []), data.get("skipped", []))
         )  # fmt: skip
     return sources
 
@@ -151,6 +158,8 @@ def describe_env(env: dict) -> str:
             f"; measured ceilings: copy {fmt_rate(env['copy_TB_s'] * 1e12, 'B/s')}, {mm} matmul "
             f"{fmt_rate(env['bf16_mm_TFLOP_s'] * 1e12, 'FLOP/s')}"
         )
+        if env.get("fp8_mm_TFLOP_s"):
+            ceil += f", FP8 matmul {fmt_rate(env['fp8_mm_TFLOP_s'] * 1e12, 'FLOP/s')}"
     return ", ".join(parts) + ceil
 
 
@@ -301,8 +310,98 @@ def _gemm_kernels_cell(r: Row | None) -> str:
     return f"{fmt_time(us)} ({100 * dense:.0f} % of dense, {100 * roof:.0f} % roofline)"
 
 
+def _ref_key(rows: list[Row]) -> tuple[str, str]:
+    """``(name, key)`` of the quant stage's reference (``bf16``, ``x_bf16``): the unquantised
+    row's format."""
+    from .quant import FORMATS_ALL
+
+    names = [r.extra.get("quant") for r in rows if r.extra.get("quant") not in FORMATS_ALL]
+    name = next((n for n in names if n), "bf16")
+    return name, f"x_{name}"
+
+
+def _cell(e: dict, key: str, fmt) -> str:
+    return fmt(e[key]) if key in e else "—"
+
+
+def quant_table(rows: list[Row], stage: str = QUANT) -> str:
+    """The quant stage at prefill sizes: a line per (shape, implementation) with its time,
+    TFLOP/s and share of the dense rate of its products, its speed-up over the bf16 forward
+    and over the baseline of its format, its error against the bf16 output, its peak memory."""
+    rows = [r for r in rows if r.stage == stage]
+    ref, key = _ref_key(rows)
+    lines = [
+        f"| shape | implementation | time | FLOP/s (of the dense rate) | × {ref} | × baseline "
+        f"| error vs {ref} | peak memory | roofline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e = r.extra
+        tf = "—"
+        if "tflops" in e:
+            tf = fmt_rate(e["tflops"] * 1e12, "FLOP/s")
+            if "of_dense" in e:
+                rate = "FP8 dense" if e.get("rate") == "fp8" else "dense"
+                tf += f" ({100 * e['of_dense']:.0f} % of {rate})"
+        base = [f"{_fmt_ratio(e[k])} {k[2:]}" for k in ("x_scaled_grouped_mm", "x_transformers")
+                if k in e]  # fmt: skip
+        err = _cell(e, "rel_err", lambda v: f"{v:.3g}")
+        if e.get("mismatch"):
+            err += " ⚠ mismatch"
+        mem = e.get("peak_mib", float("nan"))
+        cells = [r.shape, r.impl, fmt_time(r.median_us), tf, _cell(e, key, _fmt_ratio),
+                 ", ".join(base) or "—", err, _fmt_mem(mem) if mem == mem else "—",
+                 f"{100 * r.roofline_fraction:.0f} %"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def quant_decode_table(rows: list[Row], stage: str = QUANT_DECODE) -> str:
+    """The quant stage at decode sizes: each format's latency against its weight-read floor."""
+    rows = [r for r in rows if r.stage == stage]
+    ref, key = _ref_key(rows)
+    lines = [
+        f"| shape | implementation | latency | experts touched | weights read | floor "
+        f"| latency ÷ floor | × {ref} | error vs {ref} |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e = r.extra
+        wb = e.get("weight_bytes")
+        cells = [r.shape, r.impl, fmt_time(r.median_us), str(e.get("touched", "—")),
+                 _fmt_mem(wb / 2**20) if wb else "—", fmt_time(r.floor_us),
+                 _cell(e, "over_floor", _fmt_ratio), _cell(e, key, _fmt_ratio),
+                 _cell(e, "rel_err", lambda v: f"{v:.3g}")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def quant_host_table(rows: list[Row], stage: str = QUANT_HOST) -> str:
+    """The quant stage's host times: quantised ``fused_moe`` calls against the bf16 call."""
+    rows = [r for r in rows if r.stage == stage]
+    ref, _ = _ref_key(rows)
+    lines = [
+        f"| shape | call | host time / call | ÷ {ref} call | eager | CUDA graph |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e = r.extra
+        host = fmt_time(r.median_us) + (" (device-bound)" if e.get("device_bound") else "")
+        graph = "capture failed" if "graph" in e else _cell(e, "graph_us", fmt_time)
+        cells = [r.shape, r.impl, host, _cell(e, "over_ref", _fmt_ratio),
+                 _cell(e, "eager_us", fmt_time), graph]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # Stages with a table of their own (and no place in the roofline / speed-up plots).
-OWN_TABLES = {"host": host_table, "backward": backward_table}
+OWN_TABLES = {
+    "host": host_table,
+    "backward": backward_table,
+    QUANT: quant_table,
+    QUANT_DECODE: quant_decode_table,
+    QUANT_HOST: quant_host_table,
+}
 STAGE_NOTES = {
     "train": "Memory: peak allocated during forward + backward beyond what was allocated "
     "before; act. = the same without the gradients the step returns (each from the moment it "
@@ -312,6 +411,21 @@ STAGE_NOTES = {
     "at least 80 % of it, so the loop may have waited for the device). ÷ index_select: over one "
     "`torch.index_select` of the expand's size timed the same way. Eager: `do_bench` median of "
     "one call; CUDA graph: one call of a replayed graph of 10.",
+    QUANT: "Forward only. `fused_moe` on the bf16 weights and on the same weights quantised "
+    "(`quantize_experts`: fp8 = 128x128 blocks, fp8_channel = per output channel, mxfp4 = e2m1 "
+    "with a power-of-two scale per 32 values), the moe_route rows timed in turns; then "
+    "`torch._scaled_grouped_mm` (tokens quantised rowwise, fp8_channel weights) and "
+    "transformers' FP8 `grouped_mm` experts function (fp8 weights), each on its own. FLOP/s: "
+    "6·T·K·H·I FLOPs over the time, and its share of the dense rate of the row's products: FP8 "
+    "dense = `torch._scaled_mm` 8192³, dense = the bf16 matmul, both measured in the same run "
+    "(the roofline takes the same rate). × baseline: the baseline of the "
+    "same format over this row. Error: relative Frobenius norm against the bf16 output.",
+    QUANT_DECODE: "Decode latency of `fused_moe` per weight format against its weight-read "
+    "floor: the bytes of the experts the routing touches (distinct ids among the T·K slots) "
+    "in that format, scales included, over the measured copy bandwidth.",
+    QUANT_HOST: "Host time per eager call of `fused_moe` on quantised experts against the bf16 "
+    "call (`time.perf_counter()` around calls with no synchronisation, as the host stage, the "
+    "calls in turns; device-bound: the CUDA-graph latency is at least 80 % of it).",
     "backward": "Device time per backward call of each step, from `torch.profiler` (kernels "
     "grouped by name, moe_route/bench/backward.py), and in brackets its roofline fraction "
     "(the step's own bytes and FLOPs); `other` are kernels no pattern matched, `total` all. "
@@ -361,6 +475,11 @@ def markdown(sources: list[Source], plots: dict | None = None, relative_to: str 
         out += ["", "### not measured", ""]
         for f in failures:
             out.append(f"- {f['stage']} / {f['shape']} / {f['impl']}: {f['error'][:200]}")
+    skipped = [f for s in sources for f in s.skipped]
+    if skipped:
+        out += ["", "### skipped (optional baselines not offered there)", ""]
+        for f in skipped:
+            out.append(f"- {f['stage']} / {f['shape']} / {f['impl']}: {f['reason'][:200]}")
     return "\n".join(out) + "\n"
 
 
@@ -539,8 +658,45 @@ def plot_decode(sources: list[Source], path: str, max_tokens: int = 128) -> str 
     return path
 
 
+def plot_quant(sources: list[Source], path: str) -> str | None:
+    """The quant stage: speed-up of each implementation over the bf16 forward per prefill
+    shape, and each format's decode latency over its weight-read floor."""
+    rows = all_rows(sources)
+    panels = []
+    prefill = [r for r in rows if r.stage == QUANT]
+    if prefill:
+        ref, key = _ref_key(prefill)
+        panels.append((prefill, key, f"{QUANT}: speed-up over moe_route {ref}", "× faster", 1))
+    decode = [r for r in rows if r.stage == QUANT_DECODE]
+    if decode:
+        panels.append((decode, "over_floor", f"{QUANT_DECODE}: latency ÷ weight-read floor",
+                       "× the floor", 1))  # fmt: skip
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels))
+    for ax, (prows, key, title, ylabel, line) in zip(axes, panels, strict=False):
+        shapes = _shapes(prows)
+        impls = [i for i in dict.fromkeys(r.impl for r in prows)
+                 if any(key in r.extra for r in prows if r.impl == i)]  # fmt: skip
+        by = {(r.shape, r.impl): r for r in prows}
+        series = {i: [by[(s, i)].extra.get(key, 0) if (s, i) in by else 0 for s in shapes]
+                  for i in impls}  # fmt: skip
+        _bars(ax, shapes, series)
+        values = [v for vs in series.values() for v in vs if v > 0]
+        if values and max(values) > 20 * min(values):  # else a linear axis reads better
+            ax.set_yscale("log")
+            _plain_log_ticks(ax)
+        ax.axhline(line, color="k", lw=0.6)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel)
+    fig.suptitle(_title(sources), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
 def plot_all(sources: list[Source], out_dir: str, prefix: str = "") -> dict[str, str]:
-    """Write the three plots that have data; returns ``{name: path}``."""
+    """Write the plots that have data; returns ``{name: path}``."""
     import matplotlib  # noqa: F401 - ImportError here means: no plots
 
     os.makedirs(out_dir, exist_ok=True)
@@ -549,6 +705,7 @@ def plot_all(sources: list[Source], out_dir: str, prefix: str = "") -> dict[str,
         ("roofline", plot_roofline),
         ("speedup", plot_speedup),
         ("decode", plot_decode),
+        ("quant", plot_quant),
     ):
         path = fn(sources, os.path.join(out_dir, f"{prefix}{name}.png"))
         if path:

@@ -29,6 +29,8 @@ from .backward import stage_backward
 from .harness import Ceilings, Row, make_row, time_auto, time_interleaved
 from .host import stage_host
 from .profiling import step_memory
+from .quant import ROWS as QUANT_ROWS
+from .quant import stage_quant
 
 # --------------------------------------------------------------------------- shapes
 
@@ -263,6 +265,8 @@ class Context:
     host_calls: int = 300  # calls per host-time loop (the host stage)
     rows: list[Row] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
+    # Optional baselines this torch / device / install cannot run (not failures: the reason)
+    skipped: list[dict] = field(default_factory=list)
     _inputs: Inputs | None = None
 
     @property
@@ -300,6 +304,13 @@ class Context:
                 torch.cuda.empty_cache()
             except Exception:
                 pass
+
+    def skip(self, stage: str, shape: Shape, impl: str, reason: str) -> None:
+        """Record that ``impl`` was not measured here, and why (an optional baseline that this
+        torch, device or install does not offer: not a failure)."""
+        self.skipped.append(
+            {"stage": stage, "shape": shape.label, "impl": impl, "reason": reason[:500]}
+        )
 
     def peak_mib(self, fn) -> float:
         """Memory one call of ``fn`` allocates beyond what is live before it, in MiB."""
@@ -780,6 +791,7 @@ class Stage:
     rows: tuple[str, ...]  # the stage names its rows carry (gemm writes gemm1 and gemm2+fin)
     applies: Callable[[Shape], bool] = lambda shape: True
     cost: float = 1.0  # relative time, for the progress bar's estimate
+    fp8_rate: bool = False  # needs the dense FP8 matmul rate among the ceilings
 
 
 STAGES: dict[str, Stage] = {}
@@ -814,6 +826,12 @@ for _stage in (
         "backward", stage_backward,
         "device time and roofline of each backward step (profiler) vs _grouped_mm autograd",
         ("backward",), applies=backward_applies, cost=3.0,
+    ),
+    Stage(
+        "quant", stage_quant,
+        "quantised experts (FP8 block / per channel, MXFP4) vs bf16, torch._scaled_grouped_mm, "
+        "transformers FP8; decode vs the weight-read floor; host time",
+        QUANT_ROWS, cost=3.0, fp8_rate=True,
     ),
     Stage(
         "host", stage_host,

@@ -1,11 +1,13 @@
 """``python -m moe_route bench``: the standard benchmark suite of DESIGN.md, in one process.
 
-Measures the copy bandwidth and matmul rate first, then runs every selected stage on every
-selected shape (a progress bar on stderr), timing moe_route next to the per-expert PyTorch loop
-and the ``torch._grouped_mm`` pipeline. Writes ``<name>.json`` and ``<name>.csv`` (rewritten
-after every step, so an interrupted run keeps what it measured), PNG plots and a markdown
-results table (:mod:`moe_route.bench.report`). Without a CUDA device it says so and runs a
-small CPU comparison (the reference path against the PyTorch baselines at tiny sizes).
+Measures the copy bandwidth and matmul rate first (and the FP8 matmul rate when a selected stage
+needs it), then runs every selected stage on every selected shape (a progress bar on stderr),
+timing moe_route next to the per-expert PyTorch loop and the ``torch._grouped_mm`` pipeline.
+Writes ``<name>.json`` and ``<name>.csv`` (rewritten after every step, so an interrupted run
+keeps what it measured), PNG plots and a markdown results table (:mod:`moe_route.bench.report`);
+optional baselines this torch / device / install cannot run are listed under ``skipped`` with
+the reason. Without a CUDA device it says so and runs a small CPU comparison (the reference path
+against the PyTorch baselines at tiny sizes).
 """
 
 from __future__ import annotations
@@ -234,8 +236,9 @@ def run(args) -> int:
         f"{out_dir}"
     )
     progress = Progress(1 + sum(st.cost for _, st in units))
-    progress.step("measuring copy bandwidth and matmul rate")
-    ceilings = Ceilings.measure(device)
+    fp8 = any(st.fp8_rate for st in stages)
+    progress.step("measuring copy bandwidth and matmul rate" + (" (bf16, FP8)" if fp8 else ""))
+    ceilings = Ceilings.measure(device, fp8=fp8)
     env = environment(ceilings, device)
     env["backend"] = "reference" if cpu else "auto"
     alt = () if cpu or args.no_alt_backends else available_alt_backends(device)
@@ -260,7 +263,8 @@ def run(args) -> int:
 
     def save() -> list[str]:
         rows = add_speedups(ctx.rows)
-        return write_results(rows, env, out_dir, args.name, **meta, failures=ctx.failures)
+        return write_results(rows, env, out_dir, args.name, **meta, failures=ctx.failures,
+                             skipped=ctx.skipped)  # fmt: skip
 
     interrupted = False
     current: Shape | None = None
@@ -289,6 +293,10 @@ def run(args) -> int:
         print(f"\n{len(ctx.failures)} failure(s); the other measurements stand:")
         for f in ctx.failures:
             print(f"  {f['stage']:<10} {f['shape']:<28} {f['impl']:<16} {f['error'][:160]}")
+    if ctx.skipped:
+        print(f"\n{len(ctx.skipped)} optional baseline(s) skipped here:")
+        for f in ctx.skipped:
+            print(f"  {f['stage']:<10} {f['shape']:<28} {f['impl']:<16} {f['reason'][:160]}")
     paths += _finish_outputs([paths[0]], out_dir, args, args.name)
     print("\nwrote " + "\n      ".join(paths))
     if interrupted:
