@@ -766,6 +766,7 @@ def test_switch_hooks_are_installed_once_and_leave_other_models_alone():
 # contract and transformers' finegrained kernels do) and (b) transformers' own FP8Experts eager
 # loop on the dequantised weights (its linear takes a plain matmul for 16/32-bit weights).
 
+import inspect  # noqa: E402
 import re  # noqa: E402
 
 from transformers.integrations.finegrained_fp8 import (  # noqa: E402
@@ -802,6 +803,8 @@ def to_fp8_experts(model, quant="fp8", **kwargs):
     if spec.ue8m0 or spec.format == "mxfp4":
         opts["scale_fmt"] = "ue8m0"
     if spec.format == "mxfp4":
+        if "expert_dtype" not in inspect.signature(FP8Experts.__init__).parameters:
+            pytest.skip("this transformers' FP8Experts has no FP4 experts (expert_dtype)")
         opts["expert_dtype"] = "fp4"
     opts |= kwargs
     for name, module in list(model.named_modules()):
@@ -908,10 +911,12 @@ def fp8_routing(seed=0, T=9, E=4, K=2, H=256, dtype=torch.float32):
 
 @pytest.mark.parametrize("quant", ["fp8", "fp8_ue8m0", "mxfp4"])
 def test_fp8_experts_module_matches_the_format(quant):
-    """One FP8Experts module: moe_route against the format's arithmetic (to float32 rounding
-    and the odd activation code one rounding away) and against transformers' eager loop on the
-    dequantised weights (off by the tokens' quantisation only: at most e4m3's 2^-4 of each
-    product's magnitude; MXFP4 keeps the tokens, so there the two agree to rounding)."""
+    """One FP8Experts module: moe_route against the format's arithmetic (the torch backend: to
+    float32 rounding and the odd activation code one rounding away; the GPU's FP8 products round
+    otherwise than float64, so more activations land one code away there: within e4m3's 2^-4)
+    and against transformers' eager loop on the dequantised weights (off by the tokens'
+    quantisation only: at most e4m3's 2^-4 of each product's magnitude per GEMM; MXFP4 keeps
+    the tokens, so there the two agree to rounding)."""
     _, model = tiny_fp8_model(quant=quant)
     experts = model.model.layers[1].mlp.experts
     x, ids, weights = fp8_routing()
@@ -923,10 +928,12 @@ def test_fp8_experts_module_matches_the_format(quant):
         exact = fp8_emulated(experts, x, ids, weights)
         plain = dequantized(model).model.layers[1].mlp.experts(x, ids, weights)
     scale = exact.abs().max().item()
-    assert (ours.double() - exact).abs().max().item() <= 2e-3 * scale
+    codes_apart = E4M3_REL if DEVICE.type == "cuda" else 2e-3
+    assert (ours.double() - exact).abs().max().item() <= codes_apart * scale
     # |W (x - q(x))| <= 2^-4 |W| |x| for each GEMM; the bound of the sum, per token
     err = (ours.double() - plain.double()).abs().max().item()
-    assert err <= (E4M3_REL * 2 * scale if quant != "mxfp4" else 1e-5 * scale), err
+    rounding = 2.0**-7 if DEVICE.type == "cuda" else 1e-5  # the GPU's MXFP4 takes bf16 tokens
+    assert err <= (E4M3_REL * 2 if quant != "mxfp4" else rounding) * scale, err
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
