@@ -180,19 +180,19 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
                       cc: int | None) -> GemmConfig:  # fmt: skip
     """Tiles of the grouped GEMM on quantised weights (:mod:`moe_route.kernels.triton.quant`).
 
-    ``block_k`` is the FP8 scale block (128); a gated GEMM1 takes ``block_n`` 128, the
-    activations' group (its epilogue quantises its output per tile), with gate and up in two
-    accumulators; GEMM2 takes 256 columns (its scales are loaded per column). MXFP4: 16-bit
-    products on weights unpacked in registers, 128 columns. Rows per expert pick the m-tile:
-    64 up to 64 rows (decode and small batches read each expert's weights once per n-tile
-    either way), else 128 on 8 warps.
+    ``block_k`` is the FP8 scale block (128) and ``block_n`` 128, the activations' group (a
+    gated GEMM1's epilogue quantises its output per tile). A block's scaled product needs a
+    second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
+    128x128 on 8 warps; a gated GEMM1 holds gate and up, so it takes 64 rows. MXFP4: 16-bit
+    products on weights unpacked in registers, the same tiles, one stage less. Up to 64 rows
+    per expert (decode, small batches): 64x128 on 4 warps.
     """
     del cc  # one table for every architecture the FP8 path runs on (SM89+, the interpreter)
     if rows_per_expert <= 64:
         return GemmConfig(64, 128, 128, 8, 4, 3)
-    if gated or mxfp4:  # two accumulators / weights unpacked in registers
-        return GemmConfig(128, 128, 128, 8, 8, 4 if gated and not mxfp4 else 3)
-    return GemmConfig(128, 256, 128, 8, 8, 3)
+    if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
+        return GemmConfig(64, 128, 128, 8, 8, 4 if not mxfp4 else 3)
+    return GemmConfig(128, 128, 128, 8, 8, 4 if not mxfp4 else 3)
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,

@@ -96,7 +96,7 @@ def test_quant_forward_against_float64(fmt, shape):
     ref = _expected64(x, w1q, s1, w2q, s2, tw, ids, Q.as_quant(fmt))
     assert _rel(out, ref) < (2e-2 if Q.as_quant(fmt).fp8 else 4e-3)
     full = moe_route.fused_moe(x, w1.bfloat16(), w2.bfloat16(), tw, ids)
-    assert _rel(out, full) < (0.08 if fmt != "mxfp4" else 0.2)
+    assert _rel(out, full) < (0.08 if fmt != "mxfp4" else 0.25)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
@@ -140,8 +140,10 @@ def test_quant_gemm_stages(fmt, shape):
         QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,
                         spec.ue8m0)(a, a_s, w1q, s1, offsets, hq, hs, None, d2s, M)  # fmt: skip
         hk = Q.dequantize_fp8_rows(hq[:n], hs[:n], 128).double()
-        step = hs[:n].double().repeat_interleave(128, 1)[:, :n_inter] * 2**-9
-        assert ((hk - h64).abs() <= 0.13 * h64.abs() + step).all()
+        # half an e4m3 step (2^-4 relative), plus the product's error (float32 sums of FP8
+        # tensor-core partials) relative to the row's largest value
+        row_max = h64.abs().amax(1, keepdim=True)
+        assert ((hk - h64).abs() <= 0.07 * h64.abs() + 2e-3 * row_max).all()
         a2, a2_s, h_in = hq, hs, hk
     else:
         a2, a2_s = h32.to(x.dtype), None

@@ -199,21 +199,20 @@ def _e2m1(c, scale):
 
 
 @triton.jit
-def _mxfp4_halves(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk, stride_sn,
-                  stride_sk, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The weights of columns ``k0, k0 + 2, ...`` and ``k0 + 1, k0 + 3, ...`` (the low and high
-    nibbles of ``BLOCK_K / 2`` packed bytes), each ``[BLOCK_K / 2, BLOCK_N]`` float32 scaled by
-    its group's ue8m0 exponent: two halves of the reduction, so no register shuffle interleaves
-    them."""
+def _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk, stride_sn,
+                stride_sk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """``[BLOCK_K, BLOCK_N]`` float32 weights of columns ``k0 ...``: ``BLOCK_K / 2`` packed
+    bytes per column (the even column in the low nibble), each scaled by its group's ue8m0
+    exponent (one per 16 bytes; the repeated addresses come from L1)."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     rows = w_rows[None, :].to(tl.int64)
     ok = (kp < KP)[:, None] & col_ok[None, :]
     p = tl.load(w_base + rows * stride_wn + kp[:, None] * stride_wk, mask=ok, other=0)
-    # one scale per 16 bytes (32 values); the repeated addresses come from L1
     e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
                  other=127)  # fmt: skip
     scale = (e8.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 127)
-    return _e2m1(p, scale), _e2m1(p >> 4, scale)
+    pairs = tl.join(_e2m1(p, scale), _e2m1(p >> 4, scale))  # [BK/2, BN, 2]: even, odd column
+    return tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -240,22 +239,17 @@ def _quant_mainloop(a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, u
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MXFP4:
-        ks = 2 * tl.arange(0, BLOCK_K // 2)  # the even columns; the odd ones follow each
+        ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
         for k0 in range(0, KD, BLOCK_K):
-            ok_e = row_ok[:, None] & (k0 + ks < KD)[None, :]
-            ok_o = row_ok[:, None] & (k0 + ks + 1 < KD)[None, :]
-            a_even = tl.load(a_ptrs, mask=ok_e, other=0.0)
-            a_odd = tl.load(a_ptrs + stride_ak, mask=ok_o, other=0.0)
-            lo, hi = _mxfp4_halves(w_base, ws_base, gate_rows, col_ok, k0, KP, KS, stride_wn,
-                                   stride_wk, stride_sn, stride_sk, BLOCK_K)  # fmt: skip
-            acc = tl.dot(a_even, lo.to(a_even.dtype), acc, out_dtype=tl.float32)
-            acc = tl.dot(a_odd, hi.to(a_odd.dtype), acc, out_dtype=tl.float32)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + ks < KD)[None, :], other=0.0)
+            w = _mxfp4_tile(w_base, ws_base, gate_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
+                            stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
+            acc = tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
             if GATED:
-                lo, hi = _mxfp4_halves(w_base, ws_base, up_rows, col_ok, k0, KP, KS, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, BLOCK_K)  # fmt: skip
-                acc_up = tl.dot(a_even, lo.to(a_even.dtype), acc_up, out_dtype=tl.float32)
-                acc_up = tl.dot(a_odd, hi.to(a_odd.dtype), acc_up, out_dtype=tl.float32)
+                w = _mxfp4_tile(w_base, ws_base, up_rows, col_ok, k0, KP, KS, stride_wn,
+                                stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
+                acc_up = tl.dot(a, w.to(a.dtype), acc_up, out_dtype=tl.float32)
             a_ptrs += BLOCK_K * stride_ak
     else:
         ks = tl.arange(0, BLOCK_K)
