@@ -36,6 +36,16 @@ def check_tensor(name: str, t: object, *, ndim: int | None = None, dtypes=None) 
     return t
 
 
+def check_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
+    """``value`` is a real ``bool`` (or ``None`` where ``optional``). Anything else is a
+    ``TypeError``: ``"False"`` or ``"no"`` are truthy, so coercing them would invert the
+    caller's intent."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    expected = "a bool or None" if optional else "a bool"
+    raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     first_name = first = None
     for name, t in tensors.items():

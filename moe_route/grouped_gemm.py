@@ -282,6 +282,8 @@ def grouped_gemm(
         call = _CALLS.get(key)
         if call is not None:
             return call(a, w, maps, bias)
+    _checks.check_bool("gather", gather)
+    _checks.check_bool("allow_tf32", allow_tf32)
     spec = as_activation(activation)
     E, _ = check_gemm_args("a", a, "w", w, "bias", bias, spec, gate_up_layout)
     if not isinstance(maps, RoutingMaps):

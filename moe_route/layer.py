@@ -290,6 +290,10 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"router_dtype={router_dtype}: expected None or one of {_checks.FLOAT_DTYPES}"
             )
+        for name, flag in (("renormalize", renormalize), ("bias", bias),
+                           ("shared_expert_gate", shared_expert_gate),
+                           ("deterministic", deterministic)):  # fmt: skip
+            _checks.check_bool(name, flag)
         aux_loss_coef = _nonneg_float("aux_loss_coef", aux_loss_coef)
         z_loss_coef = _nonneg_float("z_loss_coef", z_loss_coef)
         if capacity_factor is not None:
@@ -671,6 +675,7 @@ class MoELayer(nn.Module):
         untouched); see :func:`moe_route.warmup`. An expert-parallel layer runs collectives:
         call it on every rank. Returns the buckets warmed. ``max_tokens`` has the bounds of
         :func:`moe_route.warmup` (``ValueError`` before anything runs)."""
+        _checks.check_bool("backward", backward)
         buckets = warmup_buckets(max_tokens, self.top_k, self.w1, self.w2, backward)
         p = self.w1
         gen = torch.Generator(device=p.device).manual_seed(0)

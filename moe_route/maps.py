@@ -291,6 +291,7 @@ def build_routing_maps(
     if call is not None:
         return call(topk_ids)
     E = _checks.check_num_experts(num_experts)
+    _checks.check_bool("check_ids", check_ids, optional=True)
     ids = _checks.check_topk_ids(_interop.as_torch(topk_ids), E)
     T, K = ids.shape
     chosen = _cached_maps_backend(ids.device, backend, T, K, E)

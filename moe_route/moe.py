@@ -597,6 +597,9 @@ def fused_moe(
         call = _CALLS.get(key)
         if call is not None:
             return call(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale, w2_scale)
+    _checks.check_bool("deterministic", deterministic)
+    _checks.check_bool("gather", gather, optional=True)
+    _checks.check_bool("allow_tf32", allow_tf32)
     if quant is not None or w1_scale is not None or w2_scale is not None:
         return _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation,
                                 gate_up_layout, b1, b2, bias, finalize, backend, quant,
@@ -940,6 +943,7 @@ def warmup(
     E, H = w1.shape[0], w2.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, num_experts = {E}]")
+    _checks.check_bool("backward", backward)
     buckets = warmup_buckets(max_tokens, top_k, w1, w2, backward)
     gen = torch.Generator(device=w1.device).manual_seed(0)
     for T in buckets:

@@ -98,7 +98,8 @@ def softmax_topk(
         weights (its softmax is NaN) and NaN gradients.
     """
     _check_logits(logits, k)
-    return route_softmax(logits, k, bool(renormalize), backend)
+    _checks.check_bool("renormalize", renormalize)
+    return route_softmax(logits, k, renormalize, backend)
 
 
 def route_softmax(
@@ -350,9 +351,9 @@ def sigmoid_grouped_topk(
         raise TypeError(
             f"routed_scaling_factor must be a number, got {type(routed_scaling_factor).__name__}"
         )
+    _checks.check_bool("renormalize", renormalize)
     return route_sigmoid_grouped(logits, k, n_group, topk_group, expert_bias,
-                                 float(routed_scaling_factor), bool(renormalize),
-                                 backend)  # fmt: skip
+                                 float(routed_scaling_factor), renormalize, backend)  # fmt: skip
 
 
 def route_sigmoid_grouped(

@@ -85,6 +85,12 @@ def test_bad_topk_ids(no_launch, ids, exc, match):
         moe_route.build_routing_maps(ids, E)
 
 
+@pytest.mark.parametrize("check_ids", ["no", 0, 1.0])
+def test_check_ids_must_be_a_bool_or_none(no_launch, check_ids):
+    with pytest.raises(TypeError, match=r"check_ids must be a bool or None, got "):
+        moe_route.build_routing_maps(random_topk_ids(T, K, E), E, check_ids=check_ids)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_experts", [2**31, 2**40])
 def test_num_experts_past_the_int32_maps_blames_num_experts(no_launch, dtype, num_experts):

@@ -365,6 +365,24 @@ def test_bad_options_raise_before_launch(monkeypatch, kwargs):
         run(case, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(deterministic="no"), r"deterministic must be a bool, got str 'no'"),
+        (dict(deterministic=0), r"deterministic must be a bool, got int 0"),
+        (dict(allow_tf32="False"), r"allow_tf32 must be a bool, got str 'False'"),
+        (dict(gather=1), r"gather must be a bool or None, got int 1"),
+    ],
+)
+def test_boolean_options_must_be_bools(monkeypatch, kwargs, match):
+    """``"no"`` and ``"False"`` are truthy: a flag that is not a bool is a TypeError, before
+    anything runs."""
+    case = make_moe(6, 2, 3, 8, 4, seed=17)
+    Spy(monkeypatch, forbid=True)
+    with pytest.raises(TypeError, match=match):
+        run(case, **kwargs)
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_b2_float64_rejected_before_launch(monkeypatch, path):
     """b2 takes the GEMM dtypes on both finalize paths, checked before anything runs (it was

@@ -348,6 +348,10 @@ BAD_CALLS = [
      r"maps.*E=4.*\bw\b.*E=3"),
     ("backend", lambda o: ((o["a"], o["w"], o["maps"]), {"backend": "cuda"}), ValueError,
      r"backend='cuda'"),
+    ("gather_str", lambda o: ((o["a"], o["w"], o["maps"]), {"gather": "False"}), TypeError,
+     r"gather must be a bool, got str 'False'"),
+    ("allow_tf32_int", lambda o: ((o["a"], o["w"], o["maps"]), {"allow_tf32": 1}), TypeError,
+     r"allow_tf32 must be a bool, got int 1"),
 ]  # fmt: skip
 
 

@@ -481,6 +481,11 @@ def test_huge_capacity_factor_drops_nothing():
         (dict(backend="cuda"), "backend='cuda'"),
         (dict(dtype=torch.int32), "dtype=torch.int32"),
         (dict(router_dtype=torch.int8), "router_dtype=torch.int8"),
+        (dict(renormalize="False"), "renormalize must be a bool, got str 'False'"),
+        (dict(deterministic="no"), "deterministic must be a bool, got str 'no'"),
+        (dict(bias=1), "bias must be a bool, got int 1"),
+        (dict(num_shared_experts=1, shared_expert_gate="yes"), "shared_expert_gate must be a"),
+        (dict(renormalize=None), "renormalize must be a bool, got NoneType"),
     ],
 )
 def test_bad_arguments_name_the_argument(kw, match):

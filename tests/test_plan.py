@@ -126,6 +126,11 @@ def test_warmup_runs_every_bucket_without_touching_grads_or_rng():
     assert torch.equal(state, torch.get_rng_state())
     with pytest.raises(ValueError, match="top_k"):
         moe_route.warmup(w1, w2, E + 1, 4)
+    with pytest.raises(TypeError, match="backward must be a bool, got str 'False'"):
+        moe_route.warmup(w1, w2, K, 4, backward="False")
+    layer = moe_route.MoELayer(H, INTER, E, K, backend="triton")
+    with pytest.raises(TypeError, match="backward must be a bool, got int 0"):
+        layer.warmup(4, backward=0)
 
 
 @pytest.mark.parametrize("max_tokens", [2**40, 2**30 + 1])

@@ -277,6 +277,16 @@ def test_tokens_per_expert():
 
 
 # ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("renormalize", ["False", "no", 0, None])
+def test_routers_take_a_real_bool_renormalize(renormalize):
+    logits = torch.randn(4, 8)
+    match = rf"renormalize must be a bool, got {type(renormalize).__name__}"
+    with pytest.raises(TypeError, match=match):
+        moe_route.softmax_topk(logits, 2, renormalize)
+    with pytest.raises(TypeError, match=match):
+        moe_route.sigmoid_grouped_topk(logits, 2, renormalize=renormalize)
+
+
 def test_router_errors_name_the_argument():
     logits = torch.randn(4, 8)
     with pytest.raises(ValueError, match="k=9"):
