@@ -497,6 +497,61 @@ def test_register_validates_its_arguments():
     assert "moe_route" in ALL_EXPERTS_FUNCTIONS
 
 
+@pytest.mark.parametrize(
+    ("name", "exc", "match"),
+    [
+        (123, TypeError, r"name must be a str, got int 123"),
+        (None, TypeError, r"name must be a str, got NoneType"),
+        ("", ValueError, r"name='': expected a non-empty name"),
+        (" moe_route", ValueError, r"without surrounding spaces"),
+        ("eager", ValueError, r"name='eager' already names an experts implementation"),
+        ("grouped_mm", ValueError, r"name='grouped_mm' already names"),
+        ("batched_mm", ValueError, r"name='batched_mm' already names"),
+    ],
+)
+def test_register_rejects_bad_and_taken_names(name, exc, match):
+    """A name must be a non-empty str that none of transformers' implementations holds:
+    registering over ``"eager"`` would make ``set_experts_implementation("eager")`` run
+    moe_route."""
+    before = dict(ALL_EXPERTS_FUNCTIONS.items())
+    with pytest.raises(exc, match=match):
+        moe_hf.register(name)
+    assert dict(ALL_EXPERTS_FUNCTIONS.items()) == before
+    assert moe_hf.register("moe_route") == "moe_route"  # ours: registered again
+
+
+def test_eager_stays_eager_after_a_rejected_registration(monkeypatch):
+    with pytest.raises(ValueError, match="eager"):
+        moe_hf.register("eager")
+
+    def no_fused_moe(*args, **kwargs):
+        raise AssertionError("experts_implementation='eager' ran moe_route")
+
+    monkeypatch.setattr(moe_hf, "fused_moe", no_fused_moe)
+    module = make_experts()
+    x, ids, weights = routing(seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(run(module, "eager", x, ids, weights),
+                                   run_exact(module, x, ids, weights).float())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "exc", "match"),
+    [
+        (dict(backend="cuda"), ValueError, r"backend='cuda'"),
+        (dict(backend=None), ValueError, r"backend=None"),
+        (dict(finalize="sideways"), ValueError, r"finalize='sideways': expected one of"),
+        (dict(deterministic="no"), TypeError, r"deterministic must be a bool, got str 'no'"),
+        (dict(allow_tf32=1), TypeError, r"allow_tf32 must be a bool, got int 1"),
+        (dict(gather="yes"), TypeError, r"gather must be a bool or None"),
+    ],
+)
+def test_register_checks_the_fused_moe_options_at_registration(options, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_hf.register("moe_route_bad_options", **options)
+    assert "moe_route_bad_options" not in ALL_EXPERTS_FUNCTIONS
+
+
 # ----------------------------------------------------------------------------- the example
 def _load_example():
     import importlib.util

@@ -612,19 +612,25 @@ def register(name: str = NAME, *, fallback: str = "grouped_mm", **fused_moe_opti
     (:class:`MoeRouteNoOpWarning`): those blocks would silently keep their own forward.
 
     Args:
-        name: the implementation's name (default ``"moe_route"``).
+        name: the implementation's name (default ``"moe_route"``): a non-empty ``str`` that
+            names none of transformers' own implementations (``"eager"``, ``"grouped_mm"``,
+            ``"batched_mm"``, ...; registering over one would make it run moe_route), nor one
+            that another library registered; a name this function registered before is
+            replaced.
         fallback: for modules moe_route cannot run: ``"grouped_mm"`` (default), ``"batched_mm"``
             or ``"eager"`` after a :class:`MoeRouteFallbackWarning`; ``"error"`` raises
             ``NotImplementedError``.
         **fused_moe_options: fixed keyword arguments of :func:`moe_route.fused_moe`: ``backend``
             (``"auto"``: Triton on CUDA, the reference on CPU), ``finalize``,
-            ``deterministic``, ``gather``, ``allow_tf32``.
+            ``deterministic``, ``gather``, ``allow_tf32``; checked here, as ``fused_moe``
+            checks them, so that a bad value fails at registration, not at the first forward.
 
     Returns:
         ``name``.
     """
     from transformers.integrations.moe import ExpertsInterface
 
+    _check_name(name)
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback={fallback!r}: expected one of {FALLBACKS}")
     unknown = set(fused_moe_options) - set(FUSED_MOE_OPTIONS)
@@ -633,6 +639,7 @@ def register(name: str = NAME, *, fallback: str = "grouped_mm", **fused_moe_opti
             f"register() got fused_moe options {sorted(unknown)}; expected some of "
             f"{FUSED_MOE_OPTIONS}"
         )
+    _check_fused_moe_options(fused_moe_options)
     fn = functools.partial(moe_route_experts_forward, fallback=fallback, **fused_moe_options)
     functools.update_wrapper(fn, moe_route_experts_forward)
     ExpertsInterface.register(name, fn)
@@ -640,6 +647,54 @@ def register(name: str = NAME, *, fallback: str = "grouped_mm", **fused_moe_opti
     _REGISTERED.add(name)
     _install_switch_hook()
     return name
+
+
+def _taken_names() -> set[str]:
+    """Experts implementations that :func:`register` must not replace: transformers' own
+    (``"eager"`` is not in its tables but is its name for the modules' own forward) and any
+    another library installed, in the plain and the FP8 tables."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    names = {"eager", *ALL_EXPERTS_FUNCTIONS.keys()}
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without FineGrainedFP8
+        pass
+    else:
+        names.update(ALL_FP8_EXPERTS_FUNCTIONS.keys())
+    return names - _REGISTERED
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    if not name or name != name.strip():
+        raise ValueError(f"name={name!r}: expected a non-empty name without surrounding spaces")
+    taken = _taken_names()
+    if name in taken:
+        raise ValueError(
+            f"name={name!r} already names an experts implementation that moe_route did not "
+            f"register (transformers' own or another library's: {sorted(taken)}); registering "
+            "over it would make every model that asks for it run moe_route: pick another name "
+            f"(the default is {NAME!r})"
+        )
+
+
+def _check_fused_moe_options(options: dict) -> None:
+    """The values of ``register``'s ``fused_moe`` options, as ``fused_moe`` checks them."""
+    from .. import _checks
+    from ..arch import check_backend_name
+    from ..layer import FINALIZE_CHOICES
+
+    if "backend" in options:
+        check_backend_name(options["backend"])
+    if "finalize" in options and options["finalize"] not in FINALIZE_CHOICES:
+        raise ValueError(f"finalize={options['finalize']!r}: expected one of {FINALIZE_CHOICES}")
+    for flag in ("deterministic", "allow_tf32"):
+        if flag in options:
+            _checks.check_bool(flag, options[flag])
+    if "gather" in options:
+        _checks.check_bool("gather", options["gather"], optional=True)
 
 
 def is_registered(name: str = NAME) -> bool:
