@@ -730,6 +730,40 @@ BYPASSING = {
         ),
         {"model.layers.0.mlp.input_linear": "JetMoeParallelExperts"},
     ),
+    # Found by what it holds (an embedding row per expert), not by its class name.
+    "doge": (
+        lambda: transformers.DogeConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            is_moe=True,
+            num_experts=16,
+            num_experts_per_tok=2,
+        ),
+        {"model.layers.0.mlp": "DogeCDMoE"},
+    ),
+    "longcat_flash": (
+        lambda: transformers.LongcatFlashConfig(
+            vocab_size=96,
+            hidden_size=32,
+            ffn_hidden_size=24,
+            expert_ffn_hidden_size=8,
+            num_layers=1,
+            num_attention_heads=4,
+            n_routed_experts=4,
+            moe_topk=2,
+            zero_expert_num=2,
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+        ),
+        {"model.layers.0.mlp.experts": "LongcatFlashExperts"},
+    ),
 }
 
 
@@ -742,6 +776,33 @@ def test_describe_lists_blocks_outside_the_interface(family):
         assert report[name].startswith(f"no-op: {cls} builds its experts without")
     assert all(v.startswith("no-op: ") for v in report.values())
     assert f"no-op: {next(iter(some.values()))}" in str(report)
+
+
+def test_describe_finds_experts_by_what_they_hold():
+    """VitPose's experts are a ModuleList of ``num_experts`` linear layers called
+    ``VitPoseNaiveMoe``; blocks around interface experts, routers and whole models that count
+    experts are not listed."""
+    backbone = transformers.VitPoseBackboneConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_experts=3,
+        part_features=8, image_size=[32, 24], patch_size=[8, 8], out_indices=[1],
+    )  # fmt: skip
+    model = transformers.VitPoseForPoseEstimation(
+        transformers.VitPoseConfig(backbone_config=backbone)
+    )
+    report = moe_hf.describe(model)
+    assert list(report) == ["backbone.encoder.layer.0.mlp.experts"]
+    assert report["backbone.encoder.layer.0.mlp.experts"].startswith("no-op: VitPoseNaiveMoe")
+    for family in ("qwen3_moe", "mixtral", "gpt_oss"):
+        model = AutoModelForCausalLM.from_config(
+            tiny_config(family), experts_implementation="eager"
+        )
+        assert moe_hf.bypassing_experts(model) == {}, family
+
+
+def test_switching_doge_to_moe_route_warns():
+    make_config, _ = BYPASSING["doge"]
+    with pytest.warns(moe_hf.MoeRouteNoOpWarning, match=r"layers\.0\.mlp \(DogeCDMoE\)"):
+        AutoModelForCausalLM.from_config(make_config(), experts_implementation="moe_route")
 
 
 def test_switching_dbrx_to_moe_route_warns_once():

@@ -90,9 +90,10 @@ in a vision tower) does not stop a model whose other layers run on moe_route;
 ``register(fallback="error")`` raises ``NotImplementedError`` instead.
 
 Blocks that ``experts_implementation`` never reaches: some families (DBRX, Llama 4, JetMoE,
-Step-3.7, ...) build their experts without ``@use_experts_implementation``, so whatever the
-implementation asked for, they run their own forward. Asking for a moe_route name on a model
-that has such blocks (``from_pretrained``/``from_config(..., experts_implementation=...)`` or
+LongCat-Flash, Step-3.7, Doge, VitPose, ...) build their experts without
+``@use_experts_implementation``, so whatever the implementation asked for, they run their own
+forward. Asking for a moe_route name on a model that has such blocks
+(``from_pretrained``/``from_config(..., experts_implementation=...)`` or
 ``set_experts_implementation``) emits one :class:`MoeRouteNoOpWarning` naming them. transformers
 offers no hook there, so :func:`register` wraps ``PreTrainedModel.post_init`` and
 ``PreTrainedModel.set_experts_implementation`` (once; they call the originals unchanged) to see
@@ -708,24 +709,54 @@ def is_registered(name: str = NAME) -> bool:
 def bypassing_experts(model: nn.Module) -> dict[str, str]:
     """MoE blocks of ``model`` that ``experts_implementation`` does not reach.
 
-    An experts module (its class name holds "expert" and it counts its experts in
-    ``num_experts`` / ``num_local_experts`` / ...) that is not decorated with
-    ``@use_experts_implementation`` always runs its own forward (DBRX, Llama 4, JetMoE,
-    Step-3.7, NLLB-MoE, Switch Transformers). Submodules of a listed module are not listed.
+    A module that counts its experts (``num_experts`` / ``num_local_experts`` / ... ``> 0``)
+    and either has "expert" in its class name or holds the experts itself (see
+    :func:`_holds_experts`: Doge's ``DogeCDMoE``, VitPose's ``VitPoseNaiveMoe``), that is not
+    decorated with ``@use_experts_implementation`` and has no decorated experts inside,
+    always runs its own forward (DBRX, Llama 4, JetMoE, LongCat-Flash, Step-3.7, Doge,
+    VitPose, NLLB-MoE, Switch Transformers). A whole model (a ``PreTrainedModel``) is never
+    listed, and submodules of a listed module are not listed.
 
     Returns:
         ``{module name: class name}``.
     """
+    from transformers import PreTrainedModel
+
+    modules = list(model.named_modules())
+    decorated = [n for n, m in modules if hasattr(m, "has_gate")]
     found: dict[str, str] = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in modules:
         if any(module_name.startswith(f"{p}.") for p in found):
             continue
-        if hasattr(module, "has_gate") or "expert" not in type(module).__name__.lower():
+        if hasattr(module, "has_gate") or isinstance(module, PreTrainedModel):
             continue
         count = next((getattr(module, a) for a in _COUNT_ATTRS if hasattr(module, a)), None)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
-            found[module_name] = type(module).__name__
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            continue
+        named = "expert" in type(module).__name__.lower()
+        if not (named or _holds_experts(module, count)):
+            continue
+        inside = f"{module_name}." if module_name else ""
+        if any(n.startswith(inside) for n in decorated):
+            continue  # a block around experts that the interface reaches
+        found[module_name] = type(module).__name__
     return found
+
+
+def _holds_experts(module: nn.Module, count: int) -> bool:
+    """Whether ``module`` itself holds ``count`` experts, whatever its class is called: a
+    list or dict of ``count`` modules, weights of its own stacked ``[count, ...]`` (three or
+    more dimensions: a router's ``[count, H]`` is two), or an embedding of ``count`` rows (a
+    vector per expert, as Doge's)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return len(module) == count
+    for p in module.parameters(recurse=False):
+        if p.dim() >= 3 and p.shape[0] == count:
+            return True
+    return any(
+        isinstance(child, nn.Embedding) and child.num_embeddings == count
+        for child in module.children()
+    )
 
 
 def _bypass_reason(cls: str) -> str:
