@@ -167,8 +167,11 @@ class MoELayer(nn.Module):
             ``norm_topk_prob``; DeepSeek-V3: True).
         n_group, topk_group: group-limited routing (``sigmoid_grouped`` only; ``n_group``
             must divide ``E``). routed_scaling_factor: multiplies the router weights.
-        router_dtype: dtype of the router matmul and logits (default float32, whatever the
-            layer's dtype; ``None``: the input's dtype). Scores are float32 in any case.
+        router_dtype: dtype of the router matmul and logits. The default ``"auto"`` is
+            float32 promoted with the layer's dtype, read at each call: float32 for 16-bit
+            and float32 layers, float64 for a float64 one (never below the layer's
+            precision). ``None``: the input's dtype; a dtype: that dtype. Scores are float32
+            (float64 for float64 logits).
         aux_loss_coef: weight of the Switch/Mixtral load-balancing loss in ``aux_loss``.
         z_loss_coef: weight of the router z-loss in ``aux_loss``.
         capacity_factor: ``None`` (no limit) or a finite ``c > 0``: each expert keeps at most
@@ -243,7 +246,7 @@ class MoELayer(nn.Module):
         n_group: int | None = None,
         topk_group: int | None = None,
         routed_scaling_factor: float = 1.0,
-        router_dtype: torch.dtype | None = torch.float32,
+        router_dtype: torch.dtype | str | None = "auto",
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
         capacity_factor: float | None = None,
@@ -286,9 +289,10 @@ class MoELayer(nn.Module):
             )
         if not 0 < routed_scaling_factor < math.inf:
             raise ValueError(f"routed_scaling_factor={routed_scaling_factor}: expected > 0")
-        if router_dtype is not None and router_dtype not in _checks.FLOAT_DTYPES:
+        if router_dtype not in (None, "auto", *_checks.FLOAT_DTYPES):
             raise ValueError(
-                f"router_dtype={router_dtype}: expected None or one of {_checks.FLOAT_DTYPES}"
+                f"router_dtype={router_dtype!r}: expected 'auto', None or one of "
+                f"{_checks.FLOAT_DTYPES}"
             )
         for name, flag in (("renormalize", renormalize), ("bias", bias),
                            ("shared_expert_gate", shared_expert_gate),
@@ -424,7 +428,7 @@ class MoELayer(nn.Module):
             parts.append(f"n_group={self.n_group}, topk_group={self.topk_group}")
         if self.routed_scaling_factor != 1.0:
             parts.append(f"routed_scaling_factor={self.routed_scaling_factor}")
-        parts.append(f"router_dtype={self.router_dtype}")
+        parts.append(f"router_dtype={self.router_dtype!r}")
         if self.aux_loss_coef or self.z_loss_coef:
             parts.append(f"aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}")
         if self.capacity_factor is not None:
@@ -478,9 +482,19 @@ class MoELayer(nn.Module):
             self.routed_scaling_factor, self.renormalize, self.backend,
         )  # fmt: skip
 
+    def logits_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the router's matmul and logits for tokens of ``dtype`` (the layer's):
+        ``router_dtype`` resolved (``"auto"``: float32 promoted with ``dtype``)."""
+        rdt = self.router_dtype
+        if rdt is None:
+            return dtype
+        if isinstance(rdt, str):  # "auto": a float64 layer routes in float64
+            return torch.promote_types(torch.float32, dtype)
+        return rdt
+
     def router_logits(self, x2: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` logits of ``[T, H]`` tokens, in ``router_dtype`` (``x``'s dtype if None):
-        the tokens and the gate's weight converted to it, then multiplied.
+        """``[T, E]`` logits of ``[T, H]`` tokens, in :meth:`logits_dtype`: the tokens and the
+        gate's weight converted to it, then multiplied.
 
         In inference on a GPU, 16-bit tokens and weights go into one matmul with float32
         output instead (no converted copies; the products of 16-bit values are exact in
@@ -489,7 +503,7 @@ class MoELayer(nn.Module):
         The two conversions cost more host time than the matmul (docs/decisions.md, "Call
         memos").
         """
-        rdt = x2.dtype if self.router_dtype is None else self.router_dtype
+        rdt = self.logits_dtype(x2.dtype)
         w = self.gate.weight
         if x2.dtype == rdt and w.dtype == rdt:
             return F.linear(x2, w)
@@ -637,7 +651,7 @@ class MoELayer(nn.Module):
         check_interpreter_dtype("x", x2, plan.backend)
         router = None
         if self.router == "softmax":  # eager inference at small T: one launch for the router
-            rdt = x2.dtype if self.router_dtype is None else self.router_dtype
+            rdt = self.logits_dtype(x2.dtype)
             expert = (math.prod(w1.shape[1:]) + math.prod(w2.shape[1:])) * x2.element_size()
             router = fused_router(x2, gate_w, self.top_k, self.renormalize, rdt, expert,
                                   self.backend)  # fmt: skip

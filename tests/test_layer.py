@@ -452,6 +452,36 @@ def test_extra_repr_and_reset_parameters():
 
 
 # ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("dtype", "router_dtype", "logits"),
+    [
+        (torch.float64, "auto", torch.float64),
+        (torch.float32, "auto", torch.float32),
+        (torch.float16, "auto", torch.float32),
+        (torch.float64, torch.float32, torch.float32),  # an explicit choice is kept
+        (torch.float32, torch.float64, torch.float64),
+        (torch.float64, None, torch.float64),
+    ],
+)
+def test_default_router_dtype_never_lowers_the_layers_precision(dtype, router_dtype, logits):
+    kw = {} if router_dtype == "auto" else dict(router_dtype=router_dtype)
+    layer = moe_route.MoELayer(H, INTER, E, K, backend="reference", dtype=dtype, **kw)
+    assert layer.router_dtype == router_dtype
+    x = torch.randn(5, H, dtype=dtype)
+    out = layer(x)
+    assert out.router_logits.dtype == logits
+    if logits == torch.float64 and dtype == torch.float64:
+        exact = x @ layer.gate.weight.T
+        assert torch.equal(out.router_logits, exact)
+
+
+def test_default_router_dtype_follows_a_converted_layer():
+    layer = moe_route.MoELayer(H, INTER, E, K, backend="reference").double()
+    x = torch.randn(5, H, dtype=torch.float64)
+    assert layer(x).router_logits.dtype == torch.float64
+    assert "router_dtype='auto'" in repr(layer)
+
+
 def test_huge_capacity_factor_drops_nothing():
     """A capacity factor past ``E`` (even ``1e308``) keeps every slot: the layer equals one
     without capacity, and the first forward does not overflow."""
