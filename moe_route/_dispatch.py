@@ -66,8 +66,12 @@ def needs_dispatcher(args) -> bool:
     see them first: under a torch dispatch mode (fake tensors, functionalization, make_fx:
     what opcheck and AOTAutograd outside Dynamo trace a backward with), or given a tensor
     subclass that dispatches in Python (e.g. a functional collective's result, waited for
-    lazily, which has no storage of its own; a DTensor)."""
+    lazily, which has no storage of its own; a DTensor), or on the meta device (shape
+    inference and meta-device initialisation: the fake implementations answer)."""
     if torch._C._len_torch_dispatch_stack():
+        return True
+    first = next((a for a in args if type(a) in _TENSORS), None)
+    if first is not None and first.is_meta:  # one device per call: the first tensor's
         return True
     for a in args:
         # Reading every weight's dispatch keys costs more host time than the decode launches;
@@ -84,6 +88,7 @@ def needs_dispatcher(args) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _resolving_backend(impl: Callable) -> Callable:

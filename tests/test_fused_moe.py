@@ -482,3 +482,30 @@ def test_random_routings(T, K, E, drop, act_layout, path, bias, seed):
         assert torch.equal(out, torch.zeros_like(out))
     else:
         assert_matches(out, ref, TOL[torch.float32], floor=0.1 * out.numel() ** 0.5)
+
+
+def test_meta_tensors_give_meta_outputs():
+    """Shape inference and meta-device initialisation (torchtitan, FSDP2): meta inputs run
+    the ops' fake implementations, forward and backward, and return meta tensors of the right
+    shapes; nothing reads a value."""
+    T, H, n_inter, E, K = 5, 16, 8, 4, 2
+    meta = dict(device="meta")
+    x = torch.empty(T, H, **meta, requires_grad=True)
+    w1 = torch.empty(E, 2 * n_inter, H, **meta, requires_grad=True)
+    w2 = torch.empty(E, H, n_inter, **meta)
+    tw = torch.empty(T, K, **meta)
+    ids = torch.empty(T, K, dtype=torch.int32, **meta)
+    out = moe_route.fused_moe(x, w1, w2, tw, ids)
+    assert out.device.type == "meta" and out.shape == (T, H)
+    dx, dw1 = torch.autograd.grad(out.sum(), (x, w1))
+    assert (dx.shape, dw1.shape) == (x.shape, w1.shape) and dx.device.type == "meta"
+    with torch.device("meta"):
+        layer = moe_route.MoELayer(H, n_inter, E, K)
+    y = layer(torch.empty(T, H, **meta))
+    assert y.output.device.type == "meta" and y.output.shape == (T, H)
+    y.output.sum().backward()
+    assert layer.w1.grad.shape == layer.w1.shape
+    # then materialised, as FSDP2 / torchtitan do, it runs for real
+    layer = layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert torch.isfinite(layer(torch.randn(T, H)).output).all()
