@@ -199,7 +199,7 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows):  # noqa: E741
         grouped_gemm_act_backward_triton,
         grouped_gemm_triton,
     )
-    from moe_route.moe import _plan_for
+    from moe_route.plan import plan_for as _plan_for
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"

@@ -21,12 +21,14 @@ from . import _checks
 from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
 from .activations import Activation, as_activation
 from .arch import check_backend_name
+from .experts import DECODE, PreparedExperts, decode_planned, run_experts
 from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .maps import MapsCall
-from .moe import DECODE, PreparedExperts, decode_planned, fused_moe, moe_plan, run_experts
+from .moe import fused_moe
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
+from .plan import moe_plan
 from .quant import QuantSpec, as_quant, check_weight
 from .quant import quantize_experts as quantize_weights
 from .reference import GATE_UP_LAYOUTS, activation_reference
@@ -105,9 +107,10 @@ class _LayerCall:
         """The sorted path's ``(maps, experts)`` callables for this call: the maps' prepared
         launch (:class:`~moe_route.maps.MapsCall`) and, in eager mode on plain tensors and the
         Triton backend, the experts' prepared launch sequences
-        (:class:`~moe_route.moe.PreparedExperts`, else None: :func:`~moe_route.moe.run_experts`
-        through the op). Prepared at the first call from the router's outputs and the shared
-        expert's, whose layouts the signature fixes (checked on each use)."""
+        (:class:`~moe_route.experts.PreparedExperts`, else None:
+        :func:`~moe_route.experts.run_experts` through the op). Prepared at the first call
+        from the router's outputs and the shared expert's, whose layouts the signature fixes
+        (checked on each use)."""
         meta = (weights.dtype, weights.stride(), ids.dtype, ids.stride(),
                 None if shared is None else (shared.dtype, shared.stride()))  # fmt: skip
         if meta != self._sorted_meta:

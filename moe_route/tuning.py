@@ -105,7 +105,7 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     ``min(16, E)`` slots, and up to ``min(64, E / 2)`` where one expert's weights (``W1[e]``
     and ``W2[e]``, ``expert_bytes``) are at most 16 MiB, small enough that the slots sharing
     an expert find its tiles in L2. Only eager calls take the path
-    (:func:`moe_route.moe.decode_planned`), where it saves the maps and two launches of host
+    (:func:`moe_route.experts.decode_planned`), where it saves the maps and two launches of host
     time: docs/decisions.md, "Decode path threshold" and "Decode tiles".
     """
     if dtype == torch.float64:

@@ -22,7 +22,7 @@ from moe_route.kernels.triton.grouped_gemm import (
     grouped_gemm_act_backward_triton,
     grouped_gemm_triton,
 )
-from moe_route.moe import moe_plan
+from moe_route.plan import moe_plan
 from moe_route.reference import topk_routing_reference
 
 CONFIGS = [  # block_m, block_n, block_k, group_m, warps, stages, tma

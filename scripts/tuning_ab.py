@@ -27,7 +27,7 @@ import statistics
 import torch
 
 import moe_route
-from moe_route import moe, tuning
+from moe_route import tuning
 from moe_route.bench.harness import time_cuda
 from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
@@ -78,7 +78,7 @@ CHANGES = {
 
 def use(attr, fn):
     setattr(tuning, attr, fn)
-    moe.clear_plans()
+    moe_route.plan.clear_plans()
 
 
 def passes(shape, T):

@@ -27,7 +27,7 @@ from moe_route.kernels.triton.act_backward import (
     RowPassConfig,
     act_backward_rows_triton,
 )
-from moe_route.moe import clear_plans
+from moe_route.plan import clear_plans
 from moe_route.reference import (
     activation_backward_reference,
     activation_reference,

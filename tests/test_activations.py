@@ -94,7 +94,7 @@ def test_epilogue_and_plan_carry_the_spec():
     fused_moe plan, which is cached per canonical string."""
     from moe_route.grouped_gemm import epilogue_for
     from moe_route.kernels.triton.grouped_gemm import GemmEpilogue
-    from moe_route.moe import _plan_for
+    from moe_route.plan import plan_for as _plan_for
 
     want = GemmEpilogue(act=1, gated=True, interleaved=True, alpha=1.702, limit=7.0, up_offset=1.0)
     assert epilogue_for(GPT_OSS, "interleaved") == want

@@ -203,8 +203,8 @@ OP_OBJECTS = {  # module, attribute of the Op behind each torch.ops.moe_route op
     "finalize_moe_routing_backward": ("finalize", "_FINALIZE_BACKWARD"),
     "grouped_gemm": ("grouped_gemm", "GEMM"),
     "grouped_gemm_backward": ("grouped_gemm", "_GEMM_BACKWARD"),
-    "moe_experts": ("moe", "MOE"),
-    "moe_experts_backward": ("moe", "_MOE_BACKWARD"),
+    "moe_experts": ("experts", "MOE"),
+    "moe_experts_backward": ("experts", "_MOE_BACKWARD"),
 }
 
 

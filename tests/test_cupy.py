@@ -198,7 +198,7 @@ def test_auto_maps_fall_back_to_triton_past_the_cupy_expert_limit(h100_limits, E
     as their kernels hold; past that Triton's, for build_routing_maps and fused_moe's plan."""
     device, T = torch.device("cuda", 0), arch.CUPY_MAPS_MIN_LARGE_SLOTS // 8
     assert h100_limits._cached_maps_backend(device, "auto", T, 8, E) == chosen
-    plan = importlib.import_module("moe_route.moe")._plan.__wrapped__(
+    plan = importlib.import_module("moe_route.plan")._plan.__wrapped__(
         device, torch.bfloat16, (E, 64, 32), (E, 32, 32), E, 8, T, "swiglu", "concat",
         "standalone", True, False, "auto", arch.env_key(),
     )  # fmt: skip

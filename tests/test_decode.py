@@ -34,10 +34,10 @@ def sorted_path(monkeypatch):
 
     def turn_off():
         monkeypatch.setattr(tuning, "decode_config", lambda *a, **k: None)
-        moe_module.clear_plans()
+        moe_route.plan.clear_plans()
 
     yield turn_off
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
 
 
 class Launches:
@@ -63,7 +63,7 @@ class Launches:
 
 
 def _both(case, sorted_path, **kw):
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     fast = run(case, **kw)
     sorted_path()
     slow = run(case, **kw)
@@ -99,7 +99,7 @@ def test_sizes_and_dtypes(sorted_path, dtype, T, K, E, bias):
 
 
 def test_every_slot_dropped_and_zero_tokens():
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     ids = torch.full((1, 4), -1, dtype=torch.int32)
     case = make_moe(1, 4, 8, 16, 8, ids=ids, bias="H", seed=1)
     out = run(case)
@@ -123,7 +123,7 @@ def test_strided_weights_and_tokens(sorted_path, H, inter):
 def test_which_calls_take_it(monkeypatch):
     """No gradient wanted and T*K <= min(16, E), or <= min(64, E/2) with small experts: the
     decode path; otherwise the sorted one."""
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     spy = Launches(monkeypatch)
     small = make_moe(2, 4, 8, 16, 8, seed=5)
     run(small)
@@ -167,7 +167,7 @@ def test_decode_config_slots(name, K, E, expert_bytes, largest_T):
 def test_most_slots(monkeypatch, sorted_path):
     """64 slots (the most the path takes): several slots per expert, one expert with 9 of
     them, dropped slots; the layer's counts from the second kernel's first program."""
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     T, K, E = 8, 8, 128
     ids = make_ids(T, K, E, drop=0.1, seed=16)
     ids[ids == 7] = -1
@@ -192,7 +192,7 @@ def test_most_slots(monkeypatch, sorted_path):
 
 
 def test_deterministic_bitwise():
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     case = make_moe(2, 4, 8, 24, 12, b1=True, b2=True, bias="TH", seed=8)
     first = run(case)
     for _ in range(2):
@@ -211,7 +211,7 @@ def test_compile_keeps_the_sorted_path(sorted_path):
     """Under torch.compile (where host time is not paid per call) the sorted path runs: the
     compiled call gives the sorted path's eager bits."""
     torch._dynamo.reset()
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     case = make_moe(1, 4, 8, 16, 8, b2=True, seed=10)
     ids = make_ids(1, 4, 8, drop=0.0, seed=10)
     case["topk_ids"] = ids
@@ -235,7 +235,7 @@ def test_compile_keeps_the_sorted_path(sorted_path):
 def test_layer_inference_takes_it_with_counts(monkeypatch, sorted_path, kw):
     """An inference MoELayer at a decode size runs the decode path (no maps) and returns the
     sorted path's output and the exact slots per expert, dropped slots not counted."""
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     torch.manual_seed(11)
     layer = moe_route.MoELayer(32, 24, 8, 4, dtype=torch.float32, backend="triton", **kw).eval()
     x = torch.randn(2, 32)
@@ -257,7 +257,7 @@ def test_layer_inference_takes_it_with_counts(monkeypatch, sorted_path, kw):
 
 def test_layer_training_and_zero_tokens(monkeypatch):
     """With a gradient wanted the layer keeps the sorted path; zero tokens count nothing."""
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     layer = moe_route.MoELayer(32, 24, 8, 2, dtype=torch.float32, backend="triton")
     spy = Launches(monkeypatch)
     layer(torch.randn(3, 32)).output.sum().backward()

@@ -456,7 +456,7 @@ def test_opcheck_fused_finalize_op(backend, path):
     floats = [case[n].nan_to_num(0.0) for n in ("x", "w1", "w2", "topk_weights", "b1", "b2",
                                                  "bias")]  # fmt: skip
     args = (*floats, *tables, "swiglu", "concat", path, True, False, backend, False)
-    torch.library.opcheck(moe_module.MOE.op, args)
+    torch.library.opcheck(moe_route.experts.MOE.op, args)
 
 
 # ----------------------------------------------------------------------------- random routings

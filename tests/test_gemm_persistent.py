@@ -378,11 +378,10 @@ def test_plan_takes_the_training_and_store_configs(monkeypatch, inter, stores):
     (K = 2I) store through TMA at I = 768 (qwen3-30b-a3b), GEMM2 alone at I = 2048; the
     backward's ``g = dout @ W2[e]`` (K = H = 2048) at both."""
     grouped_gemm = importlib.import_module("moe_route.grouped_gemm")  # the module, not the op
-    moe = importlib.import_module("moe_route.moe")
     monkeypatch.setattr(grouped_gemm.arch, "compute_capability", lambda device: 90)
     grouped_gemm.gemm_configs.cache_clear()
     try:
-        cfg = moe._plan.__wrapped__(
+        cfg = moe_route.plan._plan.__wrapped__(
             torch.device("cpu"), torch.bfloat16, (128, 2 * inter, 2048), (128, 2048, inter),
             128, 8, 8192, "swiglu", "concat", "standalone", True, False, "triton", (),
         ).configs  # fmt: skip

@@ -46,9 +46,9 @@ def _sorted(case, monkeypatch, **kw):
     """The same call with the decode path turned off."""
     with monkeypatch.context() as m:
         m.setattr(tuning, "decode_config", lambda *a, **k: None)
-        moe_module.clear_plans()
+        moe_route.plan.clear_plans()
         out = run_moe(case, **kw)
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     return out
 
 
@@ -67,7 +67,7 @@ def test_matches_reference_and_sorted_path(monkeypatch, dtype, T, K, E, H, inter
     expert_bytes = 3 * H * inter * dtype.itemsize
     if tuning.decode_config(tuning.token_bucket(T), K, E, expert_bytes, dtype) is None:
         pytest.skip("experts over 16 MiB in this dtype take the sorted path from 17 slots")
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     calls = []
     real = DecodeLaunch.__call__
     monkeypatch.setattr(DecodeLaunch, "__call__", lambda *a: calls.append(1) or real(*a))
@@ -158,7 +158,7 @@ def test_layer_inference(monkeypatch, T):
     real = DecodeLaunch.__call__
     monkeypatch.setattr(DecodeLaunch, "__call__", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
-        moe_module.clear_plans()
+        moe_route.plan.clear_plans()
         fast = layer(x)
         assert calls == [1]
         torch.cuda.synchronize()
@@ -169,9 +169,9 @@ def test_layer_inference(monkeypatch, T):
             torch.cuda.set_sync_debug_mode("default")
         with monkeypatch.context() as m:
             m.setattr(tuning, "decode_config", lambda *a, **k: None)
-            moe_module.clear_plans()
+            moe_route.plan.clear_plans()
             slow = layer(x)
-        moe_module.clear_plans()
+        moe_route.plan.clear_plans()
     assert torch.equal(again.output, fast.output)
     assert torch.equal(fast.tokens_per_expert, moe_route.tokens_per_expert(fast.topk_ids, 128))
     assert torch.equal(fast.tokens_per_expert, slow.tokens_per_expert)

@@ -96,13 +96,12 @@ def test_memoised_public_ops_give_the_custom_ops_bits_at_any_token_count():
     the same ops through ``torch.ops.moe_route`` (the dispatcher and the plain launchers):
     the same bits for the maps, the expand, both GEMMs (gathering and not, with a bias) and
     the finalize, at new token counts inside seen buckets too."""
-    from moe_route import moe
 
     ops = torch.ops.moe_route
     w1, w2 = weights()
     g = torch.Generator(device="cuda").manual_seed(2)
     b1 = torch.randn(E, 2 * INTER, device="cuda", dtype=torch.bfloat16, generator=g)
-    moe.clear_plans()
+    moe_route.plan.clear_plans()
     for T in (1, 5, 8, 7, 64, 37, 300, 2):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
         tw, ids = torch.randn(T, E, device="cuda", generator=g).softmax(-1).topk(K, dim=-1)

@@ -296,7 +296,7 @@ def _force_act_backward(monkeypatch, split):
     import dataclasses
 
     from moe_route import tuning
-    from moe_route.moe import clear_plans
+    from moe_route.plan import clear_plans
 
     real = tuning.act_backward_config
 
@@ -315,7 +315,7 @@ def test_activation_backward_ways_match_reference(monkeypatch, split):
     against the float64 reference; 5 runs give the same bits."""
     import importlib
 
-    from moe_route.moe import clear_plans
+    from moe_route.plan import clear_plans
 
     kt_moe = importlib.import_module("moe_route.kernels.triton.moe")
     calls = []

@@ -730,7 +730,6 @@ def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
     the output, the aux loss and every gradient, at the first call and at later ones of the
     same signature (a new T of the bucket included)."""
     layer_mod = importlib.import_module("moe_route.layer")
-    moe_mod = importlib.import_module("moe_route.moe")
     kw = dict(CASES[name], backend="triton")
 
     def step(layer, x):
@@ -742,8 +741,8 @@ def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
         return out.output, out.aux_loss, grads
 
     taken = []
-    real_call = moe_mod.PreparedExperts.__call__
-    monkeypatch.setattr(moe_mod.PreparedExperts, "__call__",
+    real_call = moe_route.experts.PreparedExperts.__call__
+    monkeypatch.setattr(moe_route.experts.PreparedExperts, "__call__",
                         lambda *a, **k: taken.append(1) or real_call(*a, **k))  # fmt: skip
     layer = make_layer(torch.float32, **kw)
     xs = [_x((T, H), torch.float32) for T in (7, 6, 5)]

@@ -21,7 +21,7 @@ from moe_cases import (
 )
 
 import moe_route
-from moe_route import _checks, _dispatch, finalize, maps, moe, permute
+from moe_route import _checks, _dispatch, finalize, maps, permute
 from moe_route.kernels import triton as kt
 from moe_route.reference import finalize_moe_routing_reference, routing_maps_reference
 
@@ -34,7 +34,7 @@ T, K, E, H, INTER = 5, 2, 4, 32, 16
 def checks(monkeypatch):
     """How many times a public op validated a tensor argument (``check_tensor`` calls); the
     memos are emptied first."""
-    moe.clear_plans()
+    moe_route.plan.clear_plans()
     seen = []
     real = _checks.check_tensor
     monkeypatch.setattr(_checks, "check_tensor", lambda *a, **k: seen.append(a[0]) or real(*a, **k))
@@ -228,12 +228,12 @@ def test_gemm_memo_follows_the_backend_override(monkeypatch, checks):
 # --------------------------------------------------------------------------- the memo itself
 def test_op_memos_are_bounded_and_cleared(monkeypatch):
     monkeypatch.setattr(_dispatch, "MAX_CALLS", 2)
-    moe.clear_plans()
+    moe_route.plan.clear_plans()
     m = _maps()
     for width in (8, 16, 24, 32):
         moe_route.expand_rows(rand(T, width), m, backend="triton")
         assert 1 <= len(permute._CALLS) <= 2
-    moe.clear_plans()
+    moe_route.plan.clear_plans()
     assert len(permute._CALLS) == len(maps._CALLS) == 0
 
 
@@ -262,7 +262,7 @@ def test_fused_moe_memo_checks_the_width_of_a_shared_bias():
     """A ``[H]`` bias is not a per-token tensor: its width is part of the signature."""
     from moe_cases import moe_case, run_moe
 
-    moe.clear_plans()
+    moe_route.plan.clear_plans()
     case = moe_case(T, K, E, H, INTER, bias="H")
     run_moe(case, backend="triton")
     with pytest.raises(ValueError, match="bias"):

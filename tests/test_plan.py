@@ -25,7 +25,7 @@ def plan_of(case, **kw):
     args = dict(activation="swiglu", gate_up_layout="concat", finalize="auto",
                 deterministic=True, gather=None, allow_tf32=False, backend="triton")  # fmt: skip
     args.update(kw)
-    return moe_mod.moe_plan(x, w1, w2, K, args["activation"], args["gate_up_layout"],
+    return moe_route.plan.moe_plan(x, w1, w2, K, args["activation"], args["gate_up_layout"],
                             args["finalize"], args["deterministic"], args["gather"],
                             args["allow_tf32"], args["backend"])  # fmt: skip
 
@@ -181,7 +181,7 @@ def _count_checks(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, T], ids=["decode path", "sorted path"])
 def test_repeated_call_skips_the_checks_and_gives_the_same_bits(monkeypatch, tokens):
     case = moe_case(tokens, K, E, H, INTER)
-    moe_mod.clear_plans()
+    moe_route.plan.clear_plans()
     checks = _count_checks(monkeypatch)
     first = run_moe(case, backend="triton")
     second = run_moe(case, backend="triton")
@@ -193,7 +193,7 @@ def test_repeated_call_skips_the_checks_and_gives_the_same_bits(monkeypatch, tok
 def test_new_token_count_in_a_seen_bucket_is_not_checked_again(monkeypatch):
     """The memo keys on the token bucket: a new T in it is neither checked nor decided again,
     and gives the right output; rows that disagree still raise."""
-    moe_mod.clear_plans()
+    moe_route.plan.clear_plans()
     checks = _count_checks(monkeypatch)
     run_moe(moe_case(5, K, E, H, INTER), backend="triton")
     for t in (6, 7, 8):
@@ -215,7 +215,7 @@ def test_call_memo_serves_no_stale_decision(monkeypatch, launches, tokens):
     are out of range (values: checked on every CPU call), an environment override."""
     case = moe_case(tokens, K, E, H, INTER)
     ref = moe_expected(case)
-    moe_mod.clear_plans()
+    moe_route.plan.clear_plans()
     run_moe(case, backend="triton")
     run_moe(case, backend="triton")
     # another dtype
@@ -254,7 +254,7 @@ def test_call_memo_serves_no_stale_decision(monkeypatch, launches, tokens):
 
 def test_call_memo_is_bounded(monkeypatch):
     monkeypatch.setattr(_dispatch, "MAX_CALLS", 2)
-    moe_mod.clear_plans()
+    moe_route.plan.clear_plans()
     for tokens in (1, 2, 3, 4):
         run_moe(moe_case(tokens, K, E, H, INTER), backend="triton")
         assert 1 <= len(moe_mod._CALLS) <= 2
@@ -271,7 +271,7 @@ def test_call_memo_steps_aside_under_a_dispatch_mode(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     case = moe_case(1, K, E, H, INTER)
-    moe_mod.clear_plans()
+    moe_route.plan.clear_plans()
     checks = _count_checks(monkeypatch)
     first = run_moe(case, backend="triton")
     with Passthrough():

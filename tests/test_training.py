@@ -186,16 +186,16 @@ def test_backward_consumes_z_only_when_graph_is_not_kept(activation, layout):
 def test_backward_consumes_z_in_place(monkeypatch):
     """The consuming backward really reuses z (no [T*K, 2I] buffer of its own) and bumps its
     version; with ``retain_graph`` it writes elsewhere and leaves z as the forward stored it."""
-    moe_module = importlib.import_module("moe_route.moe")
+    experts = importlib.import_module("moe_route.experts")
     seen = []
-    real = moe_module.moe_backward_triton
+    real = experts.moe_backward_triton
 
     def spy(*args, dz_out=None, **kw):
         z = args[7]
         seen.append((dz_out is z, z._version, z.clone()))
         return real(*args, dz_out=dz_out, **kw)
 
-    monkeypatch.setattr(moe_module, "moe_backward_triton", spy)
+    monkeypatch.setattr(experts, "moe_backward_triton", spy)
     case = _case(9, 2, 3, 16, 8)
     leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
     x, w1, w2, tw, b1, b2, bias = leaves
@@ -249,14 +249,14 @@ def _train_op_args(backend, requires_grad):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_training_ops(backend):
-    torch.library.opcheck(moe_module.MOE.op, _train_op_args(backend, True))
+    torch.library.opcheck(moe_route.experts.MOE.op, _train_op_args(backend, True))
     args = _train_op_args(backend, False)
-    out, z = moe_module.MOE.op(*args)
+    out, z = moe_route.experts.MOE.op(*args)
     assert z.shape == (args[8].numel(), args[1].shape[1])  # GEMM1's pre-activation, stored
     x, w1, w2, tw, b1, b2, _bias, s2d, d2s, efs, off = args[:11]
     bwd_args = (torch.ones_like(out), x, w1, w2, tw, b1, b2, z, s2d, d2s, efs, off, "swiglu",
                 "concat", True, True, True, True, False, False, backend)  # fmt: skip
-    torch.library.opcheck(moe_module._MOE_BACKWARD.op, bwd_args)
+    torch.library.opcheck(moe_route.experts._MOE_BACKWARD.op, bwd_args)
 
 
 def test_compile_fullgraph_forward_backward():
@@ -320,7 +320,7 @@ def test_weight_grads_from_permuted_rows_equal_gathered(monkeypatch):
     import dataclasses
 
     from moe_route import tuning
-    from moe_route.moe import clear_plans
+    from moe_route.plan import clear_plans
 
     real = tuning.weight_grad_config
     launch_cls = importlib.import_module("moe_route.kernels.triton.moe").ExpandLaunch
@@ -386,10 +386,10 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
         return dataclasses.replace(real_config(*args, **kwargs), split=split)
 
     monkeypatch.setattr(tuning, "act_backward_config", config)
-    moe_module.clear_plans()
+    moe_route.plan.clear_plans()
     taken, prepared = [], []
-    real_call, real_init = moe_module.PreparedExperts.__call__, GemmLaunch.__init__
-    monkeypatch.setattr(moe_module.PreparedExperts, "__call__",
+    real_call, real_init = moe_route.experts.PreparedExperts.__call__, GemmLaunch.__init__
+    monkeypatch.setattr(moe_route.experts.PreparedExperts, "__call__",
                         lambda *a, **k: taken.append(1) or real_call(*a, **k))  # fmt: skip
     monkeypatch.setattr(GemmLaunch, "__init__",
                         lambda *a, **k: prepared.append(1) or real_init(*a, **k))  # fmt: skip
@@ -420,14 +420,14 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                 # the op's route, with the same plan and maps
                 leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
                 x, w1, w2, tw, b1, b2, bias = leaves
-                plan = moe_module.moe_plan(x, w1, w2, 2, "swiglu", "concat", finalize, True,
+                plan = moe_route.plan.moe_plan(x, w1, w2, 2, "swiglu", "concat", finalize, True,
                                            gather, False, "triton")  # fmt: skip
                 maps = moe_route.build_routing_maps(case["topk_ids"], E, backend="triton")
-                want_out = moe_module.run_experts(plan, x, w1, w2, tw, maps, "swiglu", "concat",
-                                                  b1, b2, bias)  # fmt: skip
+                want_out = moe_route.experts.run_experts(plan, x, w1, w2, tw, maps, "swiglu",
+                                                         "concat", b1, b2, bias)  # fmt: skip
                 want = torch.autograd.grad(want_out, leaves, dout)
                 assert torch.equal(out, want_out), (T, kind)
                 for name, a, b in zip(NAMES, got, want, strict=True):
                     assert torch.equal(a, b), (T, kind, name)
     finally:
-        moe_module.clear_plans()
+        moe_route.plan.clear_plans()

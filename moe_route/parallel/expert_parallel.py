@@ -70,11 +70,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+from ..experts import run_experts
 from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
 from ..maps import RoutingMaps, build_routing_maps, maps_op
-from ..moe import moe_plan, run_experts
 from ..permute import expand_rows
+from ..plan import moe_plan
 from ..routing import tokens_per_expert
 
 # Newer torch (2.13 here) names it all_gather_single and warns on all_gather_tensor, the only
