@@ -1,7 +1,8 @@
 """The plan of a ``fused_moe`` call: everything decided once per call shape, in the order of
 the data flow (backend, who builds the maps, the finalize path, gather or expand, the tiles of
-every GEMM of the forward and backward, the decode path's tiles), asking :mod:`.arch` and
-:mod:`.tuning` and nothing else.
+every GEMM of the forward and backward, the decode path's tiles), from :mod:`.arch` and
+:mod:`.tuning` (the GEMMs' tiles through ``grouped_gemm.gemm_configs``, the maps' backend
+through ``maps.maps_backend``).
 
 A plan is cached on everything that decides it: the device, dtypes, the weights' shapes, the
 options, environment overrides and the token bucket (``T`` rounded up to a power of two;
