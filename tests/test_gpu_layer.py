@@ -76,6 +76,7 @@ def test_kernels_match_float64_reference_in_bf16(config):
     layer = make_layer(config)
     oracle = copy.deepcopy(layer).double()
     oracle.backend = "reference"
+    oracle.router_dtype = torch.float32  # the kernels' router: the same routing and aux loss
     ref_bf16 = copy.deepcopy(layer)
     ref_bf16.backend = "reference"
     x = make_x(333)
