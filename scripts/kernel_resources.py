@@ -28,7 +28,22 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_route.activations import KIND_CODES
-from moe_route.kernels.triton import grouped_gemm as gg
+from moe_route.kernels.triton import KERNELS, grouped_gemm
+
+
+def _kernel(name: str):
+    """The ``@triton.jit`` function of a launched kernel, from the public registry of every
+    ``ThinKernel`` (``moe_route.kernels.triton.KERNELS``), by its function's name."""
+    for thin in KERNELS:
+        if getattr(thin.fn, "__name__", None) == name:
+            return thin.fn
+    raise KeyError(f"no registered kernel named {name!r}")
+
+
+GEMM = _kernel("_gemm_kernel")
+GEMM_PERSISTENT = _kernel("_gemm_persistent_kernel")
+GEMM_ACT_BWD = _kernel("_gemm_act_bwd_kernel")
+GEMM_FINALIZE = _kernel("_gemm_finalize_kernel")
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 CONFIGS = [
@@ -42,27 +57,27 @@ CONFIGS = [
 SWIGLU = dict(ACT=KIND_CODES["silu"], GATED=True)
 # name -> (kernel, the constexprs that select its epilogue)
 VARIANTS = {
-    "gemm2": (gg._gemm_kernel, dict()),
-    "gemm1 swiglu gather": (gg._gemm_kernel, dict(SWIGLU, GATHER=True)),
-    "gemm1 swiglu gather + z": (gg._gemm_kernel, dict(SWIGLU, GATHER=True, STORE_PRE=True)),
-    "gemm2 bwd + swiglu bwd": (gg._gemm_act_bwd_kernel, dict(SWIGLU, W_KMAJOR=True)),
-    "gemm2 persistent": (gg._gemm_persistent_kernel, dict()),
-    "gemm1 swiglu gather pers.": (gg._gemm_persistent_kernel, dict(SWIGLU, GATHER=True, ONE_DOT=1)),
-    "gemm2 pers. TMA store": (gg._gemm_persistent_kernel, dict(OUT_DESC=True)),
+    "gemm2": (GEMM, dict()),
+    "gemm1 swiglu gather": (GEMM, dict(SWIGLU, GATHER=True)),
+    "gemm1 swiglu gather + z": (GEMM, dict(SWIGLU, GATHER=True, STORE_PRE=True)),
+    "gemm2 bwd + swiglu bwd": (GEMM_ACT_BWD, dict(SWIGLU, W_KMAJOR=True)),
+    "gemm2 persistent": (GEMM_PERSISTENT, dict()),
+    "gemm1 swiglu gather pers.": (GEMM_PERSISTENT, dict(SWIGLU, GATHER=True, ONE_DOT=1)),
+    "gemm2 pers. TMA store": (GEMM_PERSISTENT, dict(OUT_DESC=True)),
     "gemm1 gather + z pers. TMA z": (
-        gg._gemm_persistent_kernel,
+        GEMM_PERSISTENT,
         dict(SWIGLU, GATHER=True, ONE_DOT=1, STORE_PRE=True, Z_DESC=True),
     ),
     "gemm1 gather + z pers. TMA z+h": (
-        gg._gemm_persistent_kernel,
+        GEMM_PERSISTENT,
         dict(SWIGLU, GATHER=True, ONE_DOT=1, STORE_PRE=True, Z_DESC=True, OUT_DESC=True),
     ),
     "gemm1 gather + z pers. TMA h": (
-        gg._gemm_persistent_kernel,
+        GEMM_PERSISTENT,
         dict(SWIGLU, GATHER=True, ONE_DOT=1, STORE_PRE=True, OUT_DESC=True),
     ),
-    "gemm2 + ordered finalize": (gg._gemm_finalize_kernel, dict(ORDERED=True)),
-    "gemm2 + atomic finalize": (gg._gemm_finalize_kernel, dict(ORDERED=False)),
+    "gemm2 + ordered finalize": (GEMM_FINALIZE, dict(ORDERED=True)),
+    "gemm2 + atomic finalize": (GEMM_FINALIZE, dict(ORDERED=False)),
 }
 # Pointer parameters whose element type is not the activations' dtype.
 POINTER_TYPES = {
@@ -88,14 +103,14 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group_m, RED_M=min(bm, gg.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
+        GROUP_M=group_m, RED_M=min(bm, grouped_gemm.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
         OUT_DESC=False, Z_DESC=False,
     )  # fmt: skip
     const.update(epilogue)
     # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).
     const["A_DESC"] = arch >= 90 and not const["GATHER"]
     const["W_DESC"] = arch >= 90
-    atomic_out = kernel is gg._gemm_finalize_kernel and not const["ORDERED"]
+    atomic_out = kernel is GEMM_FINALIZE and not const["ORDERED"]
     if atomic_out:
         const["TOP_K"] = 1  # as the launcher: the atomic mode needs no K
     params = _params(kernel)
@@ -144,7 +159,7 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
 
 
 def ptxas_report(kernel, arch) -> str:
-    ptxas = os.path.join(os.path.dirname(gg.triton.backends.nvidia.__file__), "bin", "ptxas")
+    ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
