@@ -1135,3 +1135,25 @@ def test_fp8_experts_example_runs(capsys):
     example.main(["--backend", "torch" if DEVICE.type == "cpu" else "auto"])
     out = capsys.readouterr().out
     assert "max |moe_route fp8 - bf16|" in out and "OK" in out
+
+
+def test_describe_reports_experts_the_switch_does_not_reach():
+    """An experts module whose config is a sub-config (Dots3-Note's vision tower) keeps the
+    implementation that config names when the model switches to moe_route: describe() reports
+    that one, and the switch warns, naming the module."""
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("qwen3_moe"), experts_implementation="eager"
+    )
+    names = [
+        n for n, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")
+    ]
+    vision = model.get_submodule(names[0])
+    vision.config = copy.copy(vision.config)  # a sub-config: the switch leaves it alone
+    moe_hf.register()
+    with pytest.warns(moe_hf.MoeRouteNoOpWarning, match=names[0]):
+        model.set_experts_implementation("moe_route")
+    assert vision.config._experts_implementation == "eager"
+    report = moe_hf.describe(model)
+    assert report[names[0]].startswith("eager: its config (Qwen3MoeConfig) asks for 'eager'")
+    assert "(on moe_route: moe_route: swiglu concat)" in report[names[0]]
+    assert all(report[n] == "moe_route: swiglu concat" for n in names[1:])

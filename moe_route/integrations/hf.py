@@ -767,6 +767,35 @@ def _bypass_reason(cls: str) -> str:
     )
 
 
+def _module_implementation(module: nn.Module) -> object:
+    """The experts implementation a decorated experts module will run: its own config's."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def _unreached_experts(model: nn.Module) -> dict[str, str]:
+    """``{name: implementation}`` of the experts modules that will not run moe_route although
+    ``model`` asks for it: their config is a sub-config (a vision tower's, say) that the switch
+    does not update, so each keeps the implementation its own config names."""
+    asked = _module_implementation(model)
+    if not (isinstance(asked, str) and asked in _REGISTERED):
+        return {}
+    out = {}
+    for module_name, module in model.named_modules():
+        if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
+            own = _module_implementation(module)
+            if isinstance(own, str) and own != asked and own not in _REGISTERED:
+                out[module_name] = own
+    return out
+
+
+def _unreached_reason(module: nn.Module) -> str:
+    return (
+        f"its config ({type(module.config).__name__}) asks for "
+        f"{_module_implementation(module)!r}: transformers does not pass experts_implementation "
+        "to this sub-config (set it there too to run it on moe_route)"
+    )
+
+
 def _on_request(model: nn.Module, name: str) -> None:
     """A moe_route name was asked for on ``model``: plan its experts modules now (the probes
     then never run inside a forward) and warn about the blocks the request does not reach.
@@ -781,6 +810,27 @@ def _on_request(model: nn.Module, name: str) -> None:
                 with contextlib.suppress(Exception):  # Unsupported: said by the fallback
                     plan_for(module)
     _warn_no_ops(model, name)
+    _warn_unreached(model, name)
+
+
+def _warn_unreached(model: nn.Module, name: str) -> None:
+    unreached = _unreached_experts(model)
+    modules = dict(model.named_modules())
+    new = {n: impl for n, impl in unreached.items() if modules[n] not in _WARNED_NO_OPS}
+    if not new:
+        return
+    for n in new:
+        _WARNED_NO_OPS.add(modules[n])
+    listed = ", ".join(f"{n} ({impl!r})" for n, impl in list(new.items())[:4])
+    more = f" and {len(new) - 4} more" if len(new) > 4 else ""
+    warnings.warn(
+        f"experts_implementation={name!r} does not reach {len(new)} experts module(s) of "
+        f"{type(model).__name__} whose config is a sub-config: {listed}{more} keep the "
+        "implementation their own config names; moe_route.integrations.hf.describe(model) "
+        "says which",
+        MoeRouteNoOpWarning,
+        stacklevel=4,
+    )
 
 
 def _warn_no_ops(model: nn.Module, name: str) -> None:
@@ -877,14 +927,18 @@ def describe(model: nn.Module, name: str = NAME) -> Description:
         how to register it.
     """
     report = {}
+    unreached = _unreached_experts(model)
     for module_name, module in model.named_modules():
         if not (hasattr(module, "has_gate") and hasattr(module, "down_proj")):
             continue
         try:
             plan = plan_for(module)
-            report[module_name] = str(plan) + _quant_summary(_resolve(module, plan)[4])
+            how = str(plan) + _quant_summary(_resolve(module, plan)[4])
         except Unsupported as exc:
-            report[module_name] = f"fallback: {exc}"
+            how = f"fallback: {exc}"
+        if module_name in unreached:
+            how = f"{unreached[module_name]}: {_unreached_reason(module)} (on moe_route: {how})"
+        report[module_name] = how
     for module_name, cls in bypassing_experts(model).items():
         report[module_name] = _bypass_reason(cls)
     notes = []
