@@ -56,7 +56,7 @@ SCALE_K = 128
 #: Values per MXFP4 scale.
 MX_GROUP = 32
 
-_VARYING = ["M_ROWS", "M_TILES", "T", "R"]
+_VARYING = ["M_ROWS", "M_TILES", "T"]
 
 
 # --------------------------------------------------------------------------- FP8 quantiser
