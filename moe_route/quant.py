@@ -28,8 +28,9 @@ bits (``tests/test_quant.py``). FP8: ``scale = max(amax, 1e-10) / 448`` over eac
 up to a power of two for ue8m0), ``q = e4m3(clamp(v / scale, -448, 448))`` rounded to nearest
 even; a block of zeros gets a tiny scale and zero codes. MXFP4: the scale is the smallest power
 of two with ``amax / scale <= 6`` (nothing saturates), each value rounded to the nearest e2m1
-value, ties to the even code. Weights with NaN or infinity are rejected; non-finite
-activations give NaN in their group's output (the values are not checked on the hot path).
+value, ties to the even code. Weights with NaN or infinity are rejected. Activations are not
+checked on the hot path (a check would read them on the host): a non-finite value makes its
+group's scale non-finite, and that group's codes and the outputs they reach are undefined.
 """
 
 from __future__ import annotations
