@@ -587,19 +587,7 @@ class MoELayer(ExpertWeights, nn.Module):
             if self.routed_scaling_factor != 1.0:
                 weights = weights * self.routed_scaling_factor
 
-        # float32 losses, float64 for a float64 router (gradcheck)
-        sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lb = z = aux = self._zero_loss(sdt, x.device)
-        if self.aux_loss_coef:
-            lb = load_balancing_loss(self.router_probs(logits), ids, E)
-        if self.z_loss_coef:
-            z = router_z_loss(logits)
-        if self.aux_loss_coef or self.z_loss_coef:
-            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
-
-        if self.capacity_factor is not None:
-            cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
-            ids = apply_capacity(ids, E, cap, backend=self.backend)
+        lb, z, aux, ids = self._losses_and_capacity(logits, ids, T)
 
         # The router made the ids and the parameters are the layer's own (shapes fixed at
         # construction, load_state_dict checks them): none of fused_moe's argument checks,
@@ -663,6 +651,23 @@ class MoELayer(ExpertWeights, nn.Module):
                 self._calls.clear()
             self._calls[key] = call
         return call
+
+    def _losses_and_capacity(self, logits, ids, T: int):
+        """``(load-balancing loss, z-loss, aux_loss, ids)``: the router's losses (float32,
+        float64 for a float64 router: gradcheck), then the capacity's drops in ``ids``."""
+        E = self.num_experts
+        sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lb = z = aux = self._zero_loss(sdt, logits.device)
+        if self.aux_loss_coef:
+            lb = load_balancing_loss(self.router_probs(logits), ids, E)
+        if self.z_loss_coef:
+            z = router_z_loss(logits)
+        if self.aux_loss_coef or self.z_loss_coef:
+            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
+        if self.capacity_factor is not None:
+            cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
+            ids = apply_capacity(ids, E, cap, backend=self.backend)
+        return lb, z, aux, ids
 
     def _zero_loss(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The zero scalar the switched-off losses report: in eager mode one tensor per dtype
@@ -795,17 +800,7 @@ class MoELayer(ExpertWeights, nn.Module):
         T, E = x2.shape[0], self.num_experts
         logits = self.router_logits(x2)
         weights, ids = self.route(logits)
-        sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lb = z = aux = self._zero_loss(sdt, x.device)
-        if self.aux_loss_coef:
-            lb = load_balancing_loss(self.router_probs(logits), ids, E)
-        if self.z_loss_coef:
-            z = router_z_loss(logits)
-        if self.aux_loss_coef or self.z_loss_coef:
-            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
-        if self.capacity_factor is not None:
-            cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
-            ids = apply_capacity(ids, E, cap, backend=self.backend)
+        lb, z, aux, ids = self._losses_and_capacity(logits, ids, T)
         out = fused_moe(
             x2, self.w1, self.w2, weights, ids, activation=self._activation,
             gate_up_layout=self.gate_up_layout, b1=self.b1, b2=self.b2,

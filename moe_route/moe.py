@@ -158,19 +158,7 @@ def fused_moe(
         _checks.check_tensor("b2", b2, ndim=2, dtypes=bias_dtypes(x.dtype))
         if tuple(b2.shape) != (E, H):
             raise ValueError(f"b2 must be [E, H] = [{E}, {H}], got {_checks.describe(b2)}")
-    if bias is not None:
-        _checks.check_tensor("bias", bias, dtypes=_checks.FLOAT_DTYPES)
-        if tuple(bias.shape) not in ((H,), (T, H)):
-            raise ValueError(
-                f"bias must be [H] = [{H}] or [T, H] = [{T}, {H}], got {_checks.describe(bias)}"
-            )
-    _checks.check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_checks.FLOAT_DTYPES)
-    ids = _checks.check_topk_ids(topk_ids, E)
-    if topk_weights.shape[0] != T or tuple(topk_weights.shape) != tuple(ids.shape):
-        raise ValueError(
-            f"topk_weights {_checks.describe(topk_weights)} must match topk_ids "
-            f"{_checks.describe(ids)} and have T = {T} rows like x"
-        )
+    ids = _check_routing(x, topk_weights, topk_ids, bias, E)
     _checks.check_same_device(
         x=x, w1=w1, w2=w2, b2=b2, bias=bias, topk_weights=topk_weights, topk_ids=ids
     )
@@ -197,6 +185,25 @@ def _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation, gate_up
     E, _ = _check_quant_args(x, w1, w1_scale, w2, w2_scale, b1, b2, spec, activation,
                              gate_up_layout)  # fmt: skip
     activation = str(as_activation(activation))
+    T = x.shape[0]
+    ids = _check_routing(x, topk_weights, topk_ids, bias, E)
+    _checks.check_same_device(x=x, w1=w1, bias=bias, topk_weights=topk_weights, topk_ids=ids)
+    plan = quant_plan_for(x, w1, w2, ids.shape[1], activation, gate_up_layout, spec, backend)
+    if plan.backend == "triton":
+        if x.dtype == torch.float32 and not spec.fp8:
+            raise TypeError(f"x is float32: MXFP4 experts take bf16 / fp16 tokens, got "
+                            f"{_checks.describe(x)}")  # fmt: skip
+        check_interpreter_dtype("x", x, plan.backend)
+    call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
+                     gate_up_layout, False, key is not None, str(spec))  # fmt: skip
+    if token_bucket(T) * ids.shape[1] < 2**31:
+        _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale))
+    return call(x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
+
+
+def _check_routing(x, topk_weights, topk_ids, bias, E: int) -> torch.Tensor:
+    """Check the per-token arguments of a ``fused_moe`` call (``bias``, the router's outputs)
+    against ``x [T, H]`` and ``E`` experts; the ids, as checked."""
     T, H = x.shape
     if bias is not None:
         _checks.check_tensor("bias", bias, dtypes=_checks.FLOAT_DTYPES)
@@ -211,18 +218,7 @@ def _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation, gate_up
             f"topk_weights {_checks.describe(topk_weights)} must match topk_ids "
             f"{_checks.describe(ids)} and have T = {T} rows like x"
         )
-    _checks.check_same_device(x=x, w1=w1, bias=bias, topk_weights=topk_weights, topk_ids=ids)
-    plan = quant_plan_for(x, w1, w2, ids.shape[1], activation, gate_up_layout, spec, backend)
-    if plan.backend == "triton":
-        if x.dtype == torch.float32 and not spec.fp8:
-            raise TypeError(f"x is float32: MXFP4 experts take bf16 / fp16 tokens, got "
-                            f"{_checks.describe(x)}")  # fmt: skip
-        check_interpreter_dtype("x", x, plan.backend)
-    call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
-                     gate_up_layout, False, key is not None, str(spec))  # fmt: skip
-    if token_bucket(T) * ids.shape[1] < 2**31:
-        _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale))
-    return call(x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
+    return ids
 
 
 # --------------------------------------------------------------------------- call memo
