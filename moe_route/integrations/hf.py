@@ -809,47 +809,34 @@ def _on_request(model: nn.Module, name: str) -> None:
             if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
                 with contextlib.suppress(Exception):  # Unsupported: said by the fallback
                     plan_for(module)
-    _warn_no_ops(model, name)
-    _warn_unreached(model, name)
-
-
-def _warn_unreached(model: nn.Module, name: str) -> None:
-    unreached = _unreached_experts(model)
     modules = dict(model.named_modules())
-    new = {n: impl for n, impl in unreached.items() if modules[n] not in _WARNED_NO_OPS}
-    if not new:
-        return
-    for n in new:
-        _WARNED_NO_OPS.add(modules[n])
-    listed = ", ".join(f"{n} ({impl!r})" for n, impl in list(new.items())[:4])
-    more = f" and {len(new) - 4} more" if len(new) > 4 else ""
-    warnings.warn(
-        f"experts_implementation={name!r} does not reach {len(new)} experts module(s) of "
-        f"{type(model).__name__} whose config is a sub-config: {listed}{more} keep the "
+    blocks = {n: f"{n or '<model>'} ({c})" for n, c in bypassing_experts(model).items()}
+    _warn_once(modules, blocks, lambda k, listed: (
+        f"experts_implementation={name!r} does not reach {k} MoE block(s) of "
+        f"{type(model).__name__}: {listed}. They build their experts without transformers' "
+        "experts interface (@use_experts_implementation) and keep running their own forward; "
+        "moe_route.integrations.hf.describe(model) lists every experts module"
+    ))  # fmt: skip
+    unreached = {n: f"{n} ({impl!r})" for n, impl in _unreached_experts(model).items()}
+    _warn_once(modules, unreached, lambda k, listed: (
+        f"experts_implementation={name!r} does not reach {k} experts module(s) of "
+        f"{type(model).__name__} whose config is a sub-config: {listed} keep the "
         "implementation their own config names; moe_route.integrations.hf.describe(model) "
-        "says which",
-        MoeRouteNoOpWarning,
-        stacklevel=4,
-    )
+        "says which"
+    ))  # fmt: skip
 
 
-def _warn_no_ops(model: nn.Module, name: str) -> None:
-    modules = dict(model.named_modules())
-    new = {n: c for n, c in bypassing_experts(model).items() if modules[n] not in _WARNED_NO_OPS}
+def _warn_once(modules: dict, found: dict[str, str], message) -> None:
+    """One :class:`MoeRouteNoOpWarning` naming the modules of ``found`` (``{name: label}``)
+    not warned about before (``message(count, listed)``)."""
+    new = {n: label for n, label in found.items() if modules[n] not in _WARNED_NO_OPS}
     if not new:
         return
     for n in new:
         _WARNED_NO_OPS.add(modules[n])
-    listed = ", ".join(f"{n or '<model>'} ({c})" for n, c in list(new.items())[:4])
-    more = f" and {len(new) - 4} more" if len(new) > 4 else ""
-    warnings.warn(
-        f"experts_implementation={name!r} does not reach {len(new)} MoE block(s) of "
-        f"{type(model).__name__}: {listed}{more}. They build their experts without "
-        "transformers' experts interface (@use_experts_implementation) and keep running their "
-        "own forward; moe_route.integrations.hf.describe(model) lists every experts module",
-        MoeRouteNoOpWarning,
-        stacklevel=4,
-    )
+    listed = ", ".join(list(new.values())[:4])
+    listed += f" and {len(new) - 4} more" if len(new) > 4 else ""
+    warnings.warn(message(len(new), listed), MoeRouteNoOpWarning, stacklevel=4)
 
 
 def _install_switch_hook() -> None:
