@@ -6,7 +6,11 @@
 #                                       gpu_tests.log, with each job's summary and the last
 #                                       300 lines of any job that failed
 #   bash scripts/gpu_check.sh bench     routing, forward and training benchmarks, short tables
-#   bash scripts/gpu_check.sh all       both (default)
+#   bash scripts/gpu_check.sh sanitize  compute-sanitizer memcheck, racecheck, synccheck and
+#                                       initcheck over scripts/sanitize_small.py (--tiny: every
+#                                       bf16 kernel at small odd sizes; --quant: the quantised
+#                                       experts); one log per tool and sweep, sanitize.log
+#   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
 set -uo pipefail
@@ -62,6 +66,21 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
         rc=$(( rc || file_rc ))
     done
     trap - TERM
+fi
+
+if [ "$part" = sanitize ]; then
+    : > "$out/sanitize.log"
+    for sweep in --tiny --quant; do
+        for tool in memcheck racecheck synccheck initcheck; do
+            log="$out/sanitize_${tool}${sweep/--/_}.log"
+            compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                python3 scripts/sanitize_small.py "$sweep" > "$log" 2>&1
+            t_rc=$?
+            echo "$tool $sweep: rc=$t_rc, $(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 1)" \
+                | tee -a "$out/sanitize.log"
+            rc=$(( rc || t_rc ))
+        done
+    done
 fi
 
 if [ "$part" = bench ] || [ "$part" = all ]; then
