@@ -205,17 +205,21 @@ def _backward(ctx, dout, _dz=None):
             dout, x, w1, w2, topk_weights, b1, b2, z, s2d, d2s, efs, offsets, act, layout,
             *wanted, consume, tf32, be,
         )  # fmt: skip
-    dbias = None
-    if need[6]:
-        ndim, dtype = ctx.bias_meta
-        acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
-        dbias = (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
+    dbias = _bias_grad(ctx, dout) if need[6] else None
     grads = (dx, dw1, dw2, dtopk, db1, db2)
     return (
         tuple(g if n else None for g, n in zip(grads, need[:6], strict=True))
         + (dbias,)
         + (None,) * 11
     )
+
+
+def _bias_grad(ctx, dout: torch.Tensor) -> torch.Tensor:
+    """The gradient of the per-token ``bias`` (``[H]`` or ``[T, H]``, added once per token):
+    ``dout`` itself, or its sum over the tokens, in the bias's dtype."""
+    ndim, dtype = ctx.bias_meta
+    acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+    return (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
 
 
 def _may_consume(ctx, z: torch.Tensor, dout: torch.Tensor) -> bool:
@@ -331,9 +335,9 @@ def _quant_backward(ctx, dout):
     need = ctx.needs_input_grad
     spec = as_quant(quant)
     n1 = w1.shape[1]
-    w1d = dequantize_experts(w1, w1s, spec, x.shape[1]).to(x.dtype)
-    w2d = dequantize_experts(w2, w2s, spec, n1 // 2 if as_activation(act).gated else n1)
-    w2d = w2d.to(x.dtype)
+    w1d = dequantize_experts(w1, w1s, spec, x.shape[1], dtype=x.dtype)
+    n_inter = n1 // 2 if as_activation(act).gated else n1
+    w2d = dequantize_experts(w2, w2s, spec, n_inter, dtype=x.dtype)
     maps = (s2d, d2s, efs, offsets)
     _, z = MOE(x, w1d, w2d, tw, b1, b2, None, *maps, act, layout, "standalone", True, False, be,
                True)  # fmt: skip
@@ -341,11 +345,7 @@ def _quant_backward(ctx, dout):
         dout, x, w1d, w2d, tw, b1, b2, z, *maps, act, layout, need[0], need[6], need[7],
         need[5], False, False, be,
     )  # fmt: skip
-    dbias = None
-    if need[8]:
-        ndim, dtype = ctx.bias_meta
-        acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
-        dbias = (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
+    dbias = _bias_grad(ctx, dout) if need[8] else None
     grads = (dx, None, None, None, None, dtw, db1, db2)
     return (
         tuple(
@@ -378,12 +378,8 @@ class PreparedQuantExperts:
     __slots__ = ("activation", "forward", "layout", "plan", "quant")
 
     def __init__(self, plan: MoEPlan, activation: str, gate_up_layout: str, quant: str):
-        self.plan, self.activation, self.layout, self.quant = (
-            plan,
-            activation,
-            gate_up_layout,
-            quant,
-        )
+        self.plan, self.activation, self.layout = plan, activation, gate_up_layout
+        self.quant = quant
         self.forward: dict = {}
 
     def __call__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, maps, b1=None, b2=None,

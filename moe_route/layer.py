@@ -40,6 +40,7 @@ from .routing import (
     route_sigmoid_grouped,
     route_softmax,
     router_z_loss,
+    tokens_per_expert,
 )
 from .tuning import warmup_buckets
 
@@ -553,19 +554,10 @@ class MoELayer(ExpertWeights, nn.Module):
         """
         if self.quant is not None:
             return self._forward_quantized(x)
-        _checks.check_tensor("x", x)
         H = self.hidden_size
         # each parameter read once (nn.Module.__getattr__ per read)
         w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
-        if x.dim() < 1 or x.shape[-1] != H:
-            raise ValueError(
-                f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}"
-            )
-        if x.dtype != w1.dtype:
-            raise TypeError(
-                f"x has dtype {x.dtype} but the layer's parameters are {w1.dtype}: convert "
-                "one of them (layer.to(dtype) or x.to(dtype))"
-            )
+        _check_x(x, H, w1.dtype)
         flat = x.dim() == 2  # (a reshape and a view cost ~3 us of host time each)
         x2 = x if flat else x.reshape(-1, H)
         if self.ep is not None:
@@ -785,19 +777,10 @@ class MoELayer(ExpertWeights, nn.Module):
     def _forward_quantized(self, x: torch.Tensor) -> MoEOutput:
         """:meth:`forward` on quantised experts: the same routing, losses and capacity, the
         experts by :func:`moe_route.fused_moe` on the codes and scales."""
-        _checks.check_tensor("x", x)
-        H, dtype = self.hidden_size, self.gate.weight.dtype
-        if x.dim() < 1 or x.shape[-1] != H:
-            raise ValueError(
-                f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}"
-            )
-        if x.dtype != dtype:
-            raise TypeError(
-                f"x has dtype {x.dtype} but the layer's parameters are {dtype} (its experts "
-                f"{self.quant}): convert one of them (layer.to(dtype) or x.to(dtype))"
-            )
+        H = self.hidden_size
+        _check_x(x, H, self.gate.weight.dtype)  # (the experts hold codes, not the dtype)
         x2 = x.reshape(-1, H)
-        T, E = x2.shape[0], self.num_experts
+        T = x2.shape[0]
         logits = self.router_logits(x2)
         weights, ids = self.route(logits)
         lb, z, aux, ids = self._losses_and_capacity(logits, ids, T)
@@ -807,11 +790,20 @@ class MoELayer(ExpertWeights, nn.Module):
             bias=self.shared_expert(x2), deterministic=self.deterministic, backend=self.backend,
             quant=self.quant, w1_scale=self.w1_scale_inv, w2_scale=self.w2_scale_inv,
         )  # fmt: skip
-        # slots per expert (a dropped slot, -1, counts in the extra bin): no host sync
-        slots = ids.reshape(-1).long().remainder(E + 1)
-        counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
-        counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[:E]
+        counts = tokens_per_expert(ids, self.num_experts)
         return MoEOutput(out.view(x.shape), aux, logits, counts, ids, weights, lb, z)
+
+
+def _check_x(x: object, H: int, dtype: torch.dtype) -> None:
+    """Raise unless ``x`` is a ``[..., H]`` tensor of the layer's ``dtype``."""
+    _checks.check_tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] != H:
+        raise ValueError(f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}")
+    if x.dtype != dtype:
+        raise TypeError(
+            f"x has dtype {x.dtype} but the layer's parameters are {dtype}: convert one of them "
+            "(layer.to(dtype) or x.to(dtype))"
+        )
 
 
 def _counts_read_on_host(counts: torch.Tensor) -> bool:

@@ -334,15 +334,26 @@ def _quantize_chunk(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
 
 
 def dequantize_experts(w_q: torch.Tensor, w_scale: torch.Tensor, quant: str | QuantSpec,
-                       K: int | None = None) -> torch.Tensor:  # fmt: skip
-    """float32 ``[E, N, K]`` of quantised expert weights (``K``: the logical width, needed for
-    mxfp4 when it is odd; default ``2 * packed width``)."""
+                       K: int | None = None, *, dtype: torch.dtype = torch.float32,
+                       ) -> torch.Tensor:  # fmt: skip
+    """``[E, N, K]`` values of quantised expert weights in ``dtype`` (``K``: the logical width,
+    needed for mxfp4 when it is odd; default ``2 * packed width``). A few experts at a time,
+    as :func:`quantize_experts`: the float32 temporaries stay near 1 GiB whatever ``E``."""
     spec = as_quant(quant)
+    K = (2 * w_q.shape[-1] if K is None else K) if spec.format == "mxfp4" else w_q.shape[-1]
+    out = torch.empty(*w_q.shape[:-1], K, dtype=dtype, device=w_q.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, w_q.shape[1] * K))
+    for e in range(0, w_q.shape[0], step):
+        out[e : e + step] = _dequantize_chunk(w_q[e : e + step], w_scale[e : e + step], spec, K)
+    return out
+
+
+def _dequantize_chunk(w_q, w_scale, spec: QuantSpec, K: int) -> torch.Tensor:
     if spec.format == "fp8_block":
         return dequantize_fp8_block(w_q, w_scale, spec.block)
     if spec.format == "fp8_channel":
         return w_q.float() * w_scale.float()[..., None]
-    return dequantize_mxfp4(w_q, w_scale, 2 * w_q.shape[-1] if K is None else K)
+    return dequantize_mxfp4(w_q, w_scale, K)
 
 
 def weight_shape(w_q: torch.Tensor, spec: QuantSpec) -> tuple[int, int, int]:

@@ -492,7 +492,7 @@ def moe_forward_torch(
     GEMM2's rows stay in the compute dtype until the finalize sum is rounded once. Rows of
     ``z`` past the routed ones are zero. ``keep_z=False`` (inference) returns ``(out, None)``
     and skips building ``z``."""
-    T, K = topk_weights.shape
+    T = topk_weights.shape[0]
     M = dest_to_src.numel()
     cdt = _compute_dtype(x, w1, w2)
     seg = _Segments(offsets)
@@ -504,14 +504,22 @@ def moe_forward_torch(
     y = _segment_mm(_activation(z, activation, gate_up_layout), w2, seg, b2)
     if T == 0:
         return x.new_empty(0, w2.shape[1]), z_out
+    acc = _weighted_sum(y, topk_weights, src_to_dest, expert_for_src, bias, M, cdt)
+    return _as(acc, x.dtype), z_out
+
+
+def _weighted_sum(y, topk_weights, src_to_dest, expert_for_src, bias, M: int, cdt):
+    """The finalize of the MoE forward in ``cdt``: ``Σ_k w[t,k] · y[dest(k*T+t)] + bias[t]``
+    over the routed rows ``y [n, H]`` (``n <= M``; T > 0)."""
+    T, K = topk_weights.shape
     weights = _as(topk_weights.t(), cdt)
-    if n < M:  # dropped slots read zero rows, and their weights (anything, NaN too) are masked
+    if y.shape[0] < M:  # dropped slots read zero rows, and their weights (NaN too) are masked
         y = _with_zero_tail(y, M, cdt)
         weights = torch.where(expert_for_src.view(K, T) >= 0, weights, 0)
     acc = _finalize_rows(y.index_select(0, src_to_dest), weights, None, K, T)
     if bias is not None:
         acc += _as(bias, cdt)
-    return _as(acc, x.dtype), z_out
+    return acc
 
 
 def moe_backward_torch(
@@ -613,7 +621,7 @@ def moe_forward_quant_torch(
     from .. import quant
     from ..activations import as_activation
 
-    T, K = topk_weights.shape
+    T = topk_weights.shape[0]
     M = dest_to_src.numel()
     seg = _Segments(offsets)
     n = seg.n
@@ -636,11 +644,5 @@ def moe_forward_quant_torch(
     y = _segment_mm(h, W2, seg, b2)
     if T == 0:
         return x.new_empty(0, x.shape[1])
-    weights = _as(topk_weights.t(), torch.float32)
-    if n < M:
-        y = _with_zero_tail(y, M, torch.float32)
-        weights = torch.where(expert_for_src.view(K, T) >= 0, weights, 0)
-    acc = _finalize_rows(y.index_select(0, src_to_dest), weights, None, K, T)
-    if bias is not None:
-        acc += _as(bias, torch.float32)
+    acc = _weighted_sum(y, topk_weights, src_to_dest, expert_for_src, bias, M, torch.float32)
     return _as(acc, x.dtype)
