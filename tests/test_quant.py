@@ -102,6 +102,20 @@ def test_mxfp4_quantiser_contract(n, k, seed):
     assert ((deq - w).abs() <= scale * 1.0 + 1e-12).all()  # half the widest e2m1 step
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp4"])
+def test_quantize_experts_in_chunks_matches_the_whole_tensor(monkeypatch, fmt):
+    """A few experts at a time (2, 2, 1 here) give the bits of one pass over all of them, and
+    dequantising in chunks the values of one pass."""
+    w = torch.randn(5, 96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    whole = moe_route.quantize_experts(w, fmt)
+    whole_deq = Q.dequantize_experts(*whole, fmt, 256)
+    monkeypatch.setattr(Q, "_CHUNK_ELEMENTS", 2 * 96 * 256)
+    chunked = moe_route.quantize_experts(w, fmt)
+    for a, b in zip(chunked, whole, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(Q.dequantize_experts(*whole, fmt, 256), whole_deq)
+
+
 def test_weights_with_nan_are_rejected():
     w = torch.ones(1, 4, 4)
     w[0, 1, 2] = float("nan")

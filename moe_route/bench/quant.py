@@ -34,8 +34,7 @@ one eager call (``time.perf_counter`` around calls issued with no synchronisatio
 fp8`` and ``fused_moe mxfp4`` against ``fused_moe bf16`` (``over_ref``), with ``eager_us``,
 ``graph_us`` and ``device_bound`` as in the ``host`` stage.
 
-Weights are quantised a few experts at a time (:func:`quantize_chunked`): the reference
-quantisers work in float32, and deepseek-v3's bf16 experts alone take 22.5 GB.
+Weights are quantised by ``moe_route.quantize_experts``, a few experts at a time.
 """
 
 from __future__ import annotations
@@ -66,8 +65,6 @@ FORMATS_ALL = ("fp8", "fp8_ue8m0", "fp8_channel", "fp8_channel_ue8m0", "mxfp4")
 TOL = {"fp8": 0.15, "fp8_channel": 0.15, "mxfp4": 0.4}
 SCALED_GROUPED_MM = "torch._scaled_grouped_mm fp8 rowwise"
 TRANSFORMERS = "transformers fp8 grouped_mm"
-#: elements of bf16 weights quantised at once (the quantisers' float32 temporaries: ~5x)
-QUANT_CHUNK = 1 << 26
 #: seconds one host-time loop may take (device-bound calls: fewer calls per loop)
 HOST_LOOP_S = 1.0
 
@@ -76,23 +73,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
         dtype, str(dtype).removeprefix("torch.")
     )
-
-
-def quantize_chunked(w: torch.Tensor, quant: str, max_numel: int = QUANT_CHUNK):
-    """``moe_route.quantize_experts(w, quant)``, a few experts at a time (at most
-    ``max_numel`` elements, one expert at least), into tensors allocated once."""
-    E = w.shape[0]
-    step = max(1, max_numel // max(1, w[0].numel()))
-    q = s = None
-    for e0 in range(0, E, step):
-        qc, sc = moe_route.quantize_experts(w[e0 : e0 + step], quant)
-        if q is None:
-            q = qc.new_empty((E, *qc.shape[1:]))
-            s = sc.new_empty((E, *sc.shape[1:]))
-        q[e0 : e0 + step].copy_(qc)
-        s[e0 : e0 + step].copy_(sc)
-        del qc, sc
-    return q, s
 
 
 def _touched_bytes(tensors, E: int, touched: int) -> int:
@@ -110,8 +90,8 @@ class _Weights:
 
     def quantize(self, fmt: str) -> None:
         w1, w2 = self.by[None][:2]
-        q1, s1 = quantize_chunked(w1, fmt)
-        q2, s2 = quantize_chunked(w2, fmt)
+        q1, s1 = moe_route.quantize_experts(w1, fmt)
+        q2, s2 = moe_route.quantize_experts(w2, fmt)
         self.by[fmt] = (q1, q2, s1, s2)
 
     def drop(self, fmt) -> None:
