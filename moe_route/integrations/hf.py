@@ -382,16 +382,22 @@ def is_quantized_experts(module: nn.Module) -> bool:
     return hasattr(module, "down_proj_scale_inv")
 
 
-def _float_scales(module: nn.Module, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """float32 copies of e8m0 scales (1/16384 of the FP8 weights' bytes at 128x128 blocks),
-    made once and kept on the module until a scale tensor changes (its storage or version)."""
+def _converted_scales(module: nn.Module, scales: tuple[torch.Tensor, ...], convert):
+    """``convert(scale)`` of each scale, made once and kept on the module until a scale tensor
+    changes (its storage or version)."""
     key = tuple((s.data_ptr(), s._version, s.device, tuple(s.shape)) for s in scales)
     cached = module.__dict__.get("_moe_route_scales")
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            cached = (key, tuple(s.detach().float() for s in scales))
+            cached = (key, tuple(convert(s.detach()) for s in scales))
         module.__dict__["_moe_route_scales"] = cached
     return cached[1]
+
+
+def _float_scales(module: nn.Module, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float32 copies of e8m0 scales (1/16384 of the FP8 weights' bytes at 128x128 blocks),
+    kept on the module (:func:`_converted_scales`)."""
+    return _converted_scales(module, scales, torch.Tensor.float)
 
 
 def _exponent_scales(module: nn.Module, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -402,20 +408,15 @@ def _exponent_scales(module: nn.Module, *scales: torch.Tensor) -> tuple[torch.Te
     if any(s.dtype != torch.float32 for s in scales):
         raise Unsupported(f"FP4 weight scales {[s.dtype for s in scales]}: expected e8m0, uint8 "
                           "or float32 powers of two")  # fmt: skip
-    key = tuple((s.data_ptr(), s._version, s.device, tuple(s.shape)) for s in scales)
-    cached = module.__dict__.get("_moe_route_scales")
-    if cached is None or cached[0] != key:
-        out = []
-        with torch.no_grad():
-            for s in scales:
-                mant, exp = torch.frexp(s.detach())
-                if not bool(((mant == 0.5) & (exp >= -126) & (exp <= 128)).all()):
-                    raise Unsupported("FP4 weight scales are not all powers of two (MXFP4 takes "
-                                      "ue8m0 exponents)")  # fmt: skip
-                out.append((exp - 1 + 127).to(torch.uint8))
-        cached = (key, tuple(out))
-        module.__dict__["_moe_route_scales"] = cached
-    return cached[1]
+    return _converted_scales(module, scales, _ue8m0_exponents)
+
+
+def _ue8m0_exponents(s: torch.Tensor) -> torch.Tensor:
+    mant, exp = torch.frexp(s)
+    if not bool(((mant == 0.5) & (exp >= -126) & (exp <= 128)).all()):
+        raise Unsupported("FP4 weight scales are not all powers of two (MXFP4 takes "
+                          "ue8m0 exponents)")  # fmt: skip
+    return (exp - 1 + 127).to(torch.uint8)
 
 
 def _quant_operands(module: nn.Module, plan: ExpertsPlan):
