@@ -23,34 +23,43 @@ import moe_route
 
 H, INTER, E, K = 16, 8, 8, 3
 
-# name -> (layer kwargs, tokens per rank for W=2, for W=4)
+# name -> (layer kwargs, tokens per rank for W=2, for W=4). The default exchange (blocks of T
+# rows, no host sync) needs the same T on every rank; uneven counts take ep_capacity="exact"
+# or an int bound.
 SCENARIOS = {
     "softmax": (
-        dict(aux_loss_coef=0.1, z_loss_coef=0.01), (5, 9), (5, 9, 2, 7)),
+        dict(aux_loss_coef=0.1, z_loss_coef=0.01), (7, 7), (7, 7, 7, 7)),
+    "softmax-exact": (
+        dict(ep_capacity="exact", aux_loss_coef=0.1, z_loss_coef=0.01), (5, 9), (5, 9, 2, 7)),
+    # a bound above every rank's T: padding tokens
     "softmax-capacity": (
-        dict(capacity_factor=0.7, renormalize=False, bias=True, gate_up_layout="interleaved",
-             aux_loss_coef=0.1), (9, 6), (4, 8, 6, 5)),
+        dict(ep_capacity=9, capacity_factor=0.7, renormalize=False, bias=True,
+             gate_up_layout="interleaved", aux_loss_coef=0.1), (9, 6), (4, 8, 6, 5)),
     # the last rank's experts lose every choice (expert bias): it receives no rows at all
     "deepseek": (
         dict(router="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=2.5,
              num_shared_experts=2, shared_intermediate_size=4, capacity_factor=1.0,
-             aux_loss_coef=0.05, z_loss_coef=0.01), (7, 10), (7, 10, 3, 8)),
+             aux_loss_coef=0.05, z_loss_coef=0.01), (9, 9), (7, 7, 7, 7)),
     "zero-tokens": (
-        dict(num_shared_experts=1, shared_expert_gate=True, activation="geglu", bias=True,
-             z_loss_coef=0.1), (0, 8), (6, 0, 3, 0)),
+        dict(ep_capacity="exact", num_shared_experts=1, shared_expert_gate=True,
+             activation="geglu", bias=True, z_loss_coef=0.1), (0, 8), (6, 0, 3, 0)),
+    "all-zero-tokens": (dict(num_shared_experts=1, aux_loss_coef=0.1), (0, 0), (0, 0, 0, 0)),
     "fixed": (
         dict(ep_capacity=30, aux_loss_coef=0.1, capacity_factor=1.3), (6, 9), (6, 9, 1, 5)),
-    # chunks of the local batch, some empty (T=2 in 3 chunks; T=0)
+    # chunks of the local batch, some empty (T=2 in 3 chunks)
     "chunked": (
         dict(ep_chunks=3, aux_loss_coef=0.1, capacity_factor=0.9, num_shared_experts=1),
-        (5, 9), (5, 9, 2, 0)),
+        (5, 5), (2, 2, 2, 2)),
+    "exact-chunked": (
+        dict(ep_capacity="exact", ep_chunks=3, aux_loss_coef=0.1, capacity_factor=0.9,
+             num_shared_experts=1), (5, 9), (5, 9, 2, 0)),
     "fixed-chunked": (
         dict(ep_capacity=12, ep_chunks=2, z_loss_coef=0.1, bias=True), (6, 9), (6, 9, 1, 5)),
-    # the Triton kernels (interpreted on the CPU: seconds, so W=2 only), float32, padded rows
-    "triton-fixed": (
-        dict(ep_capacity=12, ep_chunks=2, z_loss_coef=0.1, aux_loss_coef=0.1, bias=True),
-        (5, 6), None),
-    # fixed capacity too small: rows beyond 2 per pair are dropped
+    # the Triton kernels (interpreted on the CPU: seconds, so W=2 only), float32, the default
+    # exchange's padding rows
+    "triton": (
+        dict(ep_chunks=2, z_loss_coef=0.1, aux_loss_coef=0.1, bias=True), (6, 6), None),
+    # capacity too small: tokens beyond 2 per pair of ranks are dropped
     "fixed-truncated": (
         dict(ep_capacity=2, num_shared_experts=1, activation="gelu", bias=True), (6, 9),
         (6, 9, 1, 5)),
@@ -58,7 +67,7 @@ SCENARIOS = {
 EP_ONLY = ("ep_capacity", "ep_chunks")
 # Scenarios whose expert-parallel layer runs the Triton kernels in float32 (routing in float64,
 # on parameters and tokens that float32 holds exactly, so that it routes as the float64 oracle).
-TRITON = ("triton-fixed",)
+TRITON = ("triton",)
 
 
 def tokens(name: str, world: int) -> tuple[int, ...] | None:

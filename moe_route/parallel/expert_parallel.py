@@ -10,49 +10,54 @@ forward on the rank's own tokens ``x [T, H]``:
    router probabilities and of ``logsumexp²`` (float), summed on every rank in rank order;
 3. applies the capacity over the global batch in rank-major token order (a slot's place in its
    expert's queue is the count of that expert's slots on lower ranks plus its place here);
-4. builds the routing maps of the final ids and expands the rows: the permuted order is expert
-   ascending, and rank ``d`` owns a contiguous range of experts, so the rows for rank ``d`` are
-   the contiguous block ``[offset[d·E/W], offset[(d+1)·E/W])``; dropped slots sit after
-   ``offset[E]`` and never travel;
-5. exchanges the per-(destination, local expert) counts (an ``all_gather`` of ``[W, E/W]``
-   int64, which also gives every rank the global ``tokens_per_expert``), then the rows
-   (``all_to_all_single``); the received rows are grouped by source rank, then local expert;
+4. works out which ranks each token goes to (those holding any of its experts) and builds the
+   *rank maps*: the routing maps of those choices, with the rank as the expert (``K = E =
+   W``). Their expand writes the send buffer: the rows for rank ``d`` form one block in token
+   order. A token travels **once per destination rank**, whatever the number of its experts
+   there, with a metadata row ``[router weights | expert ids + 1]`` (float; ``0``: no slot);
+5. exchanges the rows and the metadata (``all_to_all_single``); the received rows are grouped
+   by source rank, in the source's token order;
 6. runs its experts over the received rows through :func:`moe_route.fused_moe`'s plan and
-   launches (as the layer does, without the argument checks) at ``K = 1`` and unit router
-   weights (which returns each row's expert output, rounded once: ``1.0·y = y``);
-7. sends the results back with the reverse split, where they land in the permuted order of
-   step 4, and combines them with :func:`moe_route.finalize_moe_routing` (router weights, the
-   ``K``-way reduction in ascending ``k``, the shared expert as its bias): the same arithmetic
-   as one process.
+   launches (as the layer does, without the argument checks), the slots of other ranks
+   dropped: each row comes out as the router-weighted sum of its experts here, rounded once;
+7. sends those rows back with the reverse split, where they land in the send buffer's
+   layout, and adds each token's rows in rank order and the shared expert as the bias: the
+   finalize (:func:`moe_route.finalize_moe_routing`) over the rank maps, unit weights.
 
-Two ways to size the exchange:
+Against one process, each output sums the same products in fp32 in the same slot order, in
+``W`` partial sums each rounded to the activation dtype (one rounding apart from the plain
+layer, which rounds once; float64 and float32 agree to a few ulps).
 
-* **exact** (default): the routed rows only, with split sizes read on the host: one host
-  synchronisation per forward (the ``.tolist()`` of the ``2W`` split sizes per chunk, all
-  chunks at once, after the count exchange); the backward reuses the forward's sizes.
-* **fixed capacity** (``ep_capacity=C`` rows per (source, destination) pair): every rank sends
-  ``W`` blocks of exactly ``C`` rows (the padding is ignored through the exchanged counts), so
-  nothing waits on the host: the forward and backward compile with ``fullgraph=True`` and
-  can be captured in a CUDA graph. The block for rank ``d`` keeps its first ``C`` rows in the
-  permuted order (local expert ascending, then token, then slot); the rows beyond are dropped
-  like capacity drops: their slot becomes ``-1`` in ``topk_ids``, contributes nothing to the
-  output and is not counted in ``tokens_per_expert``. Nothing is dropped while ``C >= T·K``.
-  The price: every rank sends, receives and computes ``W·C`` rows, whatever the routing.
+Three ways to size the exchange (``ep_capacity``):
+
+* ``None`` (default): blocks of ``T`` rows, the chunk's own token count: every token fits
+  (nothing is ever dropped), and no size is read on the host, so the forward and backward
+  compile with ``fullgraph=True`` and can be captured in a CUDA graph. Every rank of the
+  group must pass the same number of tokens per call (as in training). A block's rows beyond
+  the tokens routed to that rank are zero padding: they travel, but no expert multiplies them.
+  With ``K`` experts per token over ``W`` ranks, the routed share of the blocks is about
+  ``1 - (1 - 1/W)^K`` (0.90 at ``W = 4``, ``K = 8``).
+* an int ``C``: blocks of ``C`` rows, for ranks with different token counts (serving): a
+  bound every rank shares. A rank's tokens for another beyond ``C`` are dropped
+  deterministically (the first ``C`` in token order travel) and their slots on that rank become
+  ``-1`` in ``topk_ids``, like capacity drops; ``C >= T`` never drops.
+* ``"exact"``: only the routed rows, with split sizes read on the host: **one host
+  synchronisation per forward** (the ``.tolist()`` of the split sizes of every chunk at once,
+  after their exchange); the backward reuses the forward's sizes. Any token counts.
 
 ``ep_chunks=n`` splits the rank's tokens into ``n`` contiguous chunks (after the routing, the
 statistics and the capacity, which see the whole batch) that go through steps 4-7 each: every
 chunk's rows are sent before any expert runs, so the all-to-all of one chunk proceeds on the
 communication stream while the experts of another compute, and each chunk's results travel
 back while the next computes (``ep_capacity`` then counts rows per pair and chunk). The
-results equal the unchunked ones (each row's arithmetic is the same). Only the forward
-overlaps: autograd runs the chunks' backward exchanges one after the other.
+results equal the unchunked ones (each row's arithmetic is the same).
 
 The backward goes through the same exchanges in reverse (the autograd of
 ``torch.distributed._functional_collectives.all_to_all_single``): every expert weight gets the
 gradient of every rank's tokens, ``x`` its own, the replicated parameters the rank's share (their
 sum over ranks is the single-process gradient, as data parallelism expects). ``aux_loss`` has
 the global value on every rank; its gradient reaches only the rank's own router probabilities
-and logits.
+and logits. The router weights' gradient comes back with the metadata.
 
 Deterministic: integer counts, exact copies in the exchanges, ``fused_moe`` and the finalize in
 fixed order, and the float statistics summed in rank order after an ``all_gather`` (not an
@@ -95,15 +100,22 @@ class ExpertParallel:
     rank: int
     #: ``E / W``, experts on each rank; this rank holds ``[rank·E/W, (rank+1)·E/W)``.
     num_local_experts: int
-    #: Rows per (source, destination) pair and chunk of the fixed-capacity exchange, or
-    #: ``None`` (the exact rows, split sizes read on the host).
-    capacity: int | None
+    #: ``ep_capacity``: ``None`` (tokens per pair of ranks and chunk: the chunk's ``T``),
+    #: an int (that many), or ``"exact"`` (the routed tokens, split sizes read on the host).
+    capacity: int | str | None
     #: Chunks of the local batch whose exchanges overlap the other chunks' experts.
     chunks: int = 1
 
     @property
     def first_expert(self) -> int:
         return self.rank * self.num_local_experts
+
+    def rows_per_pair(self, tokens: int) -> int | None:
+        """Rows each rank sends every rank for a chunk of ``tokens`` tokens (``None``: the
+        exact counts)."""
+        if self.capacity is None:
+            return tokens
+        return None if self.capacity == "exact" else self.capacity
 
     def __deepcopy__(self, memo):
         # A process group is shared by the copies (it cannot be copied, and a copied layer
@@ -193,12 +205,13 @@ def setup(
             f"ep_group has {W} ranks, which does not divide num_experts={num_experts}: every "
             "rank must hold the same number of experts"
         )
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-    ):
+    exact = isinstance(capacity, str) and capacity == "exact"
+    count = isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1
+    if not (capacity is None or exact or count):
         raise ValueError(
-            f"ep_capacity={capacity!r}: expected None (exact exchange, one host sync) or an int "
-            ">= 1 (rows per pair of ranks)"
+            f"ep_capacity={capacity!r}: expected None (every rank's T tokens, no host sync), "
+            "an int >= 1 (tokens per pair of ranks, no host sync) or 'exact' (the routed "
+            "tokens, one host sync)"
         )
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"ep_chunks={chunks!r}: expected an int >= 1")
@@ -206,53 +219,28 @@ def setup(
 
 
 # --------------------------------------------------------------------------- exchange helpers
-class _PermuteRows(torch.autograd.Function):
-    """``out[i] = src[index[i]] if valid[i] else 0``, where ``index`` is a bijection between the
-    valid entries of ``out`` and of ``src``; the backward is the same gather through the
-    inverse (``inverse``, ``inverse_valid``): no scatter, no atomics."""
-
-    @staticmethod
-    def forward(ctx, src, index, valid, inverse, inverse_valid):
-        ctx.save_for_backward(inverse, inverse_valid)
-        return _gather(src, index, valid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, inverse_valid = ctx.saved_tensors
-        return _gather(grad, inverse, inverse_valid), None, None, None, None
-
-
-def _gather(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    if src.shape[0] == 0:  # static shape: nothing to read, every entry is invalid
-        return src.new_zeros(index.shape[0], *src.shape[1:])
-    rows = src.index_select(0, index.clamp(0, src.shape[0] - 1))
-    # masked_fill with a Python scalar: a CPU 0-d tensor here is a host-to-device copy, which
-    # syncs eagerly and is refused inside CUDA-graph capture.
-    return rows.masked_fill(~valid.unsqueeze(1), 0)
-
-
 def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     """The autograd all-to-all (``None`` splits: equal chunks); its backward is the reverse
     exchange. The result waits lazily: the first op that reads it waits for it."""
     # The functional collective: the autograd one is deprecated, cannot be compiled and waits
-    # at once, where ep_chunks relies on the lazy wait (docs/decisions.md, "Expert-parallel
-    # all-to-all").
+    # at once, where the chunks' overlap relies on the lazy wait (docs/decisions.md,
+    # "Expert-parallel all-to-all").
     return fc.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
-def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-    """Each row's output of its local expert (``local_ids [R, 1]``, ``-1``: a zero row).
+def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``Σ_k weights[r, k] · expert_{local_ids[r, k]}(rows[r])`` over the row's slots on this
+    rank (``-1``: none; a row with none is a zero row, never multiplied).
 
     ``fused_moe`` without its argument checks, as :meth:`moe_route.MoELayer.forward` runs it:
-    the rows and ids are built here, the parameters are the layer's own."""
-    wdt = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    unit = torch.ones(rows.shape[0], 1, dtype=wdt, device=rows.device)
+    the rows, ids and weights come from the exchange, the parameters are the layer's own."""
     act = layer.activation
-    plan = moe_plan(rows, layer.w1, layer.w2, 1, act, layer.gate_up_layout, layer.finalize,
-                    layer.deterministic, None, False, layer.backend)  # fmt: skip
+    plan = moe_plan(rows, layer.w1, layer.w2, local_ids.shape[1], act, layer.gate_up_layout,
+                    layer.finalize, layer.deterministic, None, False, layer.backend)  # fmt: skip
     check_interpreter_dtype("x", rows, plan.backend)
     maps = maps_op(local_ids, layer.w1.shape[0], plan.maps_backend)
-    return run_experts(plan, rows, layer.w1, layer.w2, unit, maps, act, layer.gate_up_layout,
+    return run_experts(plan, rows, layer.w1, layer.w2, weights, maps, act, layer.gate_up_layout,
                        layer.b1, layer.b2)  # fmt: skip
 
 
@@ -268,94 +256,119 @@ def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backe
     return torch.where(keep, ids, torch.full_like(ids, -1))
 
 
+def _block_maps(maps: RoutingMaps, C: int) -> tuple[RoutingMaps, torch.Tensor]:
+    """The rank maps (``K = E = W``, from :func:`build_routing_maps`) laid out in ``W`` blocks
+    of ``C`` rows, block ``d`` for rank ``d``, and ``kept [T, W]``: whether token ``t`` travels
+    to rank ``d``.
+
+    Slot ``(t, d)``'s place ``p`` in its block is its token's rank among the tokens routed to
+    ``d`` (ascending), then among those not routed there; ``p < C`` lands at row ``d·C + p``
+    (routed: the token's row; not routed: a zero padding row), the rest after row ``W·C`` in
+    the same order (never sent). A bijection of the ``T·W`` rows, built from the compact maps
+    by arithmetic, no sort."""
+    T, W = maps.num_tokens, maps.top_k
+    s2d, _, efs, off = maps.tensors()
+    dev = s2d.device
+    s = torch.arange(T * W, device=dev)
+    d = s // T
+    dest = s2d.to(torch.int64)
+    routed = efs >= 0
+    # dropped (not routed) slots sit after off[W] in source order: those of ranks below d
+    # number d·T - off[d]
+    place_routed = dest - off[d]
+    place_idle = (off[d + 1] - off[d]) + (dest - off[W]) - (d * T - off[d])
+    p = torch.where(routed, place_routed, place_idle)
+    inside = p < C
+    row = torch.where(inside, d * C + p, W * C + d * (T - C) + (p - C))
+    keep = routed & inside
+    dest_to_src = torch.empty_like(s2d).scatter_(0, row, s.to(torch.int32))
+    tables = (
+        row.to(torch.int32),
+        dest_to_src,
+        torch.where(keep, efs, -1),
+        torch.arange(W + 1, device=dev, dtype=torch.int64) * C,
+    )
+    return RoutingMaps._built(tables, T, W, W), keep.view(W, T).t()
+
+
 class _Chunk:
-    """One chunk of a rank's tokens through the exchange: routing maps and rows to send
-    (constructor), the rows out and back (:meth:`send`, :meth:`compute`), the finalize
-    (:meth:`combine`). ``counts [W, E/W]``: its rows for each (destination, local expert)."""
+    """One chunk of a rank's tokens through the exchange: which ranks each token travels to
+    and its rows to send (constructor), the rows out and back (:meth:`send`,
+    :meth:`compute`), the sum of what came back (:meth:`combine`).
+
+    A token travels once to each rank that holds any of its experts, with its router weights
+    and expert ids (the metadata row ``[weights | ids + 1]``, float, ``0`` for no slot); that
+    rank returns one row, the weighted sum of its experts' outputs, and the origin adds the
+    rows of the ranks in rank order and the shared expert (the finalize with ``K = W`` and
+    unit weights over the "rank maps", whose expert is the destination rank)."""
 
     def __init__(self, layer, x, ids, weights, ep: ExpertParallel):
-        self.layer, self.ep, self.weights = layer, ep, weights
+        self.layer, self.ep = layer, ep
         T, K = ids.shape
         W, El = ep.size, ep.num_local_experts
-        maps = build_routing_maps(ids, layer.num_experts, backend=layer.backend)
-        self.x_perm = expand_rows(x, maps, backend=layer.backend)
-        offsets = maps.expert_first_token_offset
-        counts = torch.diff(offsets).view(W, El)
-        C = ep.capacity
-        if C is not None:  # keep the first C rows of each destination's block
-            before_in_block = counts.cumsum(1) - counts
-            counts = (C - before_in_block).clamp(min=0).minimum(counts)
-            efs = maps.expert_for_source_row.to(torch.int64)
-            block = offsets[efs.clamp(min=0) // El * El]
-            sent = (efs >= 0) & (maps.expanded_source_row_to_expanded_dest_row - block < C)
-            ids = torch.where(sent.view(K, T).t(), ids, torch.full_like(ids, -1))
-            # the finalize skips the slots not sent, exactly like dropped ones; a slot not sent
-            # keeps its dest row inside its expert's range, which the public constructor's
-            # check rejects, so these maps are built unchecked
-            src_to_dest, dest_to_src, efs, offs = maps.tensors()
-            efs = torch.where(sent, efs, -1)
-            maps = RoutingMaps._built((src_to_dest, dest_to_src, efs, offs), T, K, maps.num_experts)
-            self._fixed_indices(offsets, counts.sum(1), T * K)
-        self.maps, self.ids, self.counts = maps, ids, counts
-        self.in_splits = self.out_splits = None  # dynamic mode: set from the count exchange
-        self.recv_counts = None
-
-    def _fixed_indices(self, offsets, kept, N):
-        """The bijection between the sent rows (``[W·C]``, block ``d`` for rank ``d``) and
-        the permuted rows (``[N]``) that travel, in both directions."""
-        W, El, C = self.ep.size, self.ep.num_local_experts, self.ep.capacity
-        dev = offsets.device
-        j = torch.arange(C, device=dev)
-        block_start = offsets[::El]  # [W+1]: the destinations' blocks of permuted rows
-        self.send_index = (block_start[:W].unsqueeze(1) + j).reshape(-1)
-        self.send_valid = (j < kept.unsqueeze(1)).reshape(-1)
-        p = torch.arange(N, device=dev)
-        dest = torch.searchsorted(block_start[1:].contiguous(), p, right=True).clamp(max=W - 1)
-        in_block = p - block_start[dest]
-        self.row_index = dest * C + in_block
-        self.row_valid = (p < offsets[-1]) & (in_block < C)
-
-    def send(self) -> torch.Tensor:
-        """The rows this rank's experts get from every rank (source-major, then local expert)."""
-        if self.ep.capacity is None:
-            routed = sum(self.in_splits)
-            rows = self.x_perm[:routed]
-            return _exchange(rows, self.out_splits, self.in_splits, self.ep.group)
-        rows = _PermuteRows.apply(
-            self.x_perm, self.send_index, self.send_valid, self.row_index, self.row_valid
-        )
-        return _exchange(rows, None, None, self.ep.group)
-
-    def compute(self, recv: torch.Tensor) -> torch.Tensor:
-        """Run the local experts on the received rows and send the results back."""
-        W, El, C = self.ep.size, self.ep.num_local_experts, self.ep.capacity
-        dev = recv.device
+        dev = x.device
+        C = ep.rows_per_pair(T)
+        self.T, self.C = T, C
+        ranks = torch.arange(W, device=dev, dtype=torch.int64)
+        owner = torch.where(ids >= 0, ids.to(torch.int64) // El, -1)  # [T, K]
+        goes = (owner.unsqueeze(-1) == ranks).any(1)  # [T, W]
+        rank_ids = torch.where(goes, ranks, -1).to(torch.int32)
+        mdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        Tp = T if C is None else max(T, C)  # a capacity above T: padding tokens, no slots
+        if Tp > T:
+            x = torch.cat([x, x.new_zeros(Tp - T, x.shape[1])])
+            rank_ids = torch.cat([rank_ids, rank_ids.new_full((Tp - T, W), -1)])
+        maps = build_routing_maps(rank_ids, W, backend=layer.backend)
         if C is None:
-            R = sum(self.out_splits)
-            local = torch.arange(El, device=dev).repeat(W)
-            local_ids = torch.repeat_interleave(local, self.recv_counts.reshape(-1), output_size=R)
-            y = _run_experts(self.layer, recv, local_ids.view(R, 1).to(torch.int32))
-            return _exchange(y, self.in_splits, self.out_splits, self.ep.group)
-        # row i of a source's C rows belongs to the local expert whose count range holds i
-        bounds = self.recv_counts.cumsum(1)
-        i = torch.arange(C, device=dev).expand(W, C).contiguous()
-        local = torch.searchsorted(bounds, i, right=True)
-        local_ids = torch.where(local < El, local, -1).view(W * C, 1).to(torch.int32)
-        y = _run_experts(self.layer, recv, local_ids)
-        return _exchange(y, None, None, self.ep.group)
+            self.counts = torch.diff(maps.expert_first_token_offset)  # [W] rows per rank
+        else:
+            maps, kept = _block_maps(maps, C)
+            sent = torch.gather(kept[:T], 1, owner.clamp(min=0))
+            ids = torch.where(sent & (ids >= 0), ids, torch.full_like(ids, -1))
+        meta = torch.cat([weights.to(mdt), (ids + 1).to(mdt)], 1)
+        if Tp > T:
+            meta = torch.cat([meta, meta.new_zeros(Tp - T, 2 * K)])
+        self.maps, self.ids, self.Tp = maps, ids, Tp
+        self.rows = expand_rows(x, maps, backend=layer.backend)  # [Tp·W, H]
+        self.meta = expand_rows(meta, maps, backend=layer.backend)  # [Tp·W, 2K]
+        self.in_splits = self.out_splits = None  # exact mode: set from the count exchange
+
+    def send(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows this rank's experts get from every rank (source-major, token order)
+        and their metadata."""
+        if self.C is None:
+            n = sum(self.in_splits)
+            rows, meta = self.rows[:n], self.meta[:n]
+        else:
+            n = self.ep.size * self.C
+            rows, meta = self.rows[:n], self.meta[:n]
+        g = self.ep.group
+        return (
+            _exchange(rows, self.out_splits, self.in_splits, g),
+            _exchange(meta, self.out_splits, self.in_splits, g),
+        )
+
+    def compute(self, recv: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the received rows; the weighted sums travel back."""
+        K, El, first = self.ids.shape[1], self.ep.num_local_experts, self.ep.first_expert
+        weights = meta[:, :K].contiguous()
+        local = meta[:, K:].detach().to(torch.int64) - (1 + first)
+        local_ids = torch.where((local >= 0) & (local < El), local, -1).to(torch.int32)
+        y = _run_experts(self.layer, recv, local_ids, weights)
+        return _exchange(y, self.in_splits, self.out_splits, self.ep.group)
 
     def combine(self, back: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-        """The finalize at the origin: router weights, ``K``-way reduction, shared expert."""
-        N, H = self.x_perm.shape
-        if self.ep.capacity is None:
-            y_perm = torch.cat([back, back.new_zeros(N - back.shape[0], H)])
-        else:
-            y_perm = _PermuteRows.apply(
-                back, self.row_index, self.row_valid, self.send_index, self.send_valid
-            )
-        return finalize_moe_routing(
-            y_perm, self.weights, self.maps, bias=shared, backend=self.layer.backend
-        )
+        """``out[t] = Σ_d back[row(t, d)] + shared[t]`` over the ranks ``t`` went to."""
+        T, Tp, W = self.T, self.Tp, self.ep.size
+        N = Tp * W
+        if back.shape[0] < N:  # the exact rows, or a capacity below T: rows that never left
+            back = torch.cat([back, back.new_zeros(N - back.shape[0], back.shape[1])])
+        if shared is not None and Tp > T:
+            shared = torch.cat([shared, shared.new_zeros(Tp - T, shared.shape[1])])
+        mdt = torch.float64 if back.dtype == torch.float64 else torch.float32
+        unit = torch.ones(Tp, W, dtype=mdt, device=back.device)
+        out = finalize_moe_routing(back, unit, self.maps, bias=shared, backend=self.layer.backend)
+        return out if Tp == T else out[:T]
 
 
 # --------------------------------------------------------------------------- forward
@@ -365,7 +378,7 @@ def forward(layer, x2: torch.Tensor):
     Returns the fields of :class:`moe_route.MoEOutput` (``output`` still ``[T, H]``).
     """
     ep: ExpertParallel = layer.ep
-    group, W, me, El = ep.group, ep.size, ep.rank, ep.num_local_experts
+    group, W, me = ep.group, ep.size, ep.rank
     T = x2.shape[0]
     E, K = layer.num_experts, layer.top_k
     dev = x2.device
@@ -404,29 +417,33 @@ def forward(layer, x2: torch.Tensor):
         before = every_i[:me, :E].sum(0)  # slots of each expert on lower ranks
         ids = _keep_within(ids, E, cap.to(torch.int64) - before, layer.backend)
 
-    # ---- dispatch: per chunk of tokens, the rows for each rank, then one count exchange
+    # ---- dispatch: per chunk of tokens, the rows for each rank
     n = ep.chunks
-    cuts = [c * T // n for c in range(n + 1)]  # static chunk bounds (T may differ per rank)
+    cuts = [c * T // n for c in range(n + 1)]  # static chunk bounds
     spans = list(itertools.pairwise(cuts))
     chunks = [_Chunk(layer, x2[a:b], ids[a:b], weights[a:b], ep) for a, b in spans]
-    ids = torch.cat([c.ids for c in chunks])  # minus the fixed-capacity drops
-    every = torch.stack([c.counts for c in chunks]).reshape(-1)
-    every = all_gather(every, 0, group).view(W, n, W, El)  # [source, chunk, dest, local]
-    tpe = every.sum((0, 1)).reshape(E)  # global slots per expert, after every drop
-    if ep.capacity is None:  # the one host sync: every chunk's split sizes at once
-        sizes = torch.stack([every[me, :, :, :].sum(-1), every[:, :, me].sum(-1).t()])
-        sizes = sizes.tolist()
+    ids = torch.cat([c.ids for c in chunks])  # minus the capacity's drops
+    # one all-gather: the slots per expert after every drop (tokens_per_expert is global),
+    # and in exact mode every chunk's rows per (source, destination)
+    local = [tokens_per_expert(ids, E)]
+    if ep.capacity == "exact":
+        local += [c.counts for c in chunks]
+    every = all_gather(torch.cat(local), 0, group).view(W, -1)
+    tpe = every[:, :E].sum(0)
+    if ep.capacity == "exact":  # the one host sync: every chunk's split sizes at once
+        counts = every[:, E:].view(W, n, W)  # [source, chunk, destination]
+        sizes = torch.stack([counts[me], counts[:, :, me].t()]).tolist()
         for c, chunk in enumerate(chunks):
             chunk.in_splits, chunk.out_splits = sizes[0][c], sizes[1][c]
-    for c, chunk in enumerate(chunks):
-        chunk.recv_counts = every[:, c, me]  # [source, local expert]
     # Every chunk's rows are on their way before any expert runs: the all-to-all of chunk
-    # c + 1 runs on the communication stream while the experts of chunk c compute.
+    # c + 1 runs on the communication stream while the experts of chunk c compute, and the
+    # results of chunk c travel back while chunk c + 1 computes.
     recv = [chunk.send() for chunk in chunks]
-    back = [chunk.compute(rows) for chunk, rows in zip(chunks, recv, strict=True)]
-    shared = layer.shared_expert(x2)
-    out = torch.cat([
+    back = [chunk.compute(*rows) for chunk, rows in zip(chunks, recv, strict=True)]
+    shared = layer.shared_expert(x2)  # replicated: computes while the last results travel
+    outs = [
         chunk.combine(rows, None if shared is None else shared[a:b])
         for chunk, rows, (a, b) in zip(chunks, back, spans, strict=True)
-    ])  # fmt: skip
+    ]
+    out = outs[0] if n == 1 else torch.cat(outs)
     return out, aux, logits, tpe, ids, weights, lb, z
