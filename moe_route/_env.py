@@ -1,8 +1,8 @@
 """Reads of the environment variables that steer moe_route, cheap enough for every call.
 
 The public functions consult the overrides (``MOE_ROUTE_BACKEND``, ``MOE_ROUTE_FINALIZE``,
-``MOE_ROUTE_ARCH``, ``MOE_ROUTE_CHECK_IDS``, ``MOE_ROUTE_PERSISTENT``, ``TRITON_INTERPRET``) on
-every call, so that a change takes effect at once. ``os.environ.get`` encodes the key and
+``MOE_ROUTE_ARCH``, ``MOE_ROUTE_CHECK_IDS``, ``MOE_ROUTE_PERSISTENT``, ``MOE_ROUTE_COMM_SMS``,
+``TRITON_INTERPRET``) on every call, so that a change takes effect at once. ``os.environ.get`` encodes the key and
 decodes the value each time (0.8 µs per read on the development host, about 4 µs per
 ``fused_moe`` call); reading the mapping ``os.environ`` keeps underneath (``os.environ._data``,
 bytes keys on POSIX, updated by every ``os.environ[...] = ...``, ``monkeypatch.setenv``
@@ -41,3 +41,21 @@ def reader(names: tuple[str, ...]):
         keys, data = tuple(name.encode() for name in names), _DATA
         return lambda: tuple([data.get(key) for key in keys])
     return lambda: tuple([os.environ.get(name) for name in names])
+
+
+#: SMs the persistent GEMM kernels leave to kernels running beside them (expert parallelism's
+#: all-to-alls, overlapped with the experts of another chunk); part of every plan's key.
+COMM_SMS_ENV = "MOE_ROUTE_COMM_SMS"
+
+
+def comm_sms() -> int:
+    """``MOE_ROUTE_COMM_SMS`` as an int >= 0 (unset or empty: 0)."""
+    value = getenv(COMM_SMS_ENV).strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(
+            f"{COMM_SMS_ENV}={value!r}: expected an integer >= 0 (SMs the persistent GEMM "
+            "kernels leave free for communication kernels) or nothing"
+        )
+    return int(value)

@@ -24,6 +24,8 @@ them with ``monkeypatch``):
 ``MOE_ROUTE_ARCH``      pretend compute capability, e.g. ``80`` or ``90`` (testing only)
 ``MOE_ROUTE_PERSISTENT``  GEMM1 / GEMM2 kernel: ``0`` per-tile, ``N`` persistent with ``N``
                         programs per SM (benchmarking; unset: :mod:`moe_route.tuning` decides)
+``MOE_ROUTE_COMM_SMS``  SMs the persistent GEMMs leave free for the communication kernels that
+                        overlap them (expert parallelism with ``ep_chunks``); default 0
 """
 
 from __future__ import annotations
@@ -313,7 +315,7 @@ def _cached_backend(device: torch.device, requested: str) -> str:
 #: The environment overrides a plan depends on.
 ENV_OVERRIDES = (
     "MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "TRITON_INTERPRET",
-    "MOE_ROUTE_PERSISTENT",
+    "MOE_ROUTE_PERSISTENT", "MOE_ROUTE_COMM_SMS",
 )  # fmt: skip
 
 

@@ -199,10 +199,13 @@ class MoELayer(ExpertWeights, nn.Module):
             the router, ``expert_bias`` and the shared expert are replicated. Every rank of the
             group must construct the layer alike (the constructor checks that, collectively)
             and call it on its own tokens; see :mod:`moe_route.parallel`. ``None``: one process.
-        ep_capacity: with ``ep_group``, ``None`` exchanges exactly the routed rows (one host
-            sync per forward, for the split sizes), an int ``C`` exchanges ``C`` rows per pair
-            of ranks (no host sync: CUDA graphs, ``fullgraph`` compile); a rank's rows for
-            another beyond ``C`` are dropped (see :mod:`moe_route.parallel.expert_parallel`).
+        ep_capacity: with ``ep_group``, how each rank's tokens travel (each token once per
+            rank holding any of its experts). ``None``: blocks of ``T`` tokens per pair of
+            ranks, which every token fits, without a host sync (CUDA graphs, ``fullgraph``
+            compile); every rank must pass the same ``T``. An int ``C``: blocks of ``C``
+            tokens, a bound every rank shares (any ``T``; the tokens beyond ``C`` for a rank
+            lose their slots there). ``"exact"``: the routed tokens only, any ``T``, one host
+            sync per forward (see :mod:`moe_route.parallel.expert_parallel`).
         ep_chunks: with ``ep_group``, split the local batch into this many chunks whose
             all-to-alls overlap the experts of the others (``ep_capacity`` is then per chunk).
         device, dtype: of the parameters (``dtype`` one of fp32 / bf16 / fp16 / fp64).
@@ -232,8 +235,8 @@ class MoELayer(ExpertWeights, nn.Module):
     host, so it runs under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, and with
     ``deterministic=True`` it gives the same bits on every run, backward included. With an
     ``ep_group`` the expert tensors hold this rank's ``E/W`` experts (rows ``[rank·E/W,
-    (rank+1)·E/W)`` of the table's), and the exact exchange (``ep_capacity=None``) reads its
-    split sizes on the host once per forward; ``ep_capacity`` keeps it free of host syncs.
+    (rank+1)·E/W)`` of the table's); only the exact exchange (``ep_capacity="exact"``) reads
+    its split sizes on the host, once per forward.
     """
 
     def __init__(
@@ -262,7 +265,7 @@ class MoELayer(ExpertWeights, nn.Module):
         deterministic: bool = True,
         backend: str = "auto",
         ep_group: object = None,
-        ep_capacity: int | None = None,
+        ep_capacity: int | str | None = None,
         ep_chunks: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,

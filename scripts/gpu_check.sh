@@ -10,6 +10,10 @@
 #                                       initcheck over scripts/sanitize_small.py (--tiny: every
 #                                       bf16 kernel at small odd sizes; --quant: the quantised
 #                                       experts); one log per tool and sweep, sanitize.log
+#   bash scripts/gpu_check.sh ep        expert parallelism: tests/test_gpu_ep.py (NCCL, W=1),
+#                                       then bench/bench_ep.py under torchrun at W=2 and at
+#                                       W=4 where the machine has the GPUs; ep_tests.log,
+#                                       bench_ep_w<W>.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
@@ -80,6 +84,24 @@ if [ "$part" = sanitize ]; then
                 | tee -a "$out/sanitize.log"
             rc=$(( rc || t_rc ))
         done
+    done
+fi
+
+if [ "$part" = ep ]; then
+    python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_ep.py -p no:cacheprovider \
+        --tb=short > "$out/ep_tests.log" 2>&1
+    t_rc=$?
+    echo "test_gpu_ep: rc=$t_rc, $(tail -n 1 "$out/ep_tests.log")"
+    rc=$(( rc || t_rc ))
+    gpus=$(nvidia-smi -L | wc -l)
+    for W in 2 4; do
+        [ "$W" -le "$gpus" ] || continue
+        python3 -m torch.distributed.run --standalone --nproc-per-node "$W" bench/bench_ep.py \
+            --out "$out" "$@" > "$out/bench_ep_w$W.log" 2>&1
+        b_rc=$?
+        echo "== bench_ep W=$W (rc=$b_rc)"
+        grep -v -i warning "$out/bench_ep_w$W.log" | tail -n 30
+        rc=$(( rc || b_rc ))
     done
 fi
 

@@ -69,7 +69,7 @@ def pytest_configure(config):
 
 
 _ENV_KNOBS = ("MOE_ROUTE_BACKEND", "MOE_ROUTE_FINALIZE", "MOE_ROUTE_ARCH", "MOE_ROUTE_CHECK_IDS",
-              "MOE_ROUTE_PERSISTENT")  # fmt: skip
+              "MOE_ROUTE_PERSISTENT", "MOE_ROUTE_COMM_SMS")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

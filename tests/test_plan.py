@@ -80,6 +80,26 @@ def test_plan_follows_environment_overrides(monkeypatch):
     assert plan_of(case, backend="auto").backend == "triton"
 
 
+def test_comm_sms_leaves_sms_to_the_communication_kernels(monkeypatch):
+    """MOE_ROUTE_COMM_SMS: the persistent kernels spread over that many SMs fewer (at least
+    one), and the plans' key changes with it."""
+    from moe_route.kernels.triton import gemm_mainloop
+
+    monkeypatch.setattr(gemm_mainloop, "_cuda_sms", lambda index: 132)
+    monkeypatch.setattr(gemm_mainloop, "cuda_index", lambda device: 0)
+    gpu = torch.device("cuda", 0)
+    key = moe_route.arch.env_key()
+    assert gemm_mainloop.num_sms(gpu) == 132
+    monkeypatch.setenv("MOE_ROUTE_COMM_SMS", "20")
+    assert gemm_mainloop.num_sms(gpu) == 112
+    assert moe_route.arch.env_key() != key
+    monkeypatch.setenv("MOE_ROUTE_COMM_SMS", "500")
+    assert gemm_mainloop.num_sms(gpu) == 1
+    monkeypatch.setenv("MOE_ROUTE_COMM_SMS", "-4")
+    with pytest.raises(ValueError, match=r"MOE_ROUTE_COMM_SMS='-4': expected an integer >= 0"):
+        gemm_mainloop.num_sms(gpu)
+
+
 @pytest.mark.parametrize("finalize", ["standalone", "fused"])
 def test_env_override_after_a_cached_call_runs_the_right_kernels(monkeypatch, launches, finalize):
     case = moe_case(T, K, E, H, INTER)
