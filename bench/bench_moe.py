@@ -52,7 +52,8 @@ SWEEP_CONFIGS = [  # GemmConfig's tiles: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, nu
 def sweep_gemms(name, T, H, I, E, K, ceil, rows, tmas=(False, True)):  # noqa: E741
     """Time GEMM1 (swiglu, gathered) and GEMM2 under each tile configuration."""
     from moe_route.grouped_gemm import epilogue_for
-    from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_triton
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"
@@ -96,11 +97,9 @@ def sweep_fused(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     """GEMM2 + finalize: the standalone pair against the ordered fused epilogue per config."""
     from moe_route import arch, tuning
     from moe_route.kernels.triton.finalize import finalize_triton
-    from moe_route.kernels.triton.grouped_gemm import (
-        GemmConfig,
-        grouped_gemm_finalize_triton,
-        grouped_gemm_triton,
-    )
+    from moe_route.kernels.triton.gemm_finalize import grouped_gemm_finalize_triton
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"

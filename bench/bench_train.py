@@ -195,10 +195,8 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     launch configurations fused_moe's plan picks for this shape."""
     from moe_route.kernels.triton import weight_grad
     from moe_route.kernels.triton.finalize import finalize_triton
-    from moe_route.kernels.triton.grouped_gemm import (
-        grouped_gemm_act_backward_triton,
-        grouped_gemm_triton,
-    )
+    from moe_route.kernels.triton.gemm_act_backward import grouped_gemm_act_backward_triton
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
     from moe_route.plan import plan_for as _plan_for
 
     dev, dt = "cuda", torch.bfloat16

@@ -12,13 +12,8 @@ from ._dispatch import CallMemo, Op, memo_env, memo_wanted, needs_dispatcher, ro
 from .activations import Activation, as_activation
 from .kernels import torch_impl
 from .kernels.triton.act_backward import ActBackwardConfig
-from .kernels.triton.grouped_gemm import (
-    MAX_EXPERTS,
-    GemmConfig,
-    GemmEpilogue,
-    GemmLaunch,
-    grouped_gemm_triton,
-)
+from .kernels.triton.gemm_mainloop import MAX_EXPERTS, GemmConfig, GemmEpilogue
+from .kernels.triton.grouped_gemm import GemmLaunch, grouped_gemm_triton
 from .kernels.triton.moe import grouped_gemm_backward_triton
 from .kernels.triton.weight_grad import WeightGradConfig
 from .maps import RoutingMaps, check_maps

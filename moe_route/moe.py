@@ -31,7 +31,7 @@ from .experts import (
 )
 from .grouped_gemm import bias_dtypes, check_gemm_args, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
-from .kernels.triton.grouped_gemm import MAX_EXPERTS
+from .kernels.triton.gemm_mainloop import MAX_EXPERTS
 from .maps import MapsCall
 from .plan import MoEPlan, moe_plan, quant_plan_for
 from .quant import QuantSpec, as_quant, check_weight

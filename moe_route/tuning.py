@@ -15,7 +15,7 @@ from ._env import getenv
 from .kernels.triton import cdiv
 from .kernels.triton.act_backward import ActBackwardConfig, RowPassConfig
 from .kernels.triton.decode import MAX_SLOTS, DecodeConfig
-from .kernels.triton.grouped_gemm import GemmConfig
+from .kernels.triton.gemm_mainloop import GemmConfig
 from .kernels.triton.weight_grad import WeightGradConfig
 
 #: Environment override of the GEMM kernels' persistent variant (benchmarking): unset or empty,

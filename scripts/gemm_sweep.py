@@ -41,9 +41,10 @@ import moe_route
 from moe_route import arch, tuning
 from moe_route.bench.stages import MODELS
 from moe_route.grouped_gemm import epilogue_for
+from moe_route.kernels.triton import gemm_mainloop as gm
 from moe_route.kernels.triton import grouped_gemm as gk
 
-GemmConfig = gk.GemmConfig
+GemmConfig = gm.GemmConfig
 QUICK = (("mixtral-8x7b", 4096), ("qwen3-30b-a3b", 32768))
 SMOKE_MODEL = {"H": 32, "I": 32, "E": 4, "K": 2, "prefill": (24, 96)}
 MISMATCH = 1e-2  # bf16 outputs of the same tile arithmetic: a real bug is O(1)
@@ -182,10 +183,10 @@ class Sweep:
         z, z_ref = None, None
         for gemm, (grid_name, gated, gather) in self.gemms.items():
             if gemm == "gemm2":
-                a, w, n, kd, epi, dest = h, w2, H, inter, gk.IDENTITY, None
+                a, w, n, kd, epi, dest = h, w2, H, inter, gm.IDENTITY, None
             elif gemm == "dx":  # dz stands in as random rows of z's shape
                 a, w, n, kd, epi, dest = self.rand(M, 2 * inter), w1.transpose(1, 2), H, \
-                    2 * inter, gk.IDENTITY, None  # fmt: skip
+                    2 * inter, gm.IDENTITY, None  # fmt: skip
             else:
                 a, w, n, kd, epi = (x if gather else x_perm), w1, 2 * inter, H, swiglu
                 dest = d2s if gather else None
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
         p.error("needs a CUDA device (or --smoke for the CPU interpreter)")
     sweep = Sweep(args)
     started = time.perf_counter()
-    print(f"device {sweep.device} (cc {sweep.cc}), {gk.num_sms(sweep.device)} SMs, "
+    print(f"device {sweep.device} (cc {sweep.cc}), {gm.num_sms(sweep.device)} SMs, "
           f"{sweep.dtype!s}")  # fmt: skip
     sweep.run(args)
     sweep.best()

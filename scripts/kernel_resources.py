@@ -28,7 +28,10 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_route.activations import KIND_CODES
-from moe_route.kernels.triton import KERNELS, grouped_gemm
+from moe_route.kernels.triton import KERNELS, gemm_act_backward, gemm_finalize, grouped_gemm
+
+#: The modules of the kernels compiled here: importing one registers its ``ThinKernel``s.
+KERNEL_MODULES = (grouped_gemm, gemm_act_backward, gemm_finalize)
 
 
 def _kernel(name: str):
@@ -103,7 +106,7 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group_m, RED_M=min(bm, grouped_gemm.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
+        GROUP_M=group_m, RED_M=min(bm, gemm_finalize.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
         OUT_DESC=False, Z_DESC=False,
     )  # fmt: skip
     const.update(epilogue)

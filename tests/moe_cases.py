@@ -150,7 +150,8 @@ def launch(a, w, maps, bias=None, *, activation="identity", layout="concat", gat
     (SM90+ and 16-bit), a bool forces it."""
     from moe_route import tuning
     from moe_route.grouped_gemm import epilogue_for
-    from moe_route.kernels.triton.grouped_gemm import GemmConfig, grouped_gemm_triton
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
 
     M = maps.num_expanded_rows
     epilogue = epilogue_for(activation, layout)

@@ -268,11 +268,9 @@ def test_ordered_epilogue_tiles(config, bias):
     rows, several reduction groups (RED_ROWS) per tile and a partial last group; tokens with
     every slot dropped get exactly the bias."""
     from moe_route.kernels.triton.finalize import finalize_triton
-    from moe_route.kernels.triton.grouped_gemm import (
-        GemmConfig,
-        grouped_gemm_finalize_triton,
-        grouped_gemm_triton,
-    )
+    from moe_route.kernels.triton.gemm_finalize import grouped_gemm_finalize_triton
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
+    from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
 
     T, K, E, H, inter = 150, 2, 3, 40, 24
     case = make_moe(T, K, E, H, inter, b2=True, bias=bias, drop=0.1, seed=31)

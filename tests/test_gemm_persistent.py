@@ -37,11 +37,12 @@ from moe_cases import (
 
 import moe_route
 from moe_route import tuning
+from moe_route.kernels.triton import gemm_mainloop as gm
 from moe_route.kernels.triton import grouped_gemm as gk
 
 pytestmark = needs_interpreter
 
-PER_TILE = gk.GemmConfig(16, 16, 16, 2, 4, 2)
+PER_TILE = gm.GemmConfig(16, 16, 16, 2, 4, 2)
 PERSISTENT = dataclasses.replace(PER_TILE, persistent=1)
 launch = functools.partial(moe_cases.launch, allow_tf32=False)
 assert_matches = functools.partial(moe_cases.assert_matches, verbose=True)
@@ -70,7 +71,7 @@ def spy(monkeypatch):
 
 def both(monkeypatch, sms, *args, config=PER_TILE, **kw):
     """``(per-tile out, persistent out)`` of one launch, ``sms`` stand-in SMs."""
-    monkeypatch.setattr(gk, "CPU_SMS", sms)
+    monkeypatch.setattr(gm, "CPU_SMS", sms)
     ref = launch(*args, config=config, **kw)
     out = launch(*args, config=dataclasses.replace(config, persistent=1), **kw)
     return ref, out
@@ -143,7 +144,7 @@ def test_persistent_store_pre(monkeypatch, dtype, activation, layout):
     M = maps.num_expanded_rows
     zs = [torch.full((M, w.shape[1]), NAN, dtype=dtype) for _ in range(2)]
     kw = dict(activation=activation, layout=layout, gather=True)
-    monkeypatch.setattr(gk, "CPU_SMS", 2)
+    monkeypatch.setattr(gm, "CPU_SMS", 2)
     per_tile = launch(a, w, maps, b, config=PER_TILE, pre_activation=zs[0], **kw)
     out = launch(a, w, maps, b, config=PERSISTENT, pre_activation=zs[1], **kw)
     assert torch.equal(zs[1], zs[0]) and torch.equal(out, per_tile)
@@ -226,8 +227,8 @@ def _order_kernel(offsets_ptr, out_ptr, E, n_tiles, BLOCK_M: tl.constexpr,
                   GROUP_M: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
     """Row ``tile`` of ``out``: ``(e, first_row, row_end, n_tile)`` of that routed tile."""
     tile = tl.program_id(0)
-    ends = gk._expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
-    e, first_row, row_end, n_tile = gk._expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E,
+    ends = gm._expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    e, first_row, row_end, n_tile = gm._expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E,
                                                             BLOCK_M, GROUP_M, E_POW2)  # fmt: skip
     tl.store(out_ptr + 4 * tile, e)
     tl.store(out_ptr + 4 * tile + 1, first_row)
@@ -290,7 +291,7 @@ def test_env_selects_persistent(monkeypatch, spy):
         out.backward(rand(*out.shape, dtype=out.dtype, seed=9))
         return out.detach(), x.grad
 
-    monkeypatch.setattr(gk, "CPU_SMS", 2)
+    monkeypatch.setattr(gm, "CPU_SMS", 2)
     out0, da0 = run()
     assert spy["persistent"] == 0 and spy["per_tile"] == 3
     monkeypatch.setenv("MOE_ROUTE_PERSISTENT", "2")
@@ -402,21 +403,21 @@ def test_store_descriptors_fit_shared_memory(monkeypatch):
 
     monkeypatch.setattr(gg, "_smem_per_block", lambda device: 232448)
     bf16 = torch.bfloat16
-    plain = gg.GemmConfig(128, 256, 64, 8, 8, 3, True, 1, tma_store=True)
+    plain = gm.GemmConfig(128, 256, 64, 8, 8, 3, True, 1, tma_store=True)
     out = torch.empty(1000, 2048, dtype=bf16)
     stage = (128 + 256) * 64 * 2
-    got_out, got_z = gg._store_descriptors(out, None, gg.IDENTITY, plain, 2048, stage)
+    got_out, got_z = gg._store_descriptors(out, None, gm.IDENTITY, plain, 2048, stage)
     assert got_out is not None and got_z is None
     assert got_out.block_shape == (1, 1, 128, 256)
     four = dataclasses.replace(plain, num_stages=4)
-    assert gg._store_descriptors(out, None, gg.IDENTITY, four, 2048, stage) == (None, None)
-    assert gg._store_descriptors(out.float(), None, gg.IDENTITY, plain, 2048, stage) == (
+    assert gg._store_descriptors(out, None, gm.IDENTITY, four, 2048, stage) == (None, None)
+    assert gg._store_descriptors(out.float(), None, gm.IDENTITY, plain, 2048, stage) == (
         None, None,
     )  # fmt: skip
     odd = torch.empty(1000, 2047, dtype=bf16)[:, :2040]  # rows 4094 bytes apart
-    assert gg._store_descriptors(odd, None, gg.IDENTITY, plain, 2040, stage) == (None, None)
-    gated = gg.GemmConfig(128, 128, 64, 8, 8, 3, True, 1, tma_store=True)
-    swiglu = gg.GemmEpilogue(act=1, gated=True)
+    assert gg._store_descriptors(odd, None, gm.IDENTITY, plain, 2040, stage) == (None, None)
+    gated = gm.GemmConfig(128, 128, 64, 8, 8, 3, True, 1, tma_store=True)
+    swiglu = gm.GemmEpilogue(act=1, gated=True)
     h, z = torch.empty(1000, 136, dtype=bf16), torch.empty(1000, 272, dtype=bf16)
     got_out, got_z = gg._store_descriptors(h, z, swiglu, gated, 136, stage)
     assert got_z.shape[-2:] == (2, 136) and got_z.block_shape == (1, 1, 128, 1, 128)

@@ -468,7 +468,7 @@ PERSISTENT_CONFIGS = {  # GemmConfig fields (group_m: the m-tiles of one expert 
 
 def persistent_config(name):
     """The persistent config ``name``, TMA-fed on SM90+ (the gathered ``A`` by pointers)."""
-    from moe_route.kernels.triton.grouped_gemm import GemmConfig
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
 
     fields, programs, ws, store = PERSISTENT_CONFIGS[name]
     tma = torch.cuda.get_device_capability()[0] >= 9

@@ -106,7 +106,7 @@ def test_quant_gemm_stages(fmt, shape):
     pre-activation, its quantised output within one e4m3 step of the float64 value, GEMM2 on
     GEMM1's own codes and scales, each within 2e-3."""
     from moe_route.grouped_gemm import epilogue_for
-    from moe_route.kernels.triton.grouped_gemm import IDENTITY
+    from moe_route.kernels.triton.gemm_mainloop import IDENTITY
     from moe_route.kernels.triton.quant import QuantGemmLaunch
 
     spec = Q.as_quant(fmt)

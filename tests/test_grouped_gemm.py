@@ -43,7 +43,7 @@ from moe_cases import gemm_reference as reference
 
 import moe_route
 from moe_route import arch
-from moe_route.kernels.triton.grouped_gemm import GemmConfig
+from moe_route.kernels.triton.gemm_mainloop import GemmConfig
 
 gg_module = importlib.import_module("moe_route.grouped_gemm")  # the attribute is the function
 

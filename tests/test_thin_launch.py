@@ -216,7 +216,7 @@ def test_launch_key_parts_hash_once_and_compare_by_fields():
 
     from moe_route.kernels.triton.act_backward import RowPassConfig
     from moe_route.kernels.triton.decode import DecodeConfig
-    from moe_route.kernels.triton.grouped_gemm import GemmConfig, GemmEpilogue
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig, GemmEpilogue
     from moe_route.kernels.triton.weight_grad import WeightGradConfig
 
     made = [

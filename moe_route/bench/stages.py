@@ -584,7 +584,7 @@ def stage_gemm(shape: Shape, ctx: Context) -> None:
     # The epilogue-fused finalize, ordered (deterministic, the default) and atomic: the launch
     # fused_moe makes, with the tiles its plan takes for GEMM2 at this token bucket.
     from .. import arch, tuning
-    from ..kernels.triton.grouped_gemm import grouped_gemm_finalize_triton
+    from ..kernels.triton.gemm_finalize import grouped_gemm_finalize_triton
 
     rows_per_expert = tuning.token_bucket(T) * shape.K / shape.E
     cfg = tuning.gemm_config(rows_per_expert, False, h.dtype, arch.compute_capability(h.device))

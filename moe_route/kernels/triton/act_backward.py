@@ -2,7 +2,7 @@
 
 Step 1 of the backward (:mod:`.moe`) runs one of two ways (:class:`ActBackwardConfig`):
 
-* fused: ``_gemm_act_bwd_kernel`` of :mod:`.grouped_gemm`, the activation's backward in the
+* fused: ``_gemm_act_bwd_kernel`` of :mod:`.gemm_act_backward`, the activation's backward in the
   epilogue of ``g = dout[t] @ W2[e]``;
 * split: the plain grouped GEMM stores ``g`` in the input dtype, then the row pass here
   (:func:`act_backward_rows_triton`) reads it back with ``z`` and the router weights.
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_backward, gated_forward, plain_backward, plain_forward
-from .grouped_gemm import GemmConfig, GemmEpilogue, _acc
+from .gemm_mainloop import GemmConfig, GemmEpilogue, _acc
 
 
 @launch_key_part
@@ -58,7 +58,7 @@ class ActBackwardConfig:
     it runs and the tiles of both ways (chosen by :func:`moe_route.tuning.act_backward_config`;
     the tiles of the way not taken are there for comparisons)."""
 
-    #: the fused kernel's tiles (:func:`.grouped_gemm.grouped_gemm_act_backward_triton`)
+    #: the fused kernel's tiles (:func:`.gemm_act_backward.grouped_gemm_act_backward_triton`)
     fused: GemmConfig
     #: the split's plain GEMM ``g = dout[t] @ W2[e]`` (:func:`.grouped_gemm.grouped_gemm_triton`)
     gemm: GemmConfig

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
-from .grouped_gemm import GemmEpilogue, _gate_up_rows, _mma, _precision
+from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16

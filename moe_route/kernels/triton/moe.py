@@ -43,15 +43,10 @@ from . import cdiv
 from .act_backward import ActBackwardConfig, RowPassLaunch
 from .expand import ExpandLaunch
 from .finalize import FinalizeLaunch, finalize_triton
-from .grouped_gemm import (
-    IDENTITY,
-    ActBackwardLaunch,
-    GemmConfig,
-    GemmEpilogue,
-    GemmLaunch,
-    grouped_gemm_finalize_triton,
-    grouped_gemm_triton,
-)
+from .gemm_act_backward import ActBackwardLaunch
+from .gemm_finalize import grouped_gemm_finalize_triton
+from .gemm_mainloop import IDENTITY, GemmConfig, GemmEpilogue
+from .grouped_gemm import GemmLaunch, grouped_gemm_triton
 from .quant import SCALE_K, QuantGemmLaunch, QuantizeRowsLaunch
 from .tma import TMA_DTYPES
 from .weight_grad import (

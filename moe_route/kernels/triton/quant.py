@@ -5,7 +5,7 @@
   quantises the tokens ``[T, H]`` once (a token goes to ``K`` experts; GEMM1 gathers its
   codes and scales through the maps).
 * :func:`_quant_gemm_kernel` — GEMM1 / GEMM2 over expert-grouped rows (the tile order, expert
-  lookup and epilogue of :mod:`.grouped_gemm`, shared through its ``@triton.jit`` helpers), in
+  lookup and epilogue of :mod:`.gemm_mainloop`, shared through its ``@triton.jit`` helpers), in
   one of two products:
 
   - ``MXFP4 = False``: FP8 × FP8. Each ``BLOCK_K = 128`` step is one tensor-core product of
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, next_pow2
 from .activation import gated_forward, plain_forward
-from .grouped_gemm import (
+from .gemm_mainloop import (
     GemmConfig,
     GemmEpilogue,
     _a_rows,

@@ -28,7 +28,7 @@ step is the same software-pipelined code, the MMA reading shared memory directly
 **Router-weight gradient** (:func:`router_weight_grad_triton`):
 ``d w[t,k] = <dout[t], y[d]> = Σ_j partial[d, j] + <dout[t], b2[e]>`` with ``d = dest(k*T+t)``,
 where ``partial[d, j]`` are the per-column-block dot products ``<dout[t] W2[e], h[d]>`` left by
-step 1 of the backward (the fused epilogue of :mod:`.grouped_gemm` or the row pass of
+step 1 of the backward (the fused epilogue of :mod:`.gemm_act_backward` or the row pass of
 :mod:`.act_backward`), summed here in fixed order.
 GEMM2's output ``y`` is never stored for it. Dropped slots get zero.
 """
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part, next_pow2
-from .grouped_gemm import _acc, _mma, _precision, num_sms
+from .gemm_mainloop import _acc, _mma, _precision, num_sms
 from .tma import TMA_DTYPES, bounded_rows_descriptor, descriptor, load_rows, tma_ok
 
 
