@@ -1,6 +1,6 @@
 """Expand rows (``expand_rows``: tokens into expert order) against ``index_select``.
 
-The ``expand`` stage of ``python -m moe_route bench`` (``moe_route/bench/stages.py``) on its own,
+The ``expand`` stage of ``python -m moe_route bench`` (``moe_route/bench/routing.py``) on its own,
 with the suite's harness and options (``--quick``, ``--shapes``, ``--tokens``, ``--out``, ...).
 Memory-bound: roofline = reading x once and writing T*K rows at the copy bandwidth.
 

@@ -1,6 +1,6 @@
 """finalizeMoeRouting (``finalize_moe_routing``) against gather + weighted sum.
 
-The ``finalize`` stage of ``python -m moe_route bench`` (``moe_route/bench/stages.py``) on its own,
+The ``finalize`` stage of ``python -m moe_route bench`` (``moe_route/bench/routing.py``) on its own,
 with the suite's harness and options (``--quick``, ``--shapes``, ``--tokens``, ``--out``, ...).
 Memory-bound: reads T*K permuted rows once, writes T rows; float32 accumulation in both.
 

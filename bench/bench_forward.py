@@ -1,6 +1,6 @@
 """The whole MoE forward (``fused_moe``) against the ``_grouped_mm`` pipeline and the loop.
 
-The ``forward`` stage of ``python -m moe_route bench`` (``moe_route/bench/stages.py``) on its own,
+The ``forward`` stage of ``python -m moe_route bench`` (``moe_route/bench/forward.py``) on its own,
 with the suite's harness and options (``--quick``, ``--shapes``, ``--tokens``, ``--out``, ...).
 Peak memory per implementation; the per-expert loop only up to ``--loop-max-tokens``.
 

@@ -1,6 +1,6 @@
 """Grouped GEMM1 (+SwiGLU) and GEMM2 + finalize against ``torch._grouped_mm``.
 
-The ``gemm`` stage of ``python -m moe_route bench`` (``moe_route/bench/stages.py``) on its own,
+The ``gemm`` stage of ``python -m moe_route bench`` (``moe_route/bench/gemm.py``) on its own,
 with the suite's harness and options (``--quick``, ``--shapes``, ``--tokens``, ``--out``, ...).
 GEMM1 gathers its rows through the maps; rows ``gemm1`` and ``gemm2+fin`` (standalone and
 epilogue-fused finalize).

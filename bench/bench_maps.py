@@ -1,6 +1,6 @@
 """Routing maps (``build_routing_maps``) against an ``argsort`` pipeline.
 
-The ``maps`` stage of ``python -m moe_route bench`` (``moe_route/bench/stages.py``) on its own,
+The ``maps`` stage of ``python -m moe_route bench`` (``moe_route/bench/routing.py``) on its own,
 with the suite's harness and options (``--quick``, ``--shapes``, ``--tokens``, ``--out``, ...).
 Exact same tables; routing maps are launch-bound at decode sizes (CUDA-graph timing).
 

@@ -16,7 +16,7 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
-from moe_route.bench.stages import model_shape
+from moe_route.bench.shapes import model_shape
 from moe_route.kernels.triton.gemm_act_backward import grouped_gemm_act_backward_triton
 from moe_route.kernels.triton.gemm_mainloop import GemmConfig
 from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton

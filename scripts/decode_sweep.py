@@ -23,7 +23,7 @@ import torch
 
 import moe_route
 from moe_route import tuning
-from moe_route.bench.stages import model_shape
+from moe_route.bench.shapes import model_shape
 from moe_route.grouped_gemm import epilogue_for
 from moe_route.kernels.triton.decode import moe_decode_triton
 

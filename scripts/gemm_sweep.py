@@ -39,7 +39,7 @@ import torch
 
 import moe_route
 from moe_route import arch, tuning
-from moe_route.bench.stages import MODELS
+from moe_route.bench.shapes import MODELS
 from moe_route.grouped_gemm import epilogue_for
 from moe_route.kernels.triton import gemm_mainloop as gm
 from moe_route.kernels.triton import grouped_gemm as gk

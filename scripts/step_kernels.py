@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 import moe_route
 from moe_route.bench.harness import Ceilings, time_cuda
 from moe_route.bench.profiling import profile_kernels
-from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
+from moe_route.bench.shapes import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
 
 

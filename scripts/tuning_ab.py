@@ -29,7 +29,7 @@ import torch
 import moe_route
 from moe_route import tuning
 from moe_route.bench.harness import time_cuda
-from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
+from moe_route.bench.shapes import TRAINING_SHAPES as SHAPES
 from moe_route.reference import topk_routing_reference
 
 _TABLE = tuning.gemm_config

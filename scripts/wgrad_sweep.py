@@ -23,8 +23,8 @@ import triton
 
 from moe_route import build_routing_maps
 from moe_route.bench.harness import Ceilings
-from moe_route.bench.stages import TRAINING_SHAPES as SHAPES
-from moe_route.bench.stages import model_shape
+from moe_route.bench.shapes import TRAINING_SHAPES as SHAPES
+from moe_route.bench.shapes import model_shape
 from moe_route.kernels.triton.weight_grad import WeightGradConfig, expert_weight_grad_triton
 from moe_route.reference import topk_routing_reference
 from moe_route.tuning import weight_grad_config

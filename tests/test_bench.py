@@ -20,7 +20,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_route.__main__ import main as cli_main
-from moe_route.bench import backward, baselines, harness, host, profiling, report, stages, suite
+from moe_route.bench import (
+    backward,
+    baselines,
+    context,
+    harness,
+    host,
+    profiling,
+    report,
+    shapes,
+    stages,
+    suite,
+)
 from moe_route.bench.harness import Ceilings, Row, Timing, add_speedups, make_row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,43 +150,43 @@ def test_bench_harness_script_reexports_the_package():
 
 
 def test_shape_selection():
-    std = stages.select_shapes()
+    std = shapes.select_shapes()
     assert [s.label for s in std if s.model == "qwen3-30b-a3b"] == [
         "qwen3-30b-a3b T=1", "qwen3-30b-a3b T=8", "qwen3-30b-a3b T=64",
         "qwen3-30b-a3b T=8192", "qwen3-30b-a3b T=32768",
     ]  # fmt: skip
     assert {(s.H, s.I, s.E, s.K) for s in std if s.model == "deepseek-v3"} == {(7168, 2048, 256, 8)}
-    quick = stages.select_shapes(quick=True)
+    quick = shapes.select_shapes(quick=True)
     assert [s.T for s in quick if not s.decode] == [4096, 8192, 4096]
-    assert [s.T for s in stages.select_shapes(["mix", "decode"])] == [1, 8, 64]
-    assert [s.T for s in stages.select_shapes(["deepseek"], tokens=[2, 4])] == [2, 4]
-    (c,) = stages.select_shapes(["prefill"], custom=["16,64,32,4,2"])[-1:]
+    assert [s.T for s in shapes.select_shapes(["mix", "decode"])] == [1, 8, 64]
+    assert [s.T for s in shapes.select_shapes(["deepseek"], tokens=[2, 4])] == [2, 4]
+    (c,) = shapes.select_shapes(["prefill"], custom=["16,64,32,4,2"])[-1:]
     assert (c.T, c.H, c.I, c.E, c.K) == (16, 64, 32, 4, 2) and c.label.startswith("custom-")
     with pytest.raises(ValueError, match="llama"):
-        stages.select_shapes(["llama"])
+        shapes.select_shapes(["llama"])
     with pytest.raises(ValueError, match="T,H,I,E,K"):
-        stages.custom_shape("1,2,3")
+        shapes.custom_shape("1,2,3")
 
 
 def test_skewed_routing_shapes():
     """``--skew``: every shape carries it in its label and dims; its routing spreads the experts'
     rows wider than uniform routing, which it leaves bit for bit as it was."""
-    plain = stages.custom_shape("512,64,32,64,8")
-    picked = stages.select_shapes(["deepseek"], tokens=[8], custom=["512,64,32,64,8"], skew=0.5)
+    plain = shapes.custom_shape("512,64,32,64,8")
+    picked = shapes.select_shapes(["deepseek"], tokens=[8], custom=["512,64,32,64,8"], skew=0.5)
     assert [s.skew for s in picked] == [0.5, 0.5]
     skewed = picked[-1]
     assert skewed.label == plain.label + " skew 0.5" and skewed.dims()["skew"] == 0.5
     assert "skew" not in plain.dims()
     with pytest.raises(ValueError, match="--skew -1"):
-        stages.select_shapes(skew=-1.0)
+        shapes.select_shapes(skew=-1.0)
     cpu = torch.device("cpu")
 
     def counts(shape):
-        ids = stages.Inputs(shape, cpu, torch.float32).topk_ids
+        ids = context.Inputs(shape, cpu, torch.float32).topk_ids
         return torch.bincount(ids.flatten().long(), minlength=shape.E).float()
 
-    again = stages.Inputs(plain, cpu, torch.float32).topk_ids
-    assert torch.equal(again, stages.Inputs(plain, cpu, torch.float32).topk_ids)
+    again = context.Inputs(plain, cpu, torch.float32).topk_ids
+    assert torch.equal(again, context.Inputs(plain, cpu, torch.float32).topk_ids)
     assert counts(skewed).std() > 2 * counts(plain).std()
     assert counts(skewed).sum() == counts(plain).sum() == 512 * 8
 
@@ -187,13 +198,13 @@ def test_stage_selection():
     with pytest.raises(ValueError, match="expected one of"):
         stages.select_stages(["nope"])
     # CuPy (or another backend) is timed beside the default one only where it works
-    assert stages.available_alt_backends(torch.device("cpu")) == ()
-    ctx = stages.Context(torch.device("cpu"), Ceilings(1, 1), alt_backends=("cupy",))
-    assert stages._variants(ctx) == [("moe_route", "auto"), ("moe_route cupy", "cupy")]
+    assert context.available_alt_backends(torch.device("cpu")) == ()
+    ctx = context.Context(torch.device("cpu"), Ceilings(1, 1), alt_backends=("cupy",))
+    assert context._variants(ctx) == [("moe_route", "auto"), ("moe_route cupy", "cupy")]
 
 
 def test_host_and_backward_stages_apply_to_their_shapes(capsys):
-    std = stages.select_shapes()
+    std = shapes.select_shapes()
     host_shapes = [s.label for s in std if stages.STAGES["host"].applies(s)]
     assert host_shapes == [s.label for s in std if s.T <= 64]
     assert {(s.H, s.I, s.E, s.K) for s in std if s.label in host_shapes} >= {
@@ -202,7 +213,7 @@ def test_host_and_backward_stages_apply_to_their_shapes(capsys):
     assert [s.label for s in std if stages.STAGES["backward"].applies(s)] == [
         "mixtral-8x7b T=4096", "qwen3-30b-a3b T=8192", "deepseek-v3 T=4096",
     ]  # fmt: skip
-    smaller = stages.select_shapes(["mixtral"], tokens=[64, 1024], custom=["512,64,32,4,2"])
+    smaller = shapes.select_shapes(["mixtral"], tokens=[64, 1024], custom=["512,64,32,4,2"])
     assert [s.label for s in smaller if stages.STAGES["backward"].applies(s)] == [
         "mixtral-8x7b T=1024", "custom-H64-I32-E4-K2 T=512",
     ]  # fmt: skip
@@ -214,14 +225,14 @@ def test_host_and_backward_stages_apply_to_their_shapes(capsys):
 
 def test_new_token_counts_stay_in_the_bucket_and_are_not_reused():
     key = ("test", object())
-    first = host.new_token_counts(stages.Shape("m", 64, 1, 1, 1, 1), key)
+    first = host.new_token_counts(shapes.Shape("m", 64, 1, 1, 1, 1), key)
     assert first == [63, 48, 33]  # spread over (32, 64), below T
-    again = host.new_token_counts(stages.Shape("m", 64, 1, 1, 1, 1), key)
+    again = host.new_token_counts(shapes.Shape("m", 64, 1, 1, 1, 1), key)
     assert len(again) == 3 and not set(again) & set(first) and all(32 < t < 64 for t in again)
-    assert host.new_token_counts(stages.Shape("m", 8, 1, 1, 1, 1), key) == [7, 6, 5]
-    assert host.new_token_counts(stages.Shape("m", 8, 1, 1, 1, 1), key) == []  # bucket used up
+    assert host.new_token_counts(shapes.Shape("m", 8, 1, 1, 1, 1), key) == [7, 6, 5]
+    assert host.new_token_counts(shapes.Shape("m", 8, 1, 1, 1, 1), key) == []  # bucket used up
     for T in (1, 2, 3, 5):  # nothing else below T in its power-of-two bucket
-        assert host.new_token_counts(stages.Shape("m", T, 1, 1, 1, 1), key) == []
+        assert host.new_token_counts(shapes.Shape("m", T, 1, 1, 1, 1), key) == []
 
 
 def test_kernels_are_grouped_into_steps_by_name_and_launch_order():
@@ -660,7 +671,7 @@ def test_scaled_grouped_mm_pipeline_passes_the_operator_checks(align):
     out = baselines.scaled_grouped_mm_forward(x, q1, s1, q2, s2, tw, ids, align=align,
                                               mm=_scaled_grouped_mm_standin)  # fmt: skip
     assert out.dtype == x.dtype and out.shape == x.shape
-    assert stages.rel_err(out, ref) < 0.1
+    assert context.rel_err(out, ref) < 0.1
 
 
 def test_transformers_fp8_baseline_takes_moe_route_fp8_weights(monkeypatch):
@@ -684,7 +695,7 @@ def test_transformers_fp8_baseline_takes_moe_route_fp8_weights(monkeypatch):
     q1, s1 = moe_route.quantize_experts(w1, "fp8")
     q2, s2 = moe_route.quantize_experts(w2, "fp8")
     out = baselines.transformers_fp8_experts(q1, s1, q2, s2)(x, tw, ids)
-    assert out.dtype == x.dtype and stages.rel_err(out, ref) < 0.1
+    assert out.dtype == x.dtype and context.rel_err(out, ref) < 0.1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what runs without a GPU")

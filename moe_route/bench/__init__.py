@@ -2,9 +2,12 @@
 
 * :mod:`.harness` — ceilings (copy bandwidth, matmul rate), timing, roofline rows, CSV/JSON;
 * :mod:`.baselines` — the PyTorch code a user would otherwise write;
-* :mod:`.stages` — the standard shapes and the stages (maps, expand, finalize, gemm, forward,
-  train, and :mod:`.backward`, :mod:`.quant`, :mod:`.host`), pluggable through
-  :func:`.stages.register_stage`;
+* :mod:`.shapes` — the standard shapes and what ``--shapes`` selects;
+* :mod:`.context` — what a stage works with: the inputs of a shape, the context that checks and
+  times;
+* :mod:`.stages` — the registry of the stages, pluggable through :func:`.stages.register_stage`;
+  one module per stage: :mod:`.routing` (maps, expand, finalize), :mod:`.gemm`,
+  :mod:`.forward`, :mod:`.train`, :mod:`.backward`, :mod:`.quant`, :mod:`.host`;
 * :mod:`.profiling` — what ``torch.profiler`` tells them: kernels grouped into steps, the
   activation memory of a training step;
 * :mod:`.suite` — the command line: runs stages × shapes with a progress bar;

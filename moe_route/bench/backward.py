@@ -23,18 +23,16 @@ step's own (each input read once, each output written once; GEMMs ``2·rows·in�
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 import torch
 
 import moe_route
 
 from . import baselines as B
+from .context import Context
 from .harness import _summarise, make_row
 from .profiling import OTHER, Rule, Until, attribute, profile_kernels
-
-if TYPE_CHECKING:
-    from .stages import Context, Shape
+from .shapes import MODELS, Shape
 
 STAGE = "backward"
 DGEMM2, ROUTER, DW2, DX1, EXPAND, DW1 = (
@@ -80,8 +78,6 @@ def applies(shape: Shape) -> bool:
     """Prefill sizes but the models' larger standard ones (32768, 16384): by default the training
     shapes (each model's first prefill size); ``--tokens`` and ``--custom`` pick others. On the
     CPU, T >= 64."""
-    from .stages import MODELS
-
     if shape.model == "cpu-tiny":
         return shape.T >= 64
     model = MODELS.get(shape.model)

@@ -35,16 +35,14 @@ internals are.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 import torch
 
 import moe_route
 
+from .context import Context, Inputs
 from .harness import _summarise, make_row, time_cuda, time_eager, time_host, time_once
-
-if TYPE_CHECKING:
-    from .stages import Context, Inputs, Shape
+from .shapes import Shape
 
 STAGE = "host"
 YARDSTICK = "index_select"

@@ -13,7 +13,7 @@ At a prefill shape (``T > 128``), rows of stage ``quant``, one per implementatio
 * ``transformers fp8 grouped_mm`` — transformers' FP8 ``grouped_mm`` experts function on the
   ``fp8`` weights (:func:`.baselines.transformers_fp8_experts`; optional likewise, CUDA only).
 
-The four moe_route rows are timed in turns (:meth:`.stages.Context.measure_together`), then the
+The four moe_route rows are timed in turns (:meth:`.context.Context.measure_together`), then the
 bf16 and MXFP4 weights are freed and each baseline is timed on its own. Each row's ``extra``:
 ``quant`` (its format), ``rel_err`` (relative Frobenius error of its output against the bf16
 output), ``tflops`` (``6·T·K·H·I`` FLOPs, GEMM1 and GEMM2, over its time), ``of_dense`` (that
@@ -41,18 +41,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 import moe_route
 
 from . import baselines as B
+from .context import Context, Entry, Inputs, rel_err
 from .harness import Ceilings, Row, _summarise, make_row, time_eager, time_host
 from .host import _graph_us
-
-if TYPE_CHECKING:
-    from .stages import Context, Inputs, Shape
+from .shapes import Shape
 
 STAGE, DECODE, HOST = "quant", "quant-dec", "quant-host"
 ROWS = (STAGE, DECODE, HOST)
@@ -173,8 +171,6 @@ def _prepared(stage: str, shape: Shape, ctx: Context, formats) -> tuple[_Weights
 
 def _entries(stage: str, shape: Shape, ctx: Context, weights: _Weights, ref, formats, flops,
              extra_bytes: int, memory: bool) -> list:  # fmt: skip
-    from .stages import Entry, rel_err
-
     entries = []
     for fmt in (None, *formats):
         if fmt not in weights.by:
@@ -190,8 +186,6 @@ def _entries(stage: str, shape: Shape, ctx: Context, weights: _Weights, ref, for
 
 
 def _prefill(shape: Shape, ctx: Context) -> None:
-    from .stages import rel_err
-
     weights, ref = _prepared(STAGE, shape, ctx, PREFILL_FORMATS)
     inp = weights.inp
     T, H, K = shape.T, shape.H, shape.K
@@ -262,8 +256,6 @@ def _probe_scaled(make, ref, shape: Shape, ctx: Context):
     """``(fn, extra)`` of the ``_scaled_grouped_mm`` pipeline: groups as they fall, else each
     expert's group padded to 16 rows (for builds that want aligned groups); ``(None, {})``
     with the reason in ``ctx.skipped`` where neither runs."""
-    from .stages import rel_err
-
     if not hasattr(torch, "_scaled_grouped_mm"):
         ctx.skip(STAGE, shape, SCALED_GROUPED_MM, f"torch {torch.__version__} has no "
                  "torch._scaled_grouped_mm")  # fmt: skip

@@ -22,16 +22,10 @@ import time
 import torch
 
 from . import report
+from .context import Context, available_alt_backends
 from .harness import Ceilings, add_speedups, environment, print_table, write_results
-from .stages import (
-    GROUPS,
-    STAGES,
-    Context,
-    Shape,
-    available_alt_backends,
-    select_shapes,
-    select_stages,
-)
+from .shapes import Shape, select_shapes
+from .stages import GROUPS, STAGES, select_stages
 
 SCHEMA = "moe_route.bench/1"
 DEFAULT_README = os.path.join("bench", "README.md")
