@@ -527,7 +527,7 @@ def test_eager_stays_eager_after_a_rejected_registration(monkeypatch):
     def no_fused_moe(*args, **kwargs):
         raise AssertionError("experts_implementation='eager' ran moe_route")
 
-    monkeypatch.setattr(moe_hf, "fused_moe", no_fused_moe)
+    monkeypatch.setattr(moe_hf.forward, "fused_moe", no_fused_moe)
     module = make_experts()
     x, ids, weights = routing(seed=8)
     with torch.no_grad():
@@ -678,8 +678,8 @@ def test_recognition_is_cached_and_follows_the_parameters():
 def test_switching_plans_the_experts_before_any_forward(monkeypatch):
     """The probes run when moe_route is asked for, once per module, never inside a forward."""
     calls = []
-    probe = moe_hf._recognise_apply_gate
-    monkeypatch.setattr(moe_hf, "_recognise_apply_gate", lambda m: calls.append(m) or probe(m))
+    probe = moe_hf.plan._recognise_apply_gate
+    monkeypatch.setattr(moe_hf.plan, "_recognise_apply_gate", lambda m: calls.append(m) or probe(m))
     model = AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), experts_implementation="eager")
     model = model.to(DEVICE)
     assert calls == []
