@@ -36,7 +36,7 @@ from moe_route.kernels.triton.router import (
     sigmoid_grouped_topk_triton,
     sigmoid_topk_backward_triton,
 )
-from moe_route.routing import SIGMOID_GROUPED_TOPK
+from moe_route.router_ops import SIGMOID_GROUPED_TOPK
 
 pytestmark = requires_triton
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 import moe_route
 from moe_route import reference, routing
 from moe_route.kernels.triton.router import MAX_EXPERTS
-from moe_route.routing import SOFTMAX_TOPK, softmax_topk_torch
+from moe_route.router_ops import SOFTMAX_TOPK
+from moe_route.routing import softmax_topk_torch
 
 pytestmark = requires_triton
 
