@@ -10,7 +10,8 @@ Without CUDA it runs on the CPU over gloo (a smoke run: ``--smoke`` picks a tiny
 Per shape and implementation, every rank times (median of ``--iters`` after warm-up, with a
 barrier before each sample) its forward (``torch.no_grad``) and forward + backward
 (``out.backward(dout)``) on its own ``--tokens`` tokens; the table shows the slowest rank
-(the step waits for it) and tokens/s per rank. Implementations:
+(the step waits for it), tokens/s per rank and the host time of the call (until it returns,
+before the device finishes). Implementations:
 
 * ``moe_route`` — the layer's default exchange (blocks of ``T`` tokens, no host sync);
 * ``moe_route-exact`` — ``ep_capacity="exact"`` (the routed tokens, one host sync);
@@ -84,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--collectives", action="store_true",
         help="only compare the two autograd all-to-alls of torch.distributed",
     )  # fmt: skip
+    p.add_argument(
+        "--host-profile", action="store_true",
+        help="print rank 0's host-side profile (top ops and CUDA API calls by self time) of "
+             "one forward + backward of each moe_route implementation",
+    )  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args(argv)
     if args.quick:
@@ -120,15 +126,19 @@ class Clock:
         return end - start
 
 
-def time_steps(fn, clock: Clock, iters: int, warmup: int) -> list[float]:
-    """Seconds of ``fn()``, ``iters`` samples, each after a barrier."""
+def time_steps(fn, clock: Clock, iters: int, warmup: int, host: list | None = None) -> list[float]:
+    """Seconds of ``fn()``, ``iters`` samples, each after a barrier; with ``host``, the host
+    time of each call (until it returns, before waiting for the device) appended to it."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(iters):
         dist.barrier()
         start = clock.mark()
+        t0 = time.perf_counter()
         fn()
+        if host is not None:
+            host.append(time.perf_counter() - t0)
         samples.append(clock.seconds(start, clock.mark()))
     return samples
 
@@ -208,6 +218,27 @@ def profile_step(fn) -> dict[str, float]:
         "visible_us": _length(comm) - _intersection(comm, compute),
         "idle_us": span - _length(both),
     }
+
+
+def host_profile(fn, name: str, rank: int) -> None:
+    """Rank 0 prints the host-side ops and CUDA API calls of one ``fn()`` by self time, and
+    the longest single host events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=True) as prof:
+        fn()
+    if rank == 0:
+        print(f"== host profile: {name}")
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        print(table)
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        for e in events[:15]:
+            parent = e.cpu_parent.name if e.cpu_parent is not None else "-"
+            print(f"{e.self_cpu_time_total:9.0f} us  {e.name}  <- {parent}  {e.input_shapes}")
 
 
 def a2a_ceiling(nbytes: int, group, device, clock: Clock, iters: int) -> float:
@@ -341,10 +372,17 @@ def run_case(shape, args, device, group, clock) -> list[dict]:
                 tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
                 if err > tol:
                     raise AssertionError(f"{shape}: grouped_mm differs from moe_route by {err:.3g}")
-            fwd = statistics.median(time_steps(forward, clock, args.iters, args.warmup))
+            host_f, host_s = [], [math.nan]
+            fwd = statistics.median(time_steps(forward, clock, args.iters, args.warmup, host_f))
             step = math.nan
             if train:
-                step = statistics.median(time_steps(train_step, clock, args.iters, args.warmup))
+                host_s = []
+                step = statistics.median(
+                    time_steps(train_step, clock, args.iters, args.warmup, host_s)
+                )
+            if args.host_profile and impl.startswith("moe_route"):
+                host_profile(forward, impl + " forward", rank)
+                host_profile(train_step, impl + " forward + backward", rank)
             prof_f = prof_s = {"span_us": math.nan, "visible_us": math.nan, "idle_us": math.nan}
             if device.type == "cuda":
                 dist.barrier()
@@ -358,7 +396,8 @@ def run_case(shape, args, device, group, clock) -> list[dict]:
         stats = torch.tensor(
             [fwd, step, nbytes, ceiling.get(rows_bytes, math.nan),
              prof_f["visible_us"] / prof_f["span_us"], prof_s["visible_us"] / prof_s["span_us"],
-             prof_f["idle_us"] / prof_f["span_us"], prof_s["idle_us"] / prof_s["span_us"]],
+             prof_f["idle_us"] / prof_f["span_us"], prof_s["idle_us"] / prof_s["span_us"],
+             statistics.median(host_f), statistics.median(host_s)],
             dtype=torch.float64, device=device,
         )  # fmt: skip
         every = fc.wait_tensor(expert_parallel.all_gather(stats, 0, group)).view(W, -1)
@@ -372,6 +411,7 @@ def run_case(shape, args, device, group, clock) -> list[dict]:
             "rows_a2a_alone_ms": slowest[3] * 1e3,
             "visible_fwd": mean[4], "visible_fwd_bwd": mean[5],
             "idle_fwd": mean[6], "idle_fwd_bwd": mean[7],
+            "host_fwd_ms": slowest[8] * 1e3, "host_fwd_bwd_ms": slowest[9] * 1e3,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         })  # fmt: skip
         del layer, out, forward, train_step, call
@@ -420,14 +460,15 @@ def compare_collectives(args, device, group, clock) -> None:
 
 def print_rows(rows: list[dict]) -> None:
     head = f"{'shape':9} {'W':>2} {'E':>4} {'impl':22} {'fwd ms':>8} {'f+b ms':>8} "
-    print(head + f"{'tok/s/rank':>11} {'vs single':>9} {'MB/fwd':>7} {'a2a ms':>7} "
-          f"{'vis fwd':>7} {'vis f+b':>7} {'idle f+b':>8}")  # fmt: skip
+    head += f"{'tok/s/rank':>11} {'vs single':>9} {'MB/fwd':>7} {'a2a ms':>7} {'vis fwd':>7} "
+    print(head + f"{'vis f+b':>7} {'idle f+b':>8} {'host fwd':>8} {'host f+b':>8}")
     for r in rows:
         print(
             f"{r['shape']:9} {r['W']:>2} {r['E']:>4} {r['impl']:22} {r['fwd_ms']:8.3f} "
             f"{r['fwd_bwd_ms']:8.3f} {r['tokens_per_s_rank']:11.0f} {r['vs_single']:9.2f} "
             f"{r['mb_sent_fwd']:7.1f} {r['rows_a2a_alone_ms']:7.3f} {r['visible_fwd']:7.1%} "
-            f"{r['visible_fwd_bwd']:7.1%} {r['idle_fwd_bwd']:8.1%}"
+            f"{r['visible_fwd_bwd']:7.1%} {r['idle_fwd_bwd']:8.1%} {r['host_fwd_ms']:8.3f} "
+            f"{r['host_fwd_bwd_ms']:8.3f}"
         )
 
 

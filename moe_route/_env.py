@@ -2,10 +2,11 @@
 
 The public functions consult the overrides (``MOE_ROUTE_BACKEND``, ``MOE_ROUTE_FINALIZE``,
 ``MOE_ROUTE_ARCH``, ``MOE_ROUTE_CHECK_IDS``, ``MOE_ROUTE_PERSISTENT``, ``MOE_ROUTE_COMM_SMS``,
-``TRITON_INTERPRET``) on every call, so that a change takes effect at once. ``os.environ.get`` encodes the key and
-decodes the value each time (0.8 µs per read on the development host, about 4 µs per
-``fused_moe`` call); reading the mapping ``os.environ`` keeps underneath (``os.environ._data``,
-bytes keys on POSIX, updated by every ``os.environ[...] = ...``, ``monkeypatch.setenv``
+``TRITON_INTERPRET``) on every call, so that a change takes effect at once.
+``os.environ.get`` encodes the key and decodes the value each time (0.8 µs per read on the
+development host, about 4 µs per ``fused_moe`` call); reading the mapping ``os.environ``
+keeps underneath (``os.environ._data``, bytes keys on POSIX, updated by every
+``os.environ[...] = ...``, ``monkeypatch.setenv``
 included) costs 0.05 µs.
 """
 

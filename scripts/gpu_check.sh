@@ -12,7 +12,7 @@
 #                                       experts); one log per tool and sweep, sanitize.log
 #   bash scripts/gpu_check.sh ep        expert parallelism: tests/test_gpu_ep.py (NCCL, W=1),
 #                                       then bench/bench_ep.py under torchrun at W=2 and at
-#                                       W=4 where the machine has the GPUs; ep_tests.log,
+#                                       W=4 (EP_WORLDS) where the machine has the GPUs; ep_tests.log,
 #                                       bench_ep_w<W>.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
@@ -94,7 +94,7 @@ if [ "$part" = ep ]; then
     echo "test_gpu_ep: rc=$t_rc, $(tail -n 1 "$out/ep_tests.log")"
     rc=$(( rc || t_rc ))
     gpus=$(nvidia-smi -L | wc -l)
-    for W in 2 4; do
+    for W in ${EP_WORLDS:-2 4}; do
         [ "$W" -le "$gpus" ] || continue
         python3 -m torch.distributed.run --standalone --nproc-per-node "$W" bench/bench_ep.py \
             --out "$out" "$@" > "$out/bench_ep_w$W.log" 2>&1

@@ -75,9 +75,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
-from ..experts import run_experts
+from .. import arch
+from .._dispatch import needs_dispatcher
+from ..experts import PreparedExperts, run_experts
 from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
+from ..kernels.torch_impl import rank_maps_torch
+from ..kernels.triton.rank_maps import rank_maps_triton
 from ..maps import RoutingMaps, build_routing_maps, maps_op
 from ..permute import expand_rows
 from ..plan import moe_plan
@@ -105,6 +109,8 @@ class ExpertParallel:
     capacity: int | str | None
     #: Chunks of the local batch whose exchanges overlap the other chunks' experts.
     chunks: int = 1
+    #: The experts' prepared launch sequences by plan (eager calls; no tensors kept).
+    prepared: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def first_expert(self) -> int:
@@ -228,6 +234,13 @@ def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     return fc.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result as a plain tensor (its wait issued: on CUDA a stream
+    wait, not the host's). Every op on the wrapper itself dispatches through Python (about
+    0.1 ms of host time each), so results are unwrapped before any use."""
+    return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
+
+
 def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``Σ_k weights[r, k] · expert_{local_ids[r, k]}(rows[r])`` over the row's slots on this
@@ -235,13 +248,20 @@ def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
 
     ``fused_moe`` without its argument checks, as :meth:`moe_route.MoELayer.forward` runs it:
     the rows, ids and weights come from the exchange, the parameters are the layer's own."""
-    act = layer.activation
-    plan = moe_plan(rows, layer.w1, layer.w2, local_ids.shape[1], act, layer.gate_up_layout,
-                    layer.finalize, layer.deterministic, None, False, layer.backend)  # fmt: skip
+    act, layout = layer.activation, layer.gate_up_layout
+    w1, w2, b1, b2 = layer.w1, layer.w2, layer.b1, layer.b2
+    plan = moe_plan(rows, w1, w2, local_ids.shape[1], act, layout, layer.finalize,
+                    layer.deterministic, None, False, layer.backend)  # fmt: skip
     check_interpreter_dtype("x", rows, plan.backend)
-    maps = maps_op(local_ids, layer.w1.shape[0], plan.maps_backend)
-    return run_experts(plan, rows, layer.w1, layer.w2, weights, maps, act, layer.gate_up_layout,
-                       layer.b1, layer.b2)  # fmt: skip
+    maps = maps_op(local_ids, w1.shape[0], plan.maps_backend)
+    args = (rows, w1, w2, weights, local_ids, b1, b2)
+    if plan.backend == "triton" and not (torch.compiler.is_compiling() or needs_dispatcher(args)):
+        # eager: the prepared launch sequences, as the layer's own forward runs them
+        experts = layer.ep.prepared.get(plan)
+        if experts is None:
+            experts = layer.ep.prepared[plan] = PreparedExperts(plan, act, layout, False)
+        return experts(rows, w1, w2, weights, maps, b1, b2)
+    return run_experts(plan, rows, w1, w2, weights, maps, act, layout, b1, b2)
 
 
 def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backend: str):
@@ -256,39 +276,25 @@ def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backe
     return torch.where(keep, ids, torch.full_like(ids, -1))
 
 
-def _block_maps(maps: RoutingMaps, C: int) -> tuple[RoutingMaps, torch.Tensor]:
-    """The rank maps (``K = E = W``, from :func:`build_routing_maps`) laid out in ``W`` blocks
-    of ``C`` rows, block ``d`` for rank ``d``, and ``kept [T, W]``: whether token ``t`` travels
-    to rank ``d``.
-
-    Slot ``(t, d)``'s place ``p`` in its block is its token's rank among the tokens routed to
-    ``d`` (ascending), then among those not routed there; ``p < C`` lands at row ``d·C + p``
-    (routed: the token's row; not routed: a zero padding row), the rest after row ``W·C`` in
-    the same order (never sent). A bijection of the ``T·W`` rows, built from the compact maps
-    by arithmetic, no sort."""
-    T, W = maps.num_tokens, maps.top_k
-    s2d, _, efs, off = maps.tensors()
-    dev = s2d.device
-    s = torch.arange(T * W, device=dev)
-    d = s // T
-    dest = s2d.to(torch.int64)
-    routed = efs >= 0
-    # dropped (not routed) slots sit after off[W] in source order: those of ranks below d
-    # number d·T - off[d]
-    place_routed = dest - off[d]
-    place_idle = (off[d + 1] - off[d]) + (dest - off[W]) - (d * T - off[d])
-    p = torch.where(routed, place_routed, place_idle)
-    inside = p < C
-    row = torch.where(inside, d * C + p, W * C + d * (T - C) + (p - C))
-    keep = routed & inside
-    dest_to_src = torch.empty_like(s2d).scatter_(0, row, s.to(torch.int32))
-    tables = (
-        row.to(torch.int32),
-        dest_to_src,
-        torch.where(keep, efs, -1),
-        torch.arange(W + 1, device=dev, dtype=torch.int64) * C,
-    )
-    return RoutingMaps._built(tables, T, W, W), keep.view(W, T).t()
+def _rank_maps(layer, ids: torch.Tensor, C: int, tokens: int) -> tuple[RoutingMaps, torch.Tensor]:
+    """The rank maps of ``ids`` over ``tokens`` tokens (``K = E = W``: slot ``(t, d)``, token
+    ``t`` to rank ``d``) in blocks of ``C`` rows (``0``: the exact layout), and the ids
+    without the slots whose token does not travel to their rank
+    (:mod:`moe_route.kernels.triton.rank_maps`)."""
+    ep = layer.ep
+    W, El = ep.size, ep.num_local_experts
+    backend = arch.cached_backend(ids.device, layer.backend)
+    if backend == "torch" or torch.compiler.is_compiling() or needs_dispatcher((ids,)):
+        tables = rank_maps_torch(ids, El, W, C, tokens)
+        ids_out = tables[4]
+    else:
+        N = tokens * W
+        s2d, d2s, efs = (ids.new_empty(N, dtype=torch.int32) for _ in range(3))
+        off = ids.new_empty(W + 1, dtype=torch.int64)
+        ids_out = torch.empty_like(ids)
+        rank_maps_triton(ids, El, W, C, tokens, s2d, d2s, efs, off, ids_out)
+        tables = (s2d, d2s, efs, off)
+    return RoutingMaps._built(tables[:4], tokens, W, W), ids_out
 
 
 class _Chunk:
@@ -305,30 +311,18 @@ class _Chunk:
     def __init__(self, layer, x, ids, weights, ep: ExpertParallel):
         self.layer, self.ep = layer, ep
         T, K = ids.shape
-        W, El = ep.size, ep.num_local_experts
-        dev = x.device
         C = ep.rows_per_pair(T)
-        self.T, self.C = T, C
-        ranks = torch.arange(W, device=dev, dtype=torch.int64)
-        owner = torch.where(ids >= 0, ids.to(torch.int64) // El, -1)  # [T, K]
-        goes = (owner.unsqueeze(-1) == ranks).any(1)  # [T, W]
-        rank_ids = torch.where(goes, ranks, -1).to(torch.int32)
-        mdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         Tp = T if C is None else max(T, C)  # a capacity above T: padding tokens, no slots
-        if Tp > T:
-            x = torch.cat([x, x.new_zeros(Tp - T, x.shape[1])])
-            rank_ids = torch.cat([rank_ids, rank_ids.new_full((Tp - T, W), -1)])
-        maps = build_routing_maps(rank_ids, W, backend=layer.backend)
+        self.T, self.C, self.Tp = T, C, Tp
+        maps, ids = _rank_maps(layer, ids, C or 0, Tp)
         if C is None:
             self.counts = torch.diff(maps.expert_first_token_offset)  # [W] rows per rank
-        else:
-            maps, kept = _block_maps(maps, C)
-            sent = torch.gather(kept[:T], 1, owner.clamp(min=0))
-            ids = torch.where(sent & (ids >= 0), ids, torch.full_like(ids, -1))
+        mdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         meta = torch.cat([weights.to(mdt), (ids + 1).to(mdt)], 1)
         if Tp > T:
+            x = torch.cat([x, x.new_zeros(Tp - T, x.shape[1])])
             meta = torch.cat([meta, meta.new_zeros(Tp - T, 2 * K)])
-        self.maps, self.ids, self.Tp = maps, ids, Tp
+        self.maps, self.ids = maps, ids
         self.rows = expand_rows(x, maps, backend=layer.backend)  # [Tp·W, H]
         self.meta = expand_rows(meta, maps, backend=layer.backend)  # [Tp·W, 2K]
         self.in_splits = self.out_splits = None  # exact mode: set from the count exchange
@@ -351,6 +345,9 @@ class _Chunk:
     def compute(self, recv: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the received rows; the weighted sums travel back."""
         K, El, first = self.ids.shape[1], self.ep.num_local_experts, self.ep.first_expert
+        # Waited for here, where the experts need them (eager: a stream wait, not the host's),
+        # so that the experts get plain tensors.
+        recv, meta = _waited(recv), _waited(meta)
         weights = meta[:, :K].contiguous()
         local = meta[:, K:].detach().to(torch.int64) - (1 + first)
         local_ids = torch.where((local >= 0) & (local < El), local, -1).to(torch.int32)
@@ -361,6 +358,7 @@ class _Chunk:
         """``out[t] = Σ_d back[row(t, d)] + shared[t]`` over the ranks ``t`` went to."""
         T, Tp, W = self.T, self.Tp, self.ep.size
         N = Tp * W
+        back = _waited(back)
         if back.shape[0] < N:  # the exact rows, or a capacity below T: rows that never left
             back = torch.cat([back, back.new_zeros(N - back.shape[0], back.shape[1])])
         if shared is not None and Tp > T:
@@ -391,7 +389,7 @@ def forward(layer, x2: torch.Tensor):
     aux_on, z_on = bool(layer.aux_loss_coef), bool(layer.z_loss_coef)
     if aux_on or z_on or layer.capacity_factor is not None:
         local_i = torch.cat([tokens_per_expert(ids, E), torch.full((1,), T, device=dev)])
-        every_i = all_gather(local_i, 0, group).view(W, E + 1)
+        every_i = _waited(all_gather(local_i, 0, group)).view(W, E + 1)
         total_i = every_i.sum(0)
         denom = total_i[E].clamp(min=1).to(sdt)  # T over all ranks (>= 1, as max(T, 1))
     if aux_on or z_on:
@@ -401,7 +399,7 @@ def forward(layer, x2: torch.Tensor):
         if z_on:
             parts[1] = torch.logsumexp(logits.to(sdt), dim=-1).square().sum().view(1)
         local_f = torch.cat(parts)
-        total_f = all_gather(local_f.detach(), 0, group).view(W, E + 1).sum(0)
+        total_f = _waited(all_gather(local_f.detach(), 0, group)).view(W, E + 1).sum(0)
         # The global value exactly (local - local.detach() is 0), the local part's gradient.
         sums = total_f + (local_f - local_f.detach())
         if aux_on:
@@ -428,7 +426,7 @@ def forward(layer, x2: torch.Tensor):
     local = [tokens_per_expert(ids, E)]
     if ep.capacity == "exact":
         local += [c.counts for c in chunks]
-    every = all_gather(torch.cat(local), 0, group).view(W, -1)
+    every = _waited(all_gather(torch.cat(local), 0, group)).view(W, -1)
     tpe = every[:, :E].sum(0)
     if ep.capacity == "exact":  # the one host sync: every chunk's split sizes at once
         counts = every[:, E:].view(W, n, W)  # [source, chunk, destination]
