@@ -9,7 +9,8 @@
 #   bash scripts/gpu_check.sh sanitize  compute-sanitizer memcheck, racecheck, synccheck and
 #                                       initcheck over scripts/sanitize_small.py (--tiny: every
 #                                       bf16 kernel at small odd sizes; --quant: the quantised
-#                                       experts); one log per tool and sweep, sanitize.log
+#                                       experts; --ep: the rank maps; SANITIZE_SWEEPS picks);
+#                                       one log per tool and sweep, sanitize.log
 #   bash scripts/gpu_check.sh ep        expert parallelism: tests/test_gpu_ep.py (NCCL, W=1),
 #                                       then bench/bench_ep.py under torchrun at W=2 and at
 #                                       W=4 (EP_WORLDS) where the machine has the GPUs; ep_tests.log,
@@ -74,7 +75,7 @@ fi
 
 if [ "$part" = sanitize ]; then
     : > "$out/sanitize.log"
-    for sweep in --tiny --quant; do
+    for sweep in ${SANITIZE_SWEEPS:---tiny --quant}; do
         for tool in memcheck racecheck synccheck initcheck; do
             log="$out/sanitize_${tool}${sweep/--/_}.log"
             compute-sanitizer --tool "$tool" --error-exitcode 1 \

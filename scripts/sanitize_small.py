@@ -12,7 +12,8 @@ rows per expert: the split activation backward's row pass on Hopper); ``--store`
 only (1024 rows per expert in its bucket: the TMA stores and 4-stage GEMM1 on Hopper);
 ``--quant``: only the quantised experts (every format, odd sizes with partial scale blocks, a
 dropped slot, an expert without rows; inference twice, then a backward; the activation
-quantiser alone)."""
+quantiser alone); ``--ep``: only expert parallelism's rank maps, with which every other run
+ends."""
 
 import sys
 
@@ -20,7 +21,30 @@ import torch
 
 import moe_route
 
+
+def rank_maps_sweep():
+    """Expert parallelism's rank maps (exact and block layouts, a capacity below T, padding
+    tokens beyond the ids, no tokens), the exact ones read back by the finalize over them."""
+    from moe_route.kernels.triton.rank_maps import rank_maps_triton
+
+    cases = ((37, 37, 3, 3, 5, 0), (37, 37, 3, 3, 5, 17), (29, 40, 8, 1, 8, 40), (0, 0, 2, 1, 2, 0))
+    for T_ids, T, K, El, W, C in cases:
+        ids = torch.randint(-1, El * W, (T_ids, K), device="cuda", dtype=torch.int32)
+        s2d, d2s, efs = (torch.empty(T * W, device="cuda", dtype=torch.int32) for _ in range(3))
+        off = torch.empty(W + 1, device="cuda", dtype=torch.int64)
+        ids_out = torch.empty_like(ids)
+        rank_maps_triton(ids, El, W, C, T, s2d, d2s, efs, off, ids_out)
+        if C == 0:
+            maps = moe_route.RoutingMaps(s2d, d2s, efs, off, T, W, W)
+            y = torch.randn(T * W, 64, device="cuda", dtype=torch.bfloat16)
+            moe_route.finalize_moe_routing(y, torch.ones(T, W, device="cuda"), maps)
+
+
 torch.manual_seed(0)
+if "--ep" in sys.argv:
+    rank_maps_sweep()
+    torch.cuda.synchronize()
+    sys.exit(0)
 if "--quant" in sys.argv:
     T, H, inter, E, K = 37, 200, 136, 8, 2
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -99,5 +123,6 @@ for T in (1, 5, 37, 0):
         h = moe_route.grouped_gemm(xp, w1, maps, activation="swiglu")
         y = moe_route.grouped_gemm(h, w2, maps)
         moe_route.finalize_moe_routing(y, tw, maps, bias)
+rank_maps_sweep()
 torch.cuda.synchronize()
 print("sanitize_small done")
