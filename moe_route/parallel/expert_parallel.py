@@ -243,8 +243,9 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """``Σ_k weights[r, k] · expert_{local_ids[r, k]}(rows[r])`` over the row's slots on this
-    rank (``-1``: none; a row with none is a zero row, never multiplied).
+    """``(Σ_k weights[r, k] · expert_{local_ids[r, k]}(rows[r]), maps)`` over the row's
+    slots on this rank (ids outside ``[0, El)``: none; a row with none is a zero row, never
+    multiplied), and the maps of ``local_ids``.
 
     ``fused_moe`` without its argument checks, as :meth:`moe_route.MoELayer.forward` runs it:
     the rows, ids and weights come from the exchange, the parameters are the layer's own."""
@@ -260,8 +261,8 @@ def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
         experts = layer.ep.prepared.get(plan)
         if experts is None:
             experts = layer.ep.prepared[plan] = PreparedExperts(plan, act, layout, False)
-        return experts(rows, w1, w2, weights, maps, b1, b2)
-    return run_experts(plan, rows, w1, w2, weights, maps, act, layout, b1, b2)
+        return experts(rows, w1, w2, weights, maps, b1, b2), maps
+    return run_experts(plan, rows, w1, w2, weights, maps, act, layout, b1, b2), maps
 
 
 def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backend: str):
@@ -344,14 +345,16 @@ class _Chunk:
 
     def compute(self, recv: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the received rows; the weighted sums travel back."""
-        K, El, first = self.ids.shape[1], self.ep.num_local_experts, self.ep.first_expert
+        K, first = self.ids.shape[1], self.ep.first_expert
         # Waited for here, where the experts need them (eager: a stream wait, not the host's),
         # so that the experts get plain tensors.
         recv, meta = _waited(recv), _waited(meta)
         weights = meta[:, :K].contiguous()
-        local = meta[:, K:].detach().to(torch.int64) - (1 + first)
-        local_ids = torch.where((local >= 0) & (local < El), local, -1).to(torch.int32)
-        y = _run_experts(self.layer, recv, local_ids, weights)
+        # ids + 1 - (1 + first): the other ranks' experts and the padding rows' zeros fall
+        # outside [0, El), which the maps count as dropped slots
+        local_ids = (meta[:, K:].detach() - (1 + first)).to(torch.int32)
+        y, maps = _run_experts(self.layer, recv, local_ids, weights)
+        self.local_counts = torch.diff(maps.expert_first_token_offset)  # [El], every source
         return _exchange(y, self.in_splits, self.out_splits, self.ep.group)
 
     def combine(self, back: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
@@ -420,15 +423,13 @@ def forward(layer, x2: torch.Tensor):
     cuts = [c * T // n for c in range(n + 1)]  # static chunk bounds
     spans = list(itertools.pairwise(cuts))
     chunks = [_Chunk(layer, x2[a:b], ids[a:b], weights[a:b], ep) for a, b in spans]
-    ids = torch.cat([c.ids for c in chunks])  # minus the capacity's drops
-    # one all-gather: the slots per expert after every drop (tokens_per_expert is global),
-    # and in exact mode every chunk's rows per (source, destination)
-    local = [tokens_per_expert(ids, E)]
-    if ep.capacity == "exact":
-        local += [c.counts for c in chunks]
-    every = _waited(all_gather(torch.cat(local), 0, group)).view(W, -1)
-    tpe = every[:, :E].sum(0)
+    ids = chunks[0].ids if n == 1 else torch.cat([c.ids for c in chunks])  # minus the drops
+    tpe = None
     if ep.capacity == "exact":  # the one host sync: every chunk's split sizes at once
+        # with the slots per expert after every drop (tokens_per_expert is global)
+        local = torch.cat([tokens_per_expert(ids, E), *(c.counts for c in chunks)])
+        every = _waited(all_gather(local, 0, group)).view(W, -1)
+        tpe = every[:, :E].sum(0)
         counts = every[:, E:].view(W, n, W)  # [source, chunk, destination]
         sizes = torch.stack([counts[me], counts[:, :, me].t()]).tolist()
         for c, chunk in enumerate(chunks):
@@ -438,6 +439,11 @@ def forward(layer, x2: torch.Tensor):
     # results of chunk c travel back while chunk c + 1 computes.
     recv = [chunk.send() for chunk in chunks]
     back = [chunk.compute(*rows) for chunk, rows in zip(chunks, recv, strict=True)]
+    if tpe is None:  # each rank counted its experts' slots from every rank: gather them
+        local = chunks[0].local_counts
+        for chunk in chunks[1:]:
+            local = local + chunk.local_counts
+        tpe = _waited(all_gather(local, 0, group))  # [W·El] = [E], in expert order
     shared = layer.shared_expert(x2)  # replicated: computes while the last results travel
     outs = [
         chunk.combine(rows, None if shared is None else shared[a:b])
