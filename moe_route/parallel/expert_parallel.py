@@ -15,8 +15,8 @@ forward on the rank's own tokens ``x [T, H]``:
    W``). Their expand writes the send buffer: the rows for rank ``d`` form one block in token
    order. A token travels **once per destination rank**, whatever the number of its experts
    there, with a metadata row ``[router weights | expert ids + 1]`` (float; ``0``: no slot);
-5. exchanges the rows with their metadata's bytes appended (one ``all_to_all_single``); the
-   received rows are grouped by source rank, in the source's token order;
+5. exchanges the rows and the metadata (``all_to_all_single``); the received rows are grouped
+   by source rank, in the source's token order;
 6. runs its experts over the received rows through :func:`moe_route.fused_moe`'s plan and
    launches (as the layer does, without the argument checks), the slots of other ranks
    dropped: each row comes out as the router-weighted sum of its experts here, rounded once;
@@ -78,13 +78,12 @@ import torch.distributed._functional_collectives as fc
 from .. import arch
 from .._dispatch import needs_dispatcher
 from ..experts import PreparedExperts, run_experts
-from ..finalize import FINALIZE, finalize_moe_routing
+from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
 from ..kernels.torch_impl import rank_maps_torch
-from ..kernels.triton.expand import expand_rows_triton
 from ..kernels.triton.rank_maps import rank_maps_triton
 from ..maps import RoutingMaps, build_routing_maps, maps_op
-from ..permute import EXPAND
+from ..permute import expand_rows
 from ..plan import moe_plan
 from ..routing import tokens_per_expert
 
@@ -235,81 +234,6 @@ def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     return fc.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
-def _packed_layout(H: int, dtype: torch.dtype, M: int, meta_dtype: torch.dtype):
-    """``(h0, width)`` of the send buffer's rows in ``dtype``: the ``H`` row values, the
-    metadata's ``M`` values (``meta_dtype``) from column ``h0``, each part starting on 16
-    bytes (the alignment the GEMMs' TMA loads want, and whole metadata elements)."""
-    size = dtype.itemsize
-    h0 = -(-H * size // 16) * 16 // size
-    return h0, h0 + -(-M * meta_dtype.itemsize // 16) * 16 // size
-
-
-def _expand_into(src, s2d, d2s, efs, off, backend: str, out: torch.Tensor) -> None:
-    """The expand of ``src`` through the tables, written into ``out`` (a strided view)."""
-    if backend == "torch" or torch.compiler.is_compiling() or needs_dispatcher((src, out)):
-        out.copy_(EXPAND(src, s2d, d2s, efs, off, backend))  # the op: traceable
-    else:  # the Triton expand (also for backend="cupy") writes the view directly
-        expand_rows_triton(src, s2d, efs, out)
-
-
-class _Dispatch(torch.autograd.Function):
-    """A chunk's send buffer ``[N, H + m]`` in the rows' dtype: the token rows expanded
-    through the rank maps, then the metadata rows' bytes, so that one all-to-all carries both
-    (a collective costs about 0.25 ms of host time). The backward sums each part's gradient
-    over the ranks in its own dtype (the finalize with unit weights): the metadata's never
-    passes through arithmetic in the rows' dtype."""
-
-    @staticmethod
-    def forward(ctx, x, meta, s2d, d2s, efs, off, backend):
-        H, M, mdt = x.shape[1], meta.shape[1], meta.dtype
-        h0, width = _packed_layout(H, x.dtype, M, mdt)
-        out = x.new_empty(s2d.numel(), width)
-        _expand_into(x, s2d, d2s, efs, off, backend, out[:, :H])
-        meta_part = out[:, h0:].view(mdt)
-        _expand_into(meta, s2d, d2s, efs, off, backend, meta_part[:, :M])
-        if h0 > H:  # the alignment gaps: zeros, never read
-            out[:, H:h0] = 0
-        if meta_part.shape[1] > M:
-            meta_part[:, M:] = 0
-        ctx.save_for_backward(s2d, efs)
-        ctx.info = (x.shape[0], H, h0, M, mdt, backend)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        s2d, efs = ctx.saved_tensors
-        T, H, h0, M, mdt, backend = ctx.info
-        grad = grad.contiguous()
-        W = s2d.numel() // T if T else 1
-        unit = torch.ones((), dtype=mdt, device=grad.device).expand(T, W)
-        dx = FINALIZE(grad[:, :H], unit, s2d, efs, None, backend)
-        dmeta = FINALIZE(grad[:, h0:].view(mdt)[:, :M], unit, s2d, efs, None, backend)
-        return dx, dmeta, None, None, None, None, None
-
-
-class _Unpack(torch.autograd.Function):
-    """The received ``[R, width]`` rows as ``(rows [R, H], metadata [R, M])`` (the layout of
-    :func:`_packed_layout`); the backward packs the two gradients back the same way (bytes,
-    no arithmetic)."""
-
-    @staticmethod
-    def forward(ctx, packed, H: int, M: int, meta_dtype: torch.dtype):
-        h0, width = _packed_layout(H, packed.dtype, M, meta_dtype)
-        ctx.info = (H, h0, width, packed.dtype)
-        return packed[:, :H], packed[:, h0:].view(meta_dtype)[:, :M].contiguous()
-
-    @staticmethod
-    def backward(ctx, d_rows, d_meta):
-        H, h0, width, dtype = ctx.info
-        some = d_rows if d_rows is not None else d_meta
-        grad = torch.zeros(some.shape[0], width, dtype=dtype, device=some.device)
-        if d_rows is not None:
-            grad[:, :H] = d_rows
-        if d_meta is not None:
-            grad[:, h0:].view(d_meta.dtype)[:, : d_meta.shape[1]] = d_meta
-        return grad, None, None, None
-
-
 def _waited(t: torch.Tensor) -> torch.Tensor:
     """A functional collective's result as a plain tensor (its wait issued: on CUDA a stream
     wait, not the host's). Every op on the wrapper itself dispatches through Python (about
@@ -399,24 +323,32 @@ class _Chunk:
         if Tp > T:
             x = torch.cat([x, x.new_zeros(Tp - T, x.shape[1])])
             meta = torch.cat([meta, meta.new_zeros(Tp - T, 2 * K)])
-        self.maps, self.ids, self.H, self.meta_dtype = maps, ids, x.shape[1], mdt
-        backend = arch.cached_backend(x.device, layer.backend)
-        #: the send buffer [Tp·W, H + m]: the rows, then the metadata's bytes
-        self.packed = _Dispatch.apply(x, meta, *maps.tensors(), backend)
+        self.maps, self.ids = maps, ids
+        self.rows = expand_rows(x, maps, backend=layer.backend)  # [Tp·W, H]
+        self.meta = expand_rows(meta, maps, backend=layer.backend)  # [Tp·W, 2K]
         self.in_splits = self.out_splits = None  # exact mode: set from the count exchange
 
-    def send(self) -> torch.Tensor:
-        """The rows (and metadata) this rank's experts get from every rank (source-major,
-        token order), in one exchange."""
-        n = sum(self.in_splits) if self.C is None else self.ep.size * self.C
-        return _exchange(self.packed[:n], self.out_splits, self.in_splits, self.ep.group)
+    def send(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows this rank's experts get from every rank (source-major, token order)
+        and their metadata."""
+        if self.C is None:
+            n = sum(self.in_splits)
+            rows, meta = self.rows[:n], self.meta[:n]
+        else:
+            n = self.ep.size * self.C
+            rows, meta = self.rows[:n], self.meta[:n]
+        g = self.ep.group
+        return (
+            _exchange(rows, self.out_splits, self.in_splits, g),
+            _exchange(meta, self.out_splits, self.in_splits, g),
+        )
 
-    def compute(self, recv: torch.Tensor) -> torch.Tensor:
+    def compute(self, recv: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the received rows; the weighted sums travel back."""
         K, first = self.ids.shape[1], self.ep.first_expert
         # Waited for here, where the experts need them (eager: a stream wait, not the host's),
         # so that the experts get plain tensors.
-        recv, meta = _Unpack.apply(_waited(recv), self.H, 2 * K, self.meta_dtype)
+        recv, meta = _waited(recv), _waited(meta)
         weights = meta[:, :K].contiguous()
         # ids + 1 - (1 + first): the other ranks' experts and the padding rows' zeros fall
         # outside [0, El), which the maps count as dropped slots
@@ -506,7 +438,7 @@ def forward(layer, x2: torch.Tensor):
     # c + 1 runs on the communication stream while the experts of chunk c compute, and the
     # results of chunk c travel back while chunk c + 1 computes.
     recv = [chunk.send() for chunk in chunks]
-    back = [chunk.compute(rows) for chunk, rows in zip(chunks, recv, strict=True)]
+    back = [chunk.compute(*rows) for chunk, rows in zip(chunks, recv, strict=True)]
     if tpe is None:  # each rank counted its experts' slots from every rank: gather them
         local = chunks[0].local_counts
         for chunk in chunks[1:]:
