@@ -87,8 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--host-profile", action="store_true",
-        help="print rank 0's host-side profile (top ops and CUDA API calls by self time) of "
-             "one forward + backward of each moe_route implementation",
+        help="print rank 0's host time of each step of the moe_route forwards",
     )  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args(argv)
@@ -220,25 +219,45 @@ def profile_step(fn) -> dict[str, float]:
     }
 
 
-def host_profile(fn, name: str, rank: int) -> None:
-    """Rank 0 prints the host-side ops and CUDA API calls of one ``fn()`` by self time, and
-    the longest single host events."""
-    from torch.profiler import ProfilerActivity, profile
+def host_profile(fn, name: str, rank: int, calls: int = 5) -> None:
+    """Rank 0 prints the host time of each step of the expert-parallel forward (inclusive,
+    mean over ``calls`` calls of ``fn``; nothing waits for the device in between)."""
+    import moe_route.layer as layer_module
 
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=True) as prof:
-        fn()
+    targets = [
+        (expert_parallel._Chunk, "__init__"), (expert_parallel._Chunk, "send"),
+        (expert_parallel._Chunk, "compute"), (expert_parallel._Chunk, "combine"),
+        (expert_parallel, "_rank_maps"), (expert_parallel, "_run_experts"),
+        (expert_parallel, "_exchange"), (expert_parallel, "all_gather"),
+        (expert_parallel, "expand_rows"), (expert_parallel, "finalize_moe_routing"),
+        (expert_parallel, "tokens_per_expert"), (expert_parallel, "forward"),
+        (layer_module.MoELayer, "router_logits"), (layer_module.MoELayer, "route"),
+    ]  # fmt: skip
+    spent: dict[str, list[float]] = {}
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in targets]
+
+    def timed(label, f):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent.setdefault(label, []).append(time.perf_counter() - t0)
+
+        return wrapper
+
+    for owner, attr, f in saved:
+        setattr(owner, attr, timed(f"{getattr(owner, '__name__', '')}.{attr}", f))
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        for owner, attr, f in saved:
+            setattr(owner, attr, f)
     if rank == 0:
-        print(f"== host profile: {name}")
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-        print(table)
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-        for e in events[:15]:
-            parent = e.cpu_parent.name if e.cpu_parent is not None else "-"
-            print(f"{e.self_cpu_time_total:9.0f} us  {e.name}  <- {parent}  {e.input_shapes}")
+        print(f"== host time per call (ms, inclusive): {name}")
+        for label, ts in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+            print(f"{sum(ts) / calls * 1e3:8.3f}  {len(ts) // calls:3d}x  {label}")
 
 
 def a2a_ceiling(nbytes: int, group, device, clock: Clock, iters: int) -> float:
@@ -382,7 +401,6 @@ def run_case(shape, args, device, group, clock) -> list[dict]:
                 )
             if args.host_profile and impl.startswith("moe_route"):
                 host_profile(forward, impl + " forward", rank)
-                host_profile(train_step, impl + " forward + backward", rank)
             prof_f = prof_s = {"span_us": math.nan, "visible_us": math.nan, "idle_us": math.nan}
             if device.type == "cuda":
                 dist.barrier()
