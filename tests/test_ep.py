@@ -228,6 +228,15 @@ def test_group_that_cannot_exchange_is_refused():
         moe_route.MoELayer(16, 8, 4, 2, ep_group=_NoAllToAll(0, 2))
 
 
+def test_more_experts_than_float32_ids_hold_is_refused():
+    """Checked before the configuration's exchange (every rank has the same E): no hang."""
+    from moe_route.parallel import expert_parallel
+
+    E = expert_parallel.MAX_EXPERTS + 2
+    with pytest.raises(ValueError, match=rf"num_experts={E} with ep_group: .* float32"):
+        expert_parallel.setup(_NoAllToAll(0, 2), E, None, 1, {})
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [

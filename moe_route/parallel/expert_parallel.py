@@ -129,6 +129,11 @@ class ExpertParallel:
         return self
 
 
+#: The most experts an expert-parallel layer holds: the exchange's metadata carries expert ids
+#: as float32, exact up to 2**24.
+MAX_EXPERTS = 2**24
+
+
 def _backend_name(group: dist.ProcessGroup) -> str:
     try:
         return str(dist.get_backend(group))
@@ -178,6 +183,11 @@ def setup(
             f"ep_group must be a torch.distributed ProcessGroup (e.g. dist.new_group(ranks) on "
             f"every rank, or dist.group.WORLD), got {type(group).__name__}; a rank outside the "
             "group gets no group object and cannot hold the layer's experts"
+        )
+    if num_experts > MAX_EXPERTS:  # the same on every rank: all fail before the collective
+        raise ValueError(
+            f"num_experts={num_experts} with ep_group: expert parallelism carries expert ids "
+            f"in float32 metadata, exact up to {MAX_EXPERTS} experts"
         )
     # The exchange comes first, so that a rank built differently fails with the others below
     # instead of leaving them waiting in the collective.
@@ -331,16 +341,11 @@ class _Chunk:
     def send(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows this rank's experts get from every rank (source-major, token order)
         and their metadata."""
-        if self.C is None:
-            n = sum(self.in_splits)
-            rows, meta = self.rows[:n], self.meta[:n]
-        else:
-            n = self.ep.size * self.C
-            rows, meta = self.rows[:n], self.meta[:n]
+        n = sum(self.in_splits) if self.C is None else self.ep.size * self.C
         g = self.ep.group
         return (
-            _exchange(rows, self.out_splits, self.in_splits, g),
-            _exchange(meta, self.out_splits, self.in_splits, g),
+            _exchange(self.rows[:n], self.out_splits, self.in_splits, g),
+            _exchange(self.meta[:n], self.out_splits, self.in_splits, g),
         )
 
     def compute(self, recv: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
