@@ -444,6 +444,8 @@ def forward(layer, x2: torch.Tensor):
     # results of chunk c travel back while chunk c + 1 computes.
     recv = [chunk.send() for chunk in chunks]
     back = [chunk.compute(*rows) for chunk, rows in zip(chunks, recv, strict=True)]
+    if tpe is None and ep.capacity is None and layer.capacity_factor is None and (aux_on or z_on):
+        tpe = total_i[:E]  # nothing was dropped since the statistics counted the slots
     if tpe is None:  # each rank counted its experts' slots from every rank: gather them
         local = chunks[0].local_counts
         for chunk in chunks[1:]:
