@@ -4,12 +4,16 @@ The layer owns the parameters and the routing policy; the expert computation is 
 :func:`moe_route.fused_moe` call (forward and backward), with the shared expert's output fed
 in as finalize's per-token ``bias``, so it is added inside the same reduction (no extra pass
 over ``[T, H]``). See :class:`MoELayer` for the parameter layout.
+
+This module holds the parameters, the constructor's checks and the forward; the bases of
+:class:`MoELayer` hold the rest: :mod:`moe_route.layer_router` (gate logits, top-k routing,
+losses, capacity, expert bias), :mod:`moe_route.layer_call` (the decisions kept per call
+signature) and :mod:`moe_route.layer_weights` (loading and quantising the experts).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple
 
 import torch
@@ -17,31 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
-from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
 from .activations import Activation, as_activation
 from .arch import check_backend_name
-from .experts import DECODE, PreparedExperts, decode_planned, run_experts
-from .grouped_gemm import GEMM_DTYPES, check_interpreter_dtype
-from .kernels.triton.decode import DecodeLaunch
+from .experts import DECODE, run_experts
+from .grouped_gemm import GEMM_DTYPES
+from .layer_call import LayerCallMemo
+from .layer_call import _LayerCall as _LayerCall  # (re-exported: callers patch it here)
+from .layer_router import LayerRouter
 from .layer_weights import ExpertWeights
-from .maps import MapsCall
 from .moe import fused_moe
 from .parallel import expert_parallel
 from .parallel.state import full_state_dict, slice_full_experts
-from .plan import moe_plan
 from .reference import GATE_UP_LAYOUTS, activation_reference
-from .routing import (
-    ROUTERS,
-    apply_capacity,
-    check_groups,
-    expert_capacity,
-    fused_router,
-    load_balancing_loss,
-    route_sigmoid_grouped,
-    route_softmax,
-    router_z_loss,
-    tokens_per_expert,
-)
+from .routing import ROUTERS, check_groups, expert_capacity, tokens_per_expert
 from .tuning import warmup_buckets
 
 FINALIZE_CHOICES = ("auto", "fused", "standalone")
@@ -82,65 +74,6 @@ class MoEOutput(NamedTuple):
     z_loss: torch.Tensor
 
 
-class _LayerCall:
-    """What an eager :meth:`MoELayer.forward` decided for one call signature (the layer keeps
-    it, :meth:`MoELayer._eager_call`): the plan, the router's prepared launch where the one
-    launch serves, and the decode path's, prepared at the first call that takes it (from the
-    router's outputs, whose layout the signature fixes; checked on each use). Keeps no tensor.
-
-    Those decisions and launch keys were ~40 % of an inference layer call's host time
-    (docs/decisions.md, "Call memos").
-    """
-
-    __slots__ = ("_decode", "_decode_meta", "_sorted", "_sorted_meta", "ask_capture",
-                 "decode_by_op", "eager", "plan", "router")  # fmt: skip
-
-    def __init__(self, plan, router, ask_capture: bool, eager: bool):
-        self.plan, self.router, self.ask_capture, self.eager = plan, router, ask_capture, eager
-        self._decode = self._decode_meta = self._sorted = self._sorted_meta = None
-        #: the decode path, through its custom op (tensors needing the dispatcher)
-        self.decode_by_op = False
-
-    def sorted_path(self, x, w1, w2, weights, ids, b1, b2, shared, activation: str,
-                    layout: str):  # fmt: skip
-        """The sorted path's ``(maps, experts)`` callables for this call: the maps' prepared
-        launch (:class:`~moe_route.maps.MapsCall`) and, in eager mode on plain tensors and the
-        Triton backend, the experts' prepared launch sequences
-        (:class:`~moe_route.experts.PreparedExperts`, else None:
-        :func:`~moe_route.experts.run_experts` through the op). Prepared at the first call
-        from the router's outputs and the shared expert's, whose layouts the signature fixes
-        (checked on each use)."""
-        meta = (weights.dtype, weights.stride(), ids.dtype, ids.stride(),
-                None if shared is None else (shared.dtype, shared.stride()))  # fmt: skip
-        if meta != self._sorted_meta:
-            plan, E = self.plan, w1.shape[0]
-            experts = None
-            args = (x, w1, w2, weights, ids, b1, b2, shared)
-            if self.eager and plan.backend == "triton" and not needs_dispatcher(args):
-                experts = PreparedExperts(plan, activation, layout, False)
-            self._sorted = (MapsCall(ids, E, plan.maps_backend, False, self.eager), experts)
-            self._sorted_meta = meta
-        return self._sorted
-
-    def decode_launch(self, x, w1, w2, weights, ids, b1, b2, shared):
-        """The decode path's :class:`DecodeLaunch` (with counts) for this call, or None where
-        the call takes another path: the sorted path (gradients, compile, no decode plan), or
-        the decode op (:attr:`decode_by_op`, set here). CUDA-graph capture aside (the caller
-        asks it per call)."""
-        meta = (weights.dtype, weights.stride(), weights.requires_grad, ids.dtype, ids.stride(),
-                None if shared is None else (shared.stride(), shared.requires_grad))  # fmt: skip
-        if meta != self._decode_meta:
-            self._decode, self._decode_meta, self.decode_by_op = None, meta, False
-            args = (x, w1, w2, weights, ids, b1, b2, shared)
-            if decode_planned(self.plan, x, w1, w2, weights, b1, b2, shared):
-                if needs_dispatcher(args):
-                    self.decode_by_op = True
-                else:
-                    self._decode = DecodeLaunch(*args, self.plan.configs.epilogue,
-                                                self.plan.decode, True)  # fmt: skip
-        return self._decode
-
-
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -157,7 +90,7 @@ def _nonneg_float(name: str, value: object) -> float:
     return float(value)
 
 
-class MoELayer(ExpertWeights, nn.Module):
+class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
     """Mixture-of-experts block: ``y_t = Σ_k w[t,k] · expert_{e[t,k]}(x_t) + shared(x_t)``.
 
     Args:
@@ -473,68 +406,6 @@ class MoELayer(ExpertWeights, nn.Module):
         return full_state_dict(self)
 
     # ------------------------------------------------------------------ forward
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_weights [T, K], topk_ids [T, K])`` of this layer's router for ``[T, E]``
-        logits (before any capacity drop)."""
-        if self.router == "softmax":
-            weights, ids = route_softmax(logits, self.top_k, self.renormalize, self.backend)
-            if self.routed_scaling_factor != 1.0:
-                weights = weights * self.routed_scaling_factor
-            return weights, ids
-        # checked at construction; the bias is the layer's own [E] buffer
-        return route_sigmoid_grouped(
-            logits, self.top_k, self.n_group, self.topk_group, self.expert_bias,
-            self.routed_scaling_factor, self.renormalize, self.backend,
-        )  # fmt: skip
-
-    def logits_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the router's matmul and logits for tokens of ``dtype`` (the layer's):
-        ``router_dtype`` resolved (``"auto"``: float32 promoted with ``dtype``)."""
-        rdt = self.router_dtype
-        if rdt is None:
-            return dtype
-        if isinstance(rdt, str):  # "auto": a float64 layer routes in float64
-            return torch.promote_types(torch.float32, dtype)
-        return rdt
-
-    def router_logits(self, x2: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` logits of ``[T, H]`` tokens, in :meth:`logits_dtype`: the tokens and the
-        gate's weight converted to it, then multiplied.
-
-        In inference on a GPU, 16-bit tokens and weights go into one matmul with float32
-        output instead (no converted copies; the products of 16-bit values are exact in
-        float32 either way, and both sum in float32).
-
-        The two conversions cost more host time than the matmul (docs/decisions.md, "Call
-        memos").
-        """
-        rdt = self.logits_dtype(x2.dtype)
-        w = self.gate.weight
-        if x2.dtype == rdt and w.dtype == rdt:
-            return F.linear(x2, w)
-        if (
-            rdt == torch.float32
-            and x2.is_cuda
-            and x2.dtype == w.dtype
-            and x2.dtype in (torch.float16, torch.bfloat16)
-            and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad))
-            and not torch.compiler.is_compiling()
-        ):
-            logits = _mm_float32(x2, w.t())
-            if logits is not None:
-                return logits
-        return F.linear(x2.to(rdt), w.to(rdt))
-
-    def router_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` distributions for the load-balancing loss: the softmax of the logits, or
-        the sigmoid scores normalised per token (DeepSeek-V3's balance loss) for the
-        ``sigmoid_grouped`` router."""
-        scores = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        if self.router == "softmax":
-            return torch.softmax(scores, dim=-1)
-        s = torch.sigmoid(scores)
-        return s / s.sum(dim=-1, keepdim=True)
-
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
         """``[T, H]`` output of the shared expert (gated if asked), or None without one."""
         if self.shared_w1 is None:
@@ -616,73 +487,6 @@ class MoELayer(ExpertWeights, nn.Module):
             z_loss=z,
         )
 
-    def _eager_call(self, x2, w1, w2, b1, b2, gate_w) -> _LayerCall:
-        """The decisions of a forward on ``x2`` (:class:`_LayerCall`): kept per call signature
-        in eager mode, made afresh under torch.compile and a torch dispatch mode."""
-        key = None
-        compiling = torch.compiler.is_compiling()
-        if not compiling and not torch._C._len_torch_dispatch_stack():
-            key = (tensor_key(x2), tensor_key(w1), tensor_key(w2), tensor_key(b1),
-                   tensor_key(b2), tensor_key(gate_w), self.shared_w1 is None, self.router,
-                   self.top_k, self.renormalize, self.router_dtype, self.activation,
-                   self.gate_up_layout, self.finalize, self.deterministic, self.backend,
-                   torch.is_grad_enabled(), memo_env())  # fmt: skip
-            call = self._calls.get(key)
-            if call is not None:
-                return call
-        plan = moe_plan(x2, w1, w2, self.top_k, self.activation, self.gate_up_layout,
-                        self.finalize, self.deterministic, None, False, self.backend)  # fmt: skip
-        check_interpreter_dtype("x", x2, plan.backend)
-        router = None
-        if self.router == "softmax":  # eager inference at small T: one launch for the router
-            rdt = self.logits_dtype(x2.dtype)
-            expert = (math.prod(w1.shape[1:]) + math.prod(w2.shape[1:])) * x2.element_size()
-            router = fused_router(x2, gate_w, self.top_k, self.renormalize, rdt, expert,
-                                  self.backend)  # fmt: skip
-        # (under torch.compile nothing is prepared, and no capture query is traced)
-        call = _LayerCall(plan, router, x2.is_cuda and not compiling, key is not None)
-        if key is not None and not needs_dispatcher((x2, w1, w2, b1, b2, gate_w)):
-            if len(self._calls) >= MAX_CALLS:
-                self._calls.clear()
-            self._calls[key] = call
-        return call
-
-    def _losses_and_capacity(self, logits, ids, T: int):
-        """``(load-balancing loss, z-loss, aux_loss, ids)``: the router's losses (float32,
-        float64 for a float64 router: gradcheck), then the capacity's drops in ``ids``."""
-        E = self.num_experts
-        sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lb = z = aux = self._zero_loss(sdt, logits.device)
-        if self.aux_loss_coef:
-            lb = load_balancing_loss(self.router_probs(logits), ids, E)
-        if self.z_loss_coef:
-            z = router_z_loss(logits)
-        if self.aux_loss_coef or self.z_loss_coef:
-            aux = self.aux_loss_coef * lb + self.z_loss_coef * z
-        if self.capacity_factor is not None:
-            cap = expert_capacity(self.capacity_factor, T, self.top_k, E)
-            ids = apply_capacity(ids, E, cap, backend=self.backend)
-        return lb, z, aux, ids
-
-    def _zero_loss(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The zero scalar the switched-off losses report: in eager mode one tensor per dtype
-        and device, made once (and again if something wrote into it), not a fill launch per
-        call.
-
-        A fill launch per call costs measurable host time at decode sizes (docs/decisions.md,
-        "Call memos").
-        """
-        if torch.compiler.is_compiling():  # traced once: nothing to save, no state to keep
-            return torch.zeros((), dtype=dtype, device=device)
-        key = (dtype, device)
-        zero = self._zeros.get(key)
-        if zero is None or zero._version:  # (an in-place write bumps the version)
-            # a normal tensor even under inference_mode (an inference tensor has no version
-            # to check, and could not be saved for a backward later)
-            with torch.inference_mode(False):
-                zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
-        return zero
-
     def warmup(self, max_tokens: int, *, backward: bool = False) -> list[int]:
         """Compile every kernel this layer launches for up to ``max_tokens`` tokens per call
         (one forward per token bucket on random tokens, and a backward when ``backward``:
@@ -714,69 +518,6 @@ class MoELayer(ExpertWeights, nn.Module):
             torch.cuda.synchronize(p.device)
         return buckets
 
-    # ------------------------------------------------------------------ expert bias
-    @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
-        """DeepSeek-V3's aux-loss-free balancing: ``expert_bias += rate · sign(mean - count)``.
-
-        An overloaded expert's bias falls, an idle one's rises, by ``rate`` per call; the bias
-        only steers the choice of experts, never the weights. Call it after the optimizer
-        step with ``MoEOutput.tokens_per_expert`` (summed over micro-batches, or all-reduced
-        over data-parallel ranks, as you see fit). In place, on the device, no host sync.
-
-        Args:
-            tokens_per_expert: ``[E]`` counts, of an integer dtype or (e.g. averaged over
-                ranks) a floating one, on any device. Counts must be finite and ``>= 0``: a
-                negative, NaN or infinite count raises ``ValueError`` when the counts are on
-                the CPU; on a GPU, where reading them would synchronise, such a call leaves
-                the bias as it was (so one bad step never writes NaN into it).
-            rate: a finite real number ``>= 0`` (a Python or NumPy scalar; ``0`` changes
-                nothing), at most the largest value of ``expert_bias``'s dtype (float32).
-        """
-        if self.expert_bias is None:
-            raise ValueError(
-                f"update_expert_bias needs router='sigmoid_grouped' (this layer's router is "
-                f"{self.router!r}, which has no expert bias)"
-            )
-        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
-            raise TypeError(
-                f"rate must be a real number (a Python float), got {type(rate).__name__}"
-            )
-        if not math.isfinite(rate) or rate < 0:
-            raise ValueError(f"rate must be a finite number >= 0, got {rate!r}")
-        if rate > torch.finfo(self.expert_bias.dtype).max:
-            raise ValueError(
-                f"rate={rate!r} is past the largest {self.expert_bias.dtype} (expert_bias's "
-                f"dtype, {torch.finfo(self.expert_bias.dtype).max:.4g}): expected a smaller rate"
-            )
-        counts = _checks.check_tensor("tokens_per_expert", tokens_per_expert, ndim=1)
-        if counts.dtype == torch.bool or counts.dtype.is_complex:
-            raise TypeError(
-                f"tokens_per_expert must hold counts of an integer or floating dtype, got "
-                f"{_checks.describe(counts)}"
-            )
-        if counts.shape[0] != self.num_experts:
-            raise ValueError(
-                f"tokens_per_expert must be [E] = [{self.num_experts}], got "
-                f"{_checks.describe(counts)}"
-            )
-        unread = not _counts_read_on_host(counts)
-        if not unread:
-            bad = ~torch.isfinite(counts) | (counts < 0)
-            if bool(bad.any()):
-                e = int(bad.nonzero()[0])
-                raise ValueError(
-                    f"tokens_per_expert[{e}] = {counts[e].item()}: expected finite counts "
-                    f">= 0, got {_checks.describe(counts)}"
-                )
-        # float64: integer counts below 2**53 compare with their mean exactly.
-        counts = counts.to(device=self.expert_bias.device, dtype=torch.float64)
-        step = torch.sign(counts.mean() - counts)
-        if unread:  # not checked (a sync): a bad count cancels the whole update
-            ok = (torch.isfinite(counts) & (counts >= 0)).all()
-            step = torch.where(ok, step, 0.0)
-        self.expert_bias.add_(step.to(self.expert_bias.dtype), alpha=float(rate))
-
     def _forward_quantized(self, x: torch.Tensor) -> MoEOutput:
         """:meth:`forward` on quantised experts: the same routing, losses and capacity, the
         experts by :func:`moe_route.fused_moe` on the codes and scales."""
@@ -807,28 +548,3 @@ def _check_x(x: object, H: int, dtype: torch.dtype) -> None:
             f"x has dtype {x.dtype} but the layer's parameters are {dtype}: convert one of them "
             "(layer.to(dtype) or x.to(dtype))"
         )
-
-
-def _counts_read_on_host(counts: torch.Tensor) -> bool:
-    """Whether ``update_expert_bias`` checks the counts by reading them (CPU tensors);
-    elsewhere a read would synchronise, and a negative or non-finite count cancels the update
-    on the device instead."""
-    return counts.device.type == "cpu"
-
-
-#: Whether this torch's ``torch.mm`` takes ``out_dtype`` (float32 out of 16-bit CUDA operands:
-#: torch 2.8 and later); set False by the first call that finds it does not.
-_MM_OUT_DTYPE = True
-
-
-def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``a @ b`` in float32 from 16-bit CUDA operands in one matmul, or None where this torch's
-    ``torch.mm`` has no ``out_dtype`` (setup.cfg allows torch 2.4)."""
-    global _MM_OUT_DTYPE
-    if not _MM_OUT_DTYPE:
-        return None
-    try:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    except TypeError:  # an unexpected keyword argument: an older torch
-        _MM_OUT_DTYPE = False
-        return None

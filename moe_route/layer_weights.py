@@ -1,6 +1,7 @@
 """MoELayer's expert weights: per-expert modules copied into the stacked layout, and the
 experts quantised in place or loaded quantised (:class:`ExpertWeights`, a base of
-:class:`moe_route.MoELayer`; the forward and the routing live in :mod:`moe_route.layer`)."""
+:class:`moe_route.MoELayer`; the forward lives in :mod:`moe_route.layer`, the routing in
+:mod:`moe_route.layer_router`)."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def test_layer_inference_routes_in_one_launch(monkeypatch):
         assert torch.equal(fast.topk_ids, ids_ref)
         rtol = router_weight_rtol(torch.float32, 16, 4)
         torch.testing.assert_close(fast.topk_weights, w_ref * 2.0, rtol=rtol, atol=0)
-        monkeypatch.setattr("moe_route.layer.fused_router", lambda *a: None)
+        monkeypatch.setattr("moe_route.layer_call.fused_router", lambda *a: None)
         layer._calls.clear()  # (the layer keeps its decisions per call signature)
         slow = layer(x)
     assert calls == [1]
