@@ -11,7 +11,10 @@
 * :mod:`.profiling` — what ``torch.profiler`` tells them: kernels grouped into steps, the
   activation memory of a training step;
 * :mod:`.suite` — the command line: runs stages × shapes with a progress bar;
-* :mod:`.report` — plots and the markdown results table from saved JSON.
+* :mod:`.results` — saved JSON read back (:class:`.results.Source`), and the order of stages,
+  shapes and implementations; :mod:`.tables` — the markdown tables; :mod:`.plots` — the PNG
+  plots; :mod:`.report` — the markdown results section and the README block (the other three's
+  entry points importable from it).
 
 Nothing here is imported by ``import moe_route``.
 """
