@@ -107,11 +107,14 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=group_m, RED_M=min(bm, gemm_finalize.RED_ROWS), WARP_SPECIALIZE=False, ONE_DOT=0,
-        OUT_DESC=False, Z_DESC=False,
+        OUT_DESC=False, Z_DESC=False, A_PERMUTED=arch >= 90,
+        SPLIT_EPILOGUE=bm * bn >= 4096 and bn >= 32,  # (as ActBackwardLaunch)
     )  # fmt: skip
     const.update(epilogue)
-    # TMA loads as on SM90 (A only when it is neither gathered nor dout in the backward).
-    const["A_DESC"] = arch >= 90 and not const["GATHER"]
+    # TMA loads as on SM90: A only when it is not gathered (the activation backward reads
+    # dout permuted by an expand, A_PERMUTED, where TMA serves, as the launch sequence does).
+    gathered = const["GATHER"] or (kernel is GEMM_ACT_BWD and not const["A_PERMUTED"])
+    const["A_DESC"] = arch >= 90 and not gathered
     const["W_DESC"] = arch >= 90
     atomic_out = kernel is GEMM_FINALIZE and not const["ORDERED"]
     if atomic_out:
@@ -123,14 +126,16 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     # As a launch at the standard shapes specialises them: unit strides become constants,
     # pointers and the other integers are known multiples of 16 (except the token-dependent
     # ones, never specialised).
-    unit = {"stride_ak", "stride_on", "stride_bn", "stride_yn", "stride_fh",
+    unit = {"stride_ak", "stride_on", "stride_bn", "stride_yn", "stride_fh", "stride_wkk",
             "stride_wn" if const["W_KMAJOR"] else "stride_wk"}  # fmt: skip
+    # the router weights' row stride is K: a multiple of 16 only where K is
+    odd = set() if top_k % 16 == 0 else {"stride_wt"}
     w_block = f"[1, {bk}, {bn}]" if const["W_KMAJOR"] else f"[1, {bn}, {bk}]"
     if const["ONE_DOT"]:  # gate and up rows in one box (the persistent kernel's gated GEMM1)
         w_block = f"[1, 2, {bn}, {bk}]" if const["ONE_DOT"] == 1 else f"[1, {2 * bn}, {bk}]"
     sig, attrs = {}, {}
     for i, (name, is_const) in enumerate(params):
-        if not is_const and name not in unit and name not in kernel.do_not_specialize:
+        if not is_const and name not in unit | odd and name not in kernel.do_not_specialize:
             attrs[(i,)] = [["tt.divisibility", 16]]
         if is_const or name in unit:
             sig[name] = "constexpr"
