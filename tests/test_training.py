@@ -395,8 +395,12 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                         lambda *a, **k: prepared.append(1) or real_init(*a, **k))  # fmt: skip
     E, H = 5, 16
     opts = dict(finalize=finalize, gather=gather, backend="triton")
+    # The first call of the signature; a new T of its bucket; that T again, with the one dout
+    # layout that call prepared anew (a transposed [T, H] dout's strides hold T).
+    every = ("contiguous", "stride-0", "transposed")
+    calls = ((13, 1, every), (11, 2, every), (11, 3, ("transposed",)))
     try:
-        for T, seed in ((13, 1), (11, 2), (11, 3)):
+        for T, seed, kinds in calls:
             ids = make_ids(T, 2, E - 1, drop=0.2, seed=seed)  # expert E-1 gets no rows
             case = _case(T, 2, E, H, 8, ids=ids, seed=seed)
             g = torch.Generator().manual_seed(seed)
@@ -405,7 +409,8 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                 "stride-0": torch.randn(1, H, generator=g).expand(T, H),
                 "transposed": torch.randn(H, T, generator=g).t(),
             }
-            for kind, dout in douts.items():
+            for i, kind in enumerate(kinds):
+                dout = douts[kind]
                 leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
                 x, w1, w2, tw, b1, b2, bias = leaves
                 taken.clear()
@@ -414,18 +419,19 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                                           bias=bias, **opts)  # fmt: skip
                 got = torch.autograd.grad(out, leaves, dout)
                 assert taken == [1], "fused_moe did not take its prepared route"
-                # (a transposed [T, H] dout's strides hold T: a new layout at a new T)
                 if T == 11 and (seed, kind) != (2, "transposed"):
                     assert not prepared, f"T={T} {kind}: launches prepared again"
-                # the op's route, with the same plan and maps
-                leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
-                x, w1, w2, tw, b1, b2, bias = leaves
-                plan = moe_route.plan.moe_plan(x, w1, w2, 2, "swiglu", "concat", finalize, True,
-                                           gather, False, "triton")  # fmt: skip
-                maps = moe_route.build_routing_maps(case["topk_ids"], E, backend="triton")
-                want_out = moe_route.experts.run_experts(plan, x, w1, w2, tw, maps, "swiglu",
-                                                         "concat", b1, b2, bias)  # fmt: skip
-                want = torch.autograd.grad(want_out, leaves, dout)
+                if i == 0:  # the op's route, with the same plan and maps: one forward
+                    op_leaves = [case[n].clone().requires_grad_(True) for n in NAMES]
+                    x, w1, w2, tw, b1, b2, bias = op_leaves
+                    plan = moe_route.plan.moe_plan(x, w1, w2, 2, "swiglu", "concat", finalize,
+                                                   True, gather, False, "triton")  # fmt: skip
+                    maps = moe_route.build_routing_maps(case["topk_ids"], E, backend="triton")
+                    want_out = moe_route.experts.run_experts(plan, x, w1, w2, tw, maps, "swiglu",
+                                                             "concat", b1, b2, bias)  # fmt: skip
+                # a backward per dout, the graph kept for all but the last (which consumes z)
+                keep = i < len(kinds) - 1
+                want = torch.autograd.grad(want_out, op_leaves, dout, retain_graph=keep)
                 assert torch.equal(out, want_out), (T, kind)
                 for name, a, b in zip(NAMES, got, want, strict=True):
                     assert torch.equal(a, b), (T, kind, name)
