@@ -406,6 +406,13 @@ def run_experts(plan: MoEPlan, x, w1, w2, topk_weights, maps, activation: str,
     return out
 
 
+def takes_prepared_route(plan: MoEPlan, eager: bool, args) -> bool:
+    """Whether a call of this plan runs the experts' prepared launch sequences
+    (:class:`PreparedExperts`, :class:`PreparedQuantExperts`): eager, the Triton backend and
+    tensors the kernels take as they are; else the experts' custom ops."""
+    return eager and plan.backend == "triton" and not needs_dispatcher(args)
+
+
 class PreparedExperts:
     """:func:`run_experts` for one call signature in eager mode, on plain tensors and the
     Triton backend, without the custom ops' dispatch: the launch sequences'

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
-from .experts import PreparedExperts, decode_planned
+from .experts import PreparedExperts, decode_planned, takes_prepared_route
 from .grouped_gemm import check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .maps import MapsCall
@@ -51,7 +51,7 @@ class _LayerCall:
             plan, E = self.plan, w1.shape[0]
             experts = None
             args = (x, w1, w2, weights, ids, b1, b2, shared)
-            if self.eager and plan.backend == "triton" and not needs_dispatcher(args):
+            if takes_prepared_route(plan, self.eager, args):
                 experts = PreparedExperts(plan, activation, layout, False)
             self._sorted = (MapsCall(ids, E, plan.maps_backend, False, self.eager), experts)
             self._sorted_meta = meta

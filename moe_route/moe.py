@@ -28,6 +28,7 @@ from .experts import (
     decode_planned,
     run_experts,
     run_quant_experts,
+    takes_prepared_route,
 )
 from .grouped_gemm import bias_dtypes, check_gemm_args, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
@@ -266,7 +267,7 @@ class FusedCall:
         # tensors), else through the ops.
         self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
         self.experts = None
-        if eager and plan.backend == "triton" and not needs_dispatcher(args):
+        if takes_prepared_route(plan, eager, args):
             if quant is None:
                 self.experts = PreparedExperts(plan, activation, gate_up_layout, allow_tf32)
             else:

@@ -77,7 +77,7 @@ import torch.distributed._functional_collectives as fc
 
 from .. import arch
 from .._dispatch import needs_dispatcher
-from ..experts import PreparedExperts, run_experts
+from ..experts import PreparedExperts, run_experts, takes_prepared_route
 from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
 from ..kernels.torch_impl import rank_maps_torch
@@ -266,8 +266,8 @@ def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
     check_interpreter_dtype("x", rows, plan.backend)
     maps = maps_op(local_ids, w1.shape[0], plan.maps_backend)
     args = (rows, w1, w2, weights, local_ids, b1, b2)
-    if plan.backend == "triton" and not (torch.compiler.is_compiling() or needs_dispatcher(args)):
-        # eager: the prepared launch sequences, as the layer's own forward runs them
+    if takes_prepared_route(plan, not torch.compiler.is_compiling(), args):
+        # the prepared launch sequences, as the layer's own forward runs them
         experts = layer.ep.prepared.get(plan)
         if experts is None:
             experts = layer.ep.prepared[plan] = PreparedExperts(plan, act, layout, False)
@@ -333,7 +333,7 @@ class _Chunk:
         if Tp > T:
             x = torch.cat([x, x.new_zeros(Tp - T, x.shape[1])])
             meta = torch.cat([meta, meta.new_zeros(Tp - T, 2 * K)])
-        self.maps, self.ids = maps, ids
+        self.maps, self.ids, self.meta_dtype = maps, ids, mdt
         self.rows = expand_rows(x, maps, backend=layer.backend)  # [Tp·W, H]
         self.meta = expand_rows(meta, maps, backend=layer.backend)  # [Tp·W, 2K]
         self.in_splits = self.out_splits = None  # exact mode: set from the count exchange
@@ -371,8 +371,7 @@ class _Chunk:
             back = torch.cat([back, back.new_zeros(N - back.shape[0], back.shape[1])])
         if shared is not None and Tp > T:
             shared = torch.cat([shared, shared.new_zeros(Tp - T, shared.shape[1])])
-        mdt = torch.float64 if back.dtype == torch.float64 else torch.float32
-        unit = torch.ones(Tp, W, dtype=mdt, device=back.device)
+        unit = torch.ones(Tp, W, dtype=self.meta_dtype, device=back.device)
         out = finalize_moe_routing(back, unit, self.maps, bias=shared, backend=self.layer.backend)
         return out if Tp == T else out[:T]
 
