@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import Op
-from .kernels.triton.router import (
+from .kernels.triton.router_sigmoid import (
     sigmoid_grouped_topk_triton,
     sigmoid_topk_backward_triton,
-    softmax_topk_backward_triton,
-    softmax_topk_triton,
 )
+from .kernels.triton.router_softmax import softmax_topk_backward_triton, softmax_topk_triton
 
 
 def _score_dtype(logits: torch.Tensor) -> torch.dtype:

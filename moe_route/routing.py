@@ -9,7 +9,7 @@ Routers (``[T, E]`` logits in, ``(topk_weights [T, K], topk_ids [T, K])`` out):
 
 * :func:`softmax_topk` — ``softmax`` over experts, top-``K``, optionally renormalised over the
   ``K`` chosen (Mixtral always, Qwen2/3-MoE by ``norm_topk_prob``). On CUDA one Triton launch
-  (:mod:`moe_route.kernels.triton.router`), forward and backward; :func:`softmax_topk_torch`
+  (:mod:`moe_route.kernels.triton.router_softmax`), forward and backward; :func:`softmax_topk_torch`
   is the same router in torch ops (the ``"torch"`` backend, and the kernel's oracle).
 * :func:`sigmoid_grouped_topk` — DeepSeek-V3: sigmoid scores, an additive (aux-loss-free)
   expert bias for the *choice* only, group-limited top-``K``, weights from the unbiased scores.
@@ -37,7 +37,7 @@ import torch
 from . import _checks, arch
 from ._dispatch import needs_dispatcher
 from ._env import getenv
-from .kernels.triton.router import GateLaunch, gate_fits
+from .kernels.triton.router_gate import GateLaunch, gate_fits
 from .maps import build_routing_maps
 from .router_ops import SIGMOID_GROUPED_TOPK, SOFTMAX_TOPK, _score_dtype
 
@@ -113,7 +113,7 @@ _GATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def fused_router(x: torch.Tensor, gate_weight: torch.Tensor, k: int, renormalize: bool,
                  logits_dtype: torch.dtype, expert_bytes: int, backend: str):  # fmt: skip
-    """The prepared launch (:class:`moe_route.kernels.triton.router.GateLaunch`) of
+    """The prepared launch (:class:`moe_route.kernels.triton.router_gate.GateLaunch`) of
     :func:`route_softmax_fused` for this call, or None where it does not serve it: everything
     that decides it except CUDA-graph capture, which the caller asks per call (the layer keeps
     the answer per call signature)."""
@@ -139,7 +139,7 @@ def route_softmax_fused(x: torch.Tensor, gate_weight: torch.Tensor, k: int, reno
                         logits_dtype: torch.dtype, expert_bytes: int, backend: str):  # fmt: skip
     """``(logits, weights, ids)``: ``logits = x @ gate_weight^T`` in ``logits_dtype`` and
     :func:`softmax_topk` of them, in one launch
-    (:func:`moe_route.kernels.triton.router.gate_softmax_topk_triton`), or None where that
+    (:func:`moe_route.kernels.triton.router_gate.gate_softmax_topk_triton`), or None where that
     kernel does not serve this call: more than :data:`FUSED_ROUTER_TOKENS` tokens or
     :data:`FUSED_ROUTER_TOUCHED` bytes of expert weights to read (``T*K*expert_bytes``), a gate
     larger than it takes, other dtypes (``logits_dtype`` float32 or ``x``'s), a gradient

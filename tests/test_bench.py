@@ -31,6 +31,7 @@ from moe_route.bench import (
     shapes,
     stages,
     suite,
+    timing,
 )
 from moe_route.bench.harness import Ceilings, Row, Timing, add_speedups, make_row
 
@@ -618,7 +619,7 @@ def test_runs_split_over_files_render_as_one_table(tmp_path):
 def test_summary_percentiles_bracket_the_median(samples, repeats):
     """p20 <= median <= p80 exactly (the report draws median - p20 and p80 - median as error
     bars); equal samples, whose interpolated percentiles can land an ulp off, included."""
-    t = harness._summarise(samples + [samples[0]] * repeats)
+    t = timing._summarise(samples + [samples[0]] * repeats)
     assert t.p20_s <= t.median_s <= t.p80_s
 
 

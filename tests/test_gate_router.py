@@ -1,5 +1,5 @@
 """The router's matmul fused with the softmax top-k (``gate_softmax_topk_triton`` in
-moe_route/kernels/triton/router.py; ``routing.route_softmax_fused``, which an inference
+moe_route/kernels/triton/router_gate.py; ``routing.route_softmax_fused``, which an inference
 ``MoELayer`` takes at small T).
 
 The kernel's ids must be exactly those of the standalone softmax top-k kernel run on the logits
@@ -19,12 +19,12 @@ from helpers import DEVICE, requires_triton, router_weight_rtol, strided_copy
 
 import moe_route
 from moe_route import routing
-from moe_route.kernels.triton.router import (
+from moe_route.kernels.triton.router_gate import (
     GATE_MAX_BYTES,
     GateLaunch,
     gate_softmax_topk_triton,
-    softmax_topk_triton,
 )
+from moe_route.kernels.triton.router_softmax import softmax_topk_triton
 
 pytestmark = requires_triton
 

@@ -26,8 +26,8 @@ from helpers import (
 import moe_route
 from moe_route import routing
 from moe_route.kernels import triton as kt
-from moe_route.kernels.triton.router import (
-    MAX_EXPERTS,
+from moe_route.kernels.triton.router import MAX_EXPERTS
+from moe_route.kernels.triton.router_sigmoid import (
     sigmoid_grouped_topk_triton,
     sigmoid_topk_backward_triton,
 )

@@ -1,4 +1,4 @@
-"""The grouped sigmoid router kernel (DeepSeek-V3; moe_route/kernels/triton/router.py,
+"""The grouped sigmoid router kernel (DeepSeek-V3; moe_route/kernels/triton/router_sigmoid.py,
 ``backend="triton"``) against the torch path (``moe_route.routing.sigmoid_grouped_topk_torch``)
 and the float64 loop oracle.
 
@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 import moe_route
 from moe_route import reference, routing
-from moe_route.kernels.triton.router import (
-    MAX_EXPERTS,
+from moe_route.kernels.triton.router import MAX_EXPERTS
+from moe_route.kernels.triton.router_sigmoid import (
     sigmoid_grouped_topk_triton,
     sigmoid_topk_backward_triton,
 )

@@ -1,5 +1,6 @@
-"""The softmax top-k router kernel (moe_route/kernels/triton/router.py, ``backend="triton"``)
-against the torch path (``moe_route.routing.softmax_topk_torch``) and the float64 loop oracle.
+"""The softmax top-k router kernel (moe_route/kernels/triton/router_softmax.py,
+``backend="triton"``) against the torch path (``moe_route.routing.softmax_topk_torch``) and the
+float64 loop oracle.
 
 Ids are compared exactly, ties, NaN and infinities included (both rank the logits, ties to the
 lower id, NaN first as ``torch.sort``); weights and gradients within the bound that

@@ -1,6 +1,8 @@
 """The benchmark suite behind ``python -m moe_route bench`` (see DESIGN.md, "Measuring").
 
-* :mod:`.harness` — ceilings (copy bandwidth, matmul rate), timing, roofline rows, CSV/JSON;
+* :mod:`.harness` — ceilings (copy bandwidth, matmul rate), roofline rows, CSV/JSON, and
+  :mod:`.timing`'s functions re-exported; :mod:`.timing` — CUDA-event, wall-clock and host
+  timing, one implementation or several in turns;
 * :mod:`.baselines` — the PyTorch code a user would otherwise write;
 * :mod:`.shapes` — the standard shapes and what ``--shapes`` selects;
 * :mod:`.context` — what a stage works with: the inputs of a shape, the context that checks and

@@ -30,9 +30,10 @@ import moe_route
 
 from . import baselines as B
 from .context import Context
-from .harness import _summarise, make_row
+from .harness import make_row
 from .profiling import OTHER, Rule, Until, attribute, profile_kernels
 from .shapes import MODELS, Shape
+from .timing import _summarise
 
 STAGE = "backward"
 DGEMM2, ROUTER, DW2, DX1, EXPAND, DW1 = (

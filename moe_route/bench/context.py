@@ -23,8 +23,9 @@ import torch
 import moe_route
 
 from . import baselines as B
-from .harness import Ceilings, Row, make_row, time_auto, time_interleaved
+from .harness import Ceilings, Row, make_row
 from .shapes import Shape
+from .timing import time_auto, time_interleaved
 
 # --------------------------------------------------------------------------- inputs
 
@@ -219,7 +220,7 @@ class Context:
         self, stage: str, shape: Shape, entries: list[Entry], *, graph: bool = True
     ) -> dict[str, Row]:
         """:meth:`measure` for implementations of one computation, timed in turns
-        (:func:`.harness.time_interleaved`, :data:`ROUNDS` rounds): their ratios then do not
+        (:func:`.timing.time_interleaved`, :data:`ROUNDS` rounds): their ratios then do not
         carry the clock drift between one timing and the next. Each row's
         ``extra["round_us"]`` holds its median per round. Rows in ``entries`` order; an entry
         that fails its check or its first call is recorded as a failure and left out."""

@@ -4,7 +4,7 @@ cost of the first call at a token count not seen before.
 For every public op, ``fused_moe`` (forward, and forward + backward) and ``MoELayer`` forward,
 one row (``impl`` = the op) with:
 
-* ``median_us`` (p20, p80): host µs per call, :func:`~.harness.time_host` (``time.perf_counter``
+* ``median_us`` (p20, p80): host µs per call, :func:`~.timing.time_host` (``time.perf_counter``
   around ``ctx.host_calls`` calls with no synchronisation inside the loop, after warm-up; one
   synchronisation after each loop, outside the timed region);
 * ``extra["per_index_select"]``: that over the host time of one ``torch.index_select`` of the
@@ -41,8 +41,9 @@ import torch
 import moe_route
 
 from .context import Context, Inputs
-from .harness import _summarise, make_row, time_cuda, time_eager, time_host, time_once
+from .harness import make_row
 from .shapes import Shape
+from .timing import _summarise, time_cuda, time_eager, time_host, time_once
 
 STAGE = "host"
 YARDSTICK = "index_select"

@@ -48,9 +48,10 @@ import moe_route
 
 from . import baselines as B
 from .context import Context, Entry, Inputs, rel_err
-from .harness import Ceilings, Row, _summarise, make_row, time_eager, time_host
+from .harness import Ceilings, Row, make_row
 from .host import _graph_us
 from .shapes import Shape
+from .timing import _summarise, time_eager, time_host
 
 STAGE, DECODE, HOST = "quant", "quant-dec", "quant-host"
 ROWS = (STAGE, DECODE, HOST)
