@@ -8,7 +8,8 @@ registers the custom op (schema, fake implementation, autograd: what ``torch.com
 ``opcheck`` and users of ``torch.ops.moe_route`` see) and, outside compilation, calls the same
 implementation itself — through an ``autograd.Function`` built from the same ``setup_context``
 and ``backward`` when a gradient is wanted. Both routes run the same code, so they give the
-same bits.
+same bits. The experts' ops (``eager_autograd=False``) leave eager autograd to their caller,
+:class:`moe_route.experts.MoEProgram`, whose launches their implementations run too.
 
 An op's ``backend`` argument is resolved by :func:`moe_route.arch.resolve_backend` before its
 implementation runs, on both routes, so ``"auto"`` and the aliases (``"reference"``) mean
@@ -38,23 +39,28 @@ class Op:
         *,
         setup_context: Callable | None = None,
         backward: Callable | None = None,
+        eager_autograd: bool = True,
     ):
         impl = _resolving_backend(impl)
         self.impl = impl
         self.op = torch.library.custom_op(f"moe_route::{name}", impl, mutates_args=())
         self.op.register_fake(fake)
+        self.differentiable = backward is not None
         self.function = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
-            self.function = _autograd_function(name, impl, setup_context, backward)
+            if eager_autograd:
+                self.function = _autograd_function(name, impl, setup_context, backward)
 
     def __call__(self, *args):
         if torch.compiler.is_compiling() or needs_dispatcher(args):
             return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled():
+        if self.differentiable and torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, torch.Tensor) and a.requires_grad:
-                    return self.function.apply(*args)
+                    # (an op whose eager autograd is its caller's goes through the dispatcher)
+                    fn = self.function
+                    return self.op(*args) if fn is None else fn.apply(*args)
         return self.impl(*args)
 
 
@@ -118,9 +124,6 @@ def _resolving_backend(impl: Callable) -> Callable:
 def _autograd_function(name, impl, setup_context, backward):
     def forward(ctx, *args):
         out = impl(*args)
-        # The outputs went to moe_route's own caller, not to a user of torch.ops.moe_route:
-        # a backward may consume what only it holds (fused_moe's z).
-        ctx.internal_call = True
         setup_context(ctx, args, out)
         return out
 

@@ -23,7 +23,7 @@ from torch import nn
 from . import _checks
 from .activations import Activation, as_activation
 from .arch import check_backend_name
-from .experts import DECODE, run_experts
+from .experts import DECODE
 from .grouped_gemm import GEMM_DTYPES
 from .layer_call import LayerCallMemo
 from .layer_call import _LayerCall as _LayerCall  # (re-exported: callers patch it here)
@@ -459,7 +459,7 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
         # construction, load_state_dict checks them): none of fused_moe's argument checks,
         # one plan, and the counts come with the experts' launches (the maps' offsets, or the
         # decode path's second kernel): one op instead of eight.
-        act, layout, plan = self.activation, self.gate_up_layout, call.plan
+        act, layout = self.activation, self.gate_up_layout
         shared = self.shared_expert(x2)
         decode = None if capturing else call.decode_launch(x2, w1, w2, weights, ids, b1, b2, shared)
         if decode is not None:
@@ -468,13 +468,10 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
         elif call.decode_by_op and not capturing:
             out, counts = DECODE(x2, w1, w2, weights, ids, b1, b2, shared, act, layout, True)
         else:
-            maps_call, experts = call.sorted_path(x2, w1, w2, weights, ids, b1, b2, shared, act,
-                                                  layout)  # fmt: skip
+            maps_call, program, direct = call.sorted_path(x2, w1, w2, weights, ids, b1, b2, shared,
+                                                          act, layout)  # fmt: skip
             maps = maps_call(ids)
-            if experts is not None:
-                out = experts(x2, w1, w2, weights, maps, b1, b2, shared)
-            else:
-                out = run_experts(plan, x2, w1, w2, weights, maps, act, layout, b1, b2, shared)
+            out = program(x2, w1, w2, weights, maps, b1, b2, shared, direct=direct)
             counts = maps.tokens_per_expert()
         return MoEOutput(
             output=out if flat else out.view(x.shape),

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
-from .experts import PreparedExperts, decode_planned, takes_prepared_route
+from .experts import decode_planned, program_for, runs_direct
 from .grouped_gemm import check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .maps import MapsCall
@@ -38,22 +38,20 @@ class _LayerCall:
 
     def sorted_path(self, x, w1, w2, weights, ids, b1, b2, shared, activation: str,
                     layout: str):  # fmt: skip
-        """The sorted path's ``(maps, experts)`` callables for this call: the maps' prepared
-        launch (:class:`~moe_route.maps.MapsCall`) and, in eager mode on plain tensors and the
-        Triton backend, the experts' prepared launch sequences
-        (:class:`~moe_route.experts.PreparedExperts`, else None:
-        :func:`~moe_route.experts.run_experts` through the op). Prepared at the first call
-        from the router's outputs and the shared expert's, whose layouts the signature fixes
-        (checked on each use)."""
+        """The sorted path's ``(maps, program, direct)`` for this call: the maps' prepared
+        launch (:class:`~moe_route.maps.MapsCall`), the experts'
+        :class:`~moe_route.experts.MoEProgram` and whether it runs its launches directly
+        (eager, plain tensors). Decided at the first call from the router's outputs and the
+        shared expert's, whose layouts the signature fixes (checked on each use)."""
         meta = (weights.dtype, weights.stride(), ids.dtype, ids.stride(),
                 None if shared is None else (shared.dtype, shared.stride()))  # fmt: skip
         if meta != self._sorted_meta:
             plan, E = self.plan, w1.shape[0]
-            experts = None
-            args = (x, w1, w2, weights, ids, b1, b2, shared)
-            if takes_prepared_route(plan, self.eager, args):
-                experts = PreparedExperts(plan, activation, layout, False)
-            self._sorted = (MapsCall(ids, E, plan.maps_backend, False, self.eager), experts)
+            program = program_for(x, w1, w2, weights, b1, b2, shared, activation, layout,
+                                  plan.path, plan.gather, False, plan.backend)  # fmt: skip
+            direct = runs_direct(plan, self.eager, (x, w1, w2, weights, ids, b1, b2, shared))
+            maps = MapsCall(ids, E, plan.maps_backend, False, self.eager)
+            self._sorted = (maps, program, direct)
             self._sorted_meta = meta
         return self._sorted
 

@@ -21,20 +21,12 @@ from ._dispatch import (
     tensor_key,
 )
 from .activations import Activation, as_activation
-from .experts import (
-    DECODE,
-    PreparedExperts,
-    PreparedQuantExperts,
-    decode_planned,
-    run_experts,
-    run_quant_experts,
-    takes_prepared_route,
-)
+from .experts import DECODE, decode_planned, program_for, quant_program_for, runs_direct
 from .grouped_gemm import bias_dtypes, check_gemm_args, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .kernels.triton.gemm_mainloop import MAX_EXPERTS
 from .maps import MapsCall
-from .plan import MoEPlan, moe_plan, quant_plan_for
+from .plan import moe_plan, quant_plan_for
 from .quant import QuantSpec, as_quant, check_weight
 from .reference import GATE_UP_LAYOUTS
 from .tuning import token_bucket, warmup_buckets
@@ -166,8 +158,9 @@ def fused_moe(
     plan = moe_plan(x, w1, w2, ids.shape[1], activation, gate_up_layout, finalize,
                     deterministic, gather, allow_tf32, backend)  # fmt: skip
     check_interpreter_dtype("x", x, plan.backend)
-    call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
-                     gate_up_layout, allow_tf32, key is not None)  # fmt: skip
+    program = program_for(x, w1, w2, topk_weights, b1, b2, bias, activation, gate_up_layout,
+                          plan.path, plan.gather, allow_tf32, plan.backend)  # fmt: skip
+    call = FusedCall(program, x, w1, w2, topk_weights, ids, b1, b2, bias, key is not None)
     if token_bucket(T) * ids.shape[1] < 2**31:  # the whole bucket fits the maps' int32 rows
         _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias))
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
@@ -195,8 +188,10 @@ def _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation, gate_up
             raise TypeError(f"x is float32: MXFP4 experts take bf16 / fp16 tokens, got "
                             f"{_checks.describe(x)}")  # fmt: skip
         check_interpreter_dtype("x", x, plan.backend)
-    call = FusedCall(plan, x, w1, w2, topk_weights, ids, b1, b2, bias, activation,
-                     gate_up_layout, False, key is not None, str(spec))  # fmt: skip
+    program = quant_program_for(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias,
+                                activation, gate_up_layout, str(spec), plan.backend)  # fmt: skip
+    call = FusedCall(program, x, w1, w2, topk_weights, ids, b1, b2, bias, key is not None,
+                     w1_scale, w2_scale)  # fmt: skip
     if token_bucket(T) * ids.shape[1] < 2**31:
         _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale))
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
@@ -224,54 +219,37 @@ def _check_routing(x, topk_weights, topk_ids, bias, E: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- call memo
 class FusedCall:
-    """What :func:`fused_moe` decided for one call signature (:func:`_call_key`): the plan, the
-    path (decode or sorted), the per-call checks left (the ids' values, where those are
-    checked), and the decode path's prepared launches. Keeps no tensor. A later call with the
-    same signature runs this without checking its arguments again: the signature holds all
-    that the checks and decisions read.
+    """What :func:`fused_moe` decided for one call signature (:func:`_call_key`): the experts'
+    :class:`~moe_route.experts.MoEProgram`, the path (decode or sorted) and route, the
+    per-call checks left (the ids' values, where those are checked), the maps' and the decode
+    path's prepared launches. Keeps no tensor. A later call with the same signature runs this
+    without checking its arguments again: the signature holds all that the checks and
+    decisions read.
 
     The checks and decisions were half of an eager decode call's host time (docs/decisions.md,
     "Call memos").
     """
 
-    __slots__ = (
-        "E",
-        "activation",
-        "allow_tf32",
-        "check_ids",
-        "cuda",
-        "decode",
-        "experts",
-        "layout",
-        "maps",
-        "plan",
-        "quant",
-    )  # fmt: skip
+    __slots__ = ("E", "check_ids", "cuda", "decode", "direct", "maps", "program")
 
-    def __init__(self, plan: MoEPlan, x, w1, w2, topk_weights, ids, b1, b2, bias,
-                 activation: str, gate_up_layout: str, allow_tf32: bool,
-                 eager: bool, quant: str | None = None):  # fmt: skip
-        self.plan, self.E, self.quant = plan, w1.shape[0], quant
-        self.activation, self.layout, self.allow_tf32 = activation, gate_up_layout, allow_tf32
+    def __init__(self, program, x, w1, w2, topk_weights, ids, b1, b2, bias, eager: bool,
+                 w1_scale=None, w2_scale=None):  # fmt: skip
+        plan = program.plan
+        self.program, self.E = program, w1.shape[0]
         self.check_ids = _checks.ids_value_check_wanted(ids, None)
         self.cuda = x.is_cuda
         # The decode path, where this signature takes it (an inference call: gradients are part
-        # of the signature; eager), prepared; CUDA-graph capture is asked per call.
+        # of the signature; eager; 16-bit experts), prepared; CUDA-graph capture is asked per
+        # call.
         self.decode = None
         args = (x, w1, w2, topk_weights, ids, b1, b2, bias)
-        if decode_planned(plan, x, w1, w2, topk_weights, b1, b2, bias):
+        if program.quant is None and decode_planned(plan, x, w1, w2, topk_weights, b1, b2, bias):
             self.decode = self._through_op
             if not needs_dispatcher(args):
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
-        # The sorted path: the maps' and the experts' launches prepared (eager, Triton, plain
-        # tensors), else through the ops.
+        # The sorted path: the maps' launch prepared, and the route of the experts' program.
         self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
-        self.experts = None
-        if takes_prepared_route(plan, eager, args):
-            if quant is None:
-                self.experts = PreparedExperts(plan, activation, gate_up_layout, allow_tf32)
-            else:
-                self.experts = PreparedQuantExperts(plan, activation, gate_up_layout, quant)
+        self.direct = runs_direct(plan, eager, (*args, w1_scale, w2_scale))
 
     def __call__(self, x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale=None,
                  w2_scale=None) -> torch.Tensor:  # fmt: skip
@@ -280,24 +258,15 @@ class FusedCall:
         decode = self.decode  # (None under torch.compile: nothing below traces a capture query)
         if decode is not None and not (self.cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
-        maps = self.maps(ids)
-        if self.quant is not None:
-            if self.experts is not None:
-                return self.experts(x, w1, w1_scale, w2, w2_scale, topk_weights, maps, b1, b2,
-                                    bias)  # fmt: skip
-            return run_quant_experts(self.plan, x, w1, w1_scale, w2, w2_scale, topk_weights,
-                                     maps, self.activation, self.layout, self.quant, b1, b2,
-                                     bias)  # fmt: skip
-        if self.experts is not None:
-            return self.experts(x, w1, w2, topk_weights, maps, b1, b2, bias)
-        return run_experts(self.plan, x, w1, w2, topk_weights, maps, self.activation,
-                           self.layout, b1, b2, bias, self.allow_tf32)  # fmt: skip
+        return self.program(x, w1, w2, topk_weights, self.maps(ids), b1, b2, bias, w1_scale,
+                            w2_scale, direct=self.direct)  # fmt: skip
 
     def _through_op(self, x, w1, w2, topk_weights, ids, b1, b2, bias) -> torch.Tensor:
         """The decode path through its custom op: tensors the kernels cannot take as they are
         (fake tensors, subclasses; such a call is not memoised)."""
-        return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, self.activation, self.layout,
-                      False)[0]  # fmt: skip
+        program = self.program
+        return DECODE(x, w1, w2, topk_weights, ids, b1, b2, bias, program.activation,
+                      program.layout, False)[0]  # fmt: skip
 
 
 #: :func:`fused_moe`'s decisions by call signature

@@ -65,8 +65,9 @@ def single_process(name: str, world: int, ids_override: tuple | None = None) -> 
         ids = torch.tensor(ids_override, dtype=torch.int32).view(-1, ep_worker.K)
 
         def overriding(call, x, w1, *rest):
-            _, experts = real(call, x, w1, *rest)
-            return (lambda _ids: maps_op(ids, w1.shape[0], call.plan.maps_backend)), experts
+            _, program, direct = real(call, x, w1, *rest)
+            maps = lambda _ids: maps_op(ids, w1.shape[0], call.plan.maps_backend)
+            return maps, program, direct
 
         layer_module._LayerCall.sorted_path = overriding
         try:

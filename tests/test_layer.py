@@ -726,7 +726,8 @@ def test_eager_call_memo_serves_no_stale_decision(monkeypatch):
 @pytest.mark.parametrize("name", ["qwen3-no-norm-aux", "deepseek", "qwen2-shared-gate-bias"])
 def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
     """An eager training step takes the experts' prepared launch sequences
-    (``_LayerCall.sorted_path``) and gives the bits of the op's route (``run_experts``) for
+    (``_LayerCall.sorted_path``: its program run directly) and gives the bits of the op's
+    route (the program through the custom op) for
     the output, the aux loss and every gradient, at the first call and at later ones of the
     same signature (a new T of the bucket included)."""
     layer_mod = importlib.import_module("moe_route.layer_call")
@@ -741,24 +742,24 @@ def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
         return out.output, out.aux_loss, grads
 
     taken = []
-    real_call = moe_route.experts.PreparedExperts.__call__
-    monkeypatch.setattr(moe_route.experts.PreparedExperts, "__call__",
-                        lambda *a, **k: taken.append(1) or real_call(*a, **k))  # fmt: skip
+    real_call = moe_route.experts.MoEProgram.__call__
+    monkeypatch.setattr(moe_route.experts.MoEProgram, "__call__",
+                        lambda *a, **k: taken.append(k["direct"]) or real_call(*a, **k))  # noqa: E501
     layer = make_layer(torch.float32, **kw)
     xs = [_x((T, H), torch.float32) for T in (7, 6)]  # the first call; a new T of its bucket
     got = [step(layer, x) for x in xs]
-    assert len(taken) == len(xs), "the layer did not take the prepared route"
+    assert taken == [True] * len(xs), "the layer did not run its program directly"
     real_sorted = layer_mod._LayerCall.sorted_path
 
     def op_route(self, *args):
-        maps, _ = real_sorted(self, *args)
-        return maps, None
+        maps, program, _ = real_sorted(self, *args)
+        return maps, program, False
 
     monkeypatch.setattr(layer_mod._LayerCall, "sorted_path", op_route)
     layer._calls.clear()
     taken.clear()
     want = [step(layer, x) for x in xs]
-    assert not taken
+    assert taken == [False] * len(xs)
     for (out, aux, grads), (out_w, aux_w, grads_w) in zip(got, want, strict=True):
         assert torch.equal(out, out_w) and torch.equal(aux, aux_w)
         for a, b in zip(grads, grads_w, strict=True):

@@ -255,7 +255,7 @@ def test_opcheck_training_ops(backend):
     assert z.shape == (args[8].numel(), args[1].shape[1])  # GEMM1's pre-activation, stored
     x, w1, w2, tw, b1, b2, _bias, s2d, d2s, efs, off = args[:11]
     bwd_args = (torch.ones_like(out), x, w1, w2, tw, b1, b2, z, s2d, d2s, efs, off, "swiglu",
-                "concat", True, True, True, True, False, False, backend)  # fmt: skip
+                "concat", "standalone", True, True, True, True, True, False, backend)  # fmt: skip
     torch.library.opcheck(moe_route.experts._MOE_BACKWARD.op, bwd_args)
 
 
@@ -369,9 +369,10 @@ def test_weight_grads_from_permuted_rows_equal_gathered(monkeypatch):
          "fused-split_act-gather"],
 )  # fmt: skip
 def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
-    """fused_moe's eager route (``PreparedExperts``: the launch sequences' prepared launches,
-    autograd through ``_Experts``) gives the bits of the op's route (``run_experts``: the
-    custom op's autograd, what compiled code runs) for the output and every gradient: at a
+    """fused_moe's eager route (its ``MoEProgram`` run directly: the launch sequences'
+    prepared launches, autograd through ``_ExpertsFunction``) gives the bits of the op's route
+    (the same program through the custom op and its registered autograd, what compiled code
+    runs) for the output and every gradient: at a
     signature's first call, and at a later call with a new T of the same bucket, which
     prepares no launch again; for a contiguous, a stride-0 and a transposed ``dout``; with
     dropped slots and an expert without rows."""
@@ -388,9 +389,9 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
     monkeypatch.setattr(tuning, "act_backward_config", config)
     moe_route.plan.clear_plans()
     taken, prepared = [], []
-    real_call, real_init = moe_route.experts.PreparedExperts.__call__, GemmLaunch.__init__
-    monkeypatch.setattr(moe_route.experts.PreparedExperts, "__call__",
-                        lambda *a, **k: taken.append(1) or real_call(*a, **k))  # fmt: skip
+    real_call, real_init = moe_route.experts.MoEProgram.__call__, GemmLaunch.__init__
+    monkeypatch.setattr(moe_route.experts.MoEProgram, "__call__",
+                        lambda *a, **k: taken.append(k["direct"]) or real_call(*a, **k))  # noqa: E501
     monkeypatch.setattr(GemmLaunch, "__init__",
                         lambda *a, **k: prepared.append(1) or real_init(*a, **k))  # fmt: skip
     E, H = 5, 16
@@ -418,7 +419,7 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                 out = moe_route.fused_moe(x, w1, w2, tw, case["topk_ids"], b1=b1, b2=b2,
                                           bias=bias, **opts)  # fmt: skip
                 got = torch.autograd.grad(out, leaves, dout)
-                assert taken == [1], "fused_moe did not take its prepared route"
+                assert taken == [True], "fused_moe did not run its program directly"
                 if T == 11 and (seed, kind) != (2, "transposed"):
                     assert not prepared, f"T={T} {kind}: launches prepared again"
                 if i == 0:  # the op's route, with the same plan and maps: one forward
@@ -427,8 +428,11 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                     plan = moe_route.plan.moe_plan(x, w1, w2, 2, "swiglu", "concat", finalize,
                                                    True, gather, False, "triton")  # fmt: skip
                     maps = moe_route.build_routing_maps(case["topk_ids"], E, backend="triton")
-                    want_out = moe_route.experts.run_experts(plan, x, w1, w2, tw, maps, "swiglu",
-                                                             "concat", b1, b2, bias)  # fmt: skip
+                    program = moe_route.experts.program_for(
+                        x, w1, w2, tw, b1, b2, bias, "swiglu", "concat", plan.path, plan.gather,
+                        False, "triton",
+                    )  # fmt: skip
+                    want_out = program(x, w1, w2, tw, maps, b1, b2, bias, direct=False)
                 # a backward per dout, the graph kept for all but the last (which consumes z)
                 keep = i < len(kinds) - 1
                 want = torch.autograd.grad(want_out, op_leaves, dout, retain_graph=keep)

@@ -77,7 +77,7 @@ import torch.distributed._functional_collectives as fc
 
 from .. import arch
 from .._dispatch import needs_dispatcher
-from ..experts import PreparedExperts, run_experts, takes_prepared_route
+from ..experts import program_for
 from ..finalize import finalize_moe_routing
 from ..grouped_gemm import check_interpreter_dtype
 from ..kernels.torch_impl import rank_maps_torch
@@ -109,8 +109,6 @@ class ExpertParallel:
     capacity: int | str | None
     #: Chunks of the local batch whose exchanges overlap the other chunks' experts.
     chunks: int = 1
-    #: The experts' prepared launch sequences by plan (eager calls; no tensors kept).
-    prepared: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def first_expert(self) -> int:
@@ -265,14 +263,9 @@ def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
                     layer.deterministic, None, False, layer.backend)  # fmt: skip
     check_interpreter_dtype("x", rows, plan.backend)
     maps = maps_op(local_ids, w1.shape[0], plan.maps_backend)
-    args = (rows, w1, w2, weights, local_ids, b1, b2)
-    if takes_prepared_route(plan, not torch.compiler.is_compiling(), args):
-        # the prepared launch sequences, as the layer's own forward runs them
-        experts = layer.ep.prepared.get(plan)
-        if experts is None:
-            experts = layer.ep.prepared[plan] = PreparedExperts(plan, act, layout, False)
-        return experts(rows, w1, w2, weights, maps, b1, b2), maps
-    return run_experts(plan, rows, w1, w2, weights, maps, act, layout, b1, b2), maps
+    program = program_for(rows, w1, w2, weights, b1, b2, None, act, layout, plan.path,
+                          plan.gather, False, plan.backend)  # fmt: skip
+    return program(rows, w1, w2, weights, maps, b1, b2), maps
 
 
 def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backend: str):
