@@ -743,8 +743,11 @@ def test_training_step_prepared_route_matches_op_route(monkeypatch, name):
 
     taken = []
     real_call = moe_route.experts.MoEProgram.__call__
-    monkeypatch.setattr(moe_route.experts.MoEProgram, "__call__",
-                        lambda *a, **k: taken.append(k["direct"]) or real_call(*a, **k))  # noqa: E501
+    monkeypatch.setattr(
+        moe_route.experts.MoEProgram,
+        "__call__",
+        lambda *a, **k: taken.append(k["direct"]) or real_call(*a, **k),
+    )
     layer = make_layer(torch.float32, **kw)
     xs = [_x((T, H), torch.float32) for T in (7, 6)]  # the first call; a new T of its bucket
     got = [step(layer, x) for x in xs]

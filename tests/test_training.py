@@ -390,8 +390,11 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
     moe_route.plan.clear_plans()
     taken, prepared = [], []
     real_call, real_init = moe_route.experts.MoEProgram.__call__, GemmLaunch.__init__
-    monkeypatch.setattr(moe_route.experts.MoEProgram, "__call__",
-                        lambda *a, **k: taken.append(k["direct"]) or real_call(*a, **k))  # noqa: E501
+    monkeypatch.setattr(
+        moe_route.experts.MoEProgram,
+        "__call__",
+        lambda *a, **k: taken.append(k["direct"]) or real_call(*a, **k),
+    )
     monkeypatch.setattr(GemmLaunch, "__init__",
                         lambda *a, **k: prepared.append(1) or real_init(*a, **k))  # fmt: skip
     E, H = 5, 16
