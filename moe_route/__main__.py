@@ -3,7 +3,8 @@
 ``info`` says which implementation runs on each visible device and why; ``demo`` walks the
 golden 3-token example of DESIGN.md and one random routing through maps → expand → experts →
 finalize and compares the result with the reference. ``bench`` runs the benchmark suite
-(:mod:`moe_route.bench.suite`; ``python -m moe_route bench --help``).
+(:mod:`moe_route.bench.suite`; ``python -m moe_route bench --help``), or with ``--sweep NAME``
+one of the tuning sweeps (:mod:`moe_route.bench.sweeps`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ examples:
   python -m moe_route demo --device cpu
   python -m moe_route bench --quick
   python -m moe_route bench --list
+  python -m moe_route bench --sweep gemm --quick
 
 'python -m moe_route COMMAND --help' shows the options of one command.
 """
@@ -161,7 +163,8 @@ def main(argv=None) -> int:
         "CSV/JSON, plots",
         description="Measure the copy bandwidth and matmul rate, then time every stage (and "
         "forward + backward) next to the per-expert PyTorch loop and the torch._grouped_mm "
-        "pipeline. Without a GPU: a small CPU comparison.",
+        "pipeline. Without a GPU: a small CPU comparison. With --sweep NAME: one tuning sweep "
+        "of tile configurations instead.",
     )
     from moe_route.bench.suite import add_arguments as add_bench_arguments
     from moe_route.bench.suite import run as cmd_bench

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_cases import needs_interpreter
 
 from moe_route.__main__ import main as cli_main
 from moe_route.bench import (
@@ -785,3 +786,55 @@ def test_quant_tables_render_gpu_rows():
     assert "- quant / m T=4096 / transformers fp8 grouped_mm: ImportError: no kernels" in md
     src = report.Source("x.json", {"gpu": "G"}, rows)
     assert report.plot_roofline([src], "unused.png") is None  # tables of their own
+
+
+# --------------------------------------------------------------------------- bench --sweep
+# (tests/test_cli.py: the names, --list and the options each takes)
+
+# each sweep's tiny case at one token count: a few seconds of interpreted kernels each
+SWEEP_TOKENS = {"gemm": "24", "wgrad": "24", "act": "24", "decode": "1", "bwd_decode": "1"}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", list(SWEEP_TOKENS))
+def test_sweep_runs_its_tiny_case_on_the_cpu(tmp_path, capsys, name):
+    """``bench --sweep NAME`` without a GPU: the tiny float16 case through the interpreter, every
+    variant run and checked against the tables' config (or fused_moe), the CSV written."""
+    rc = cli_main(["bench", "--sweep", name, "--tokens", SWEEP_TOKENS[name],
+                   "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "the tiny float16 case through the Triton interpreter" in out
+    with open(tmp_path / f"{name}_sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {r["model"] for r in rows} == {"tiny"}
+    for r in rows:
+        assert not r["status"].startswith("FAILED") and r["status"] != "MISMATCH", r
+        if r.get("rel_err") and r.get("impl") != "torch._grouped_mm":
+            assert float(r["rel_err"]) < 1e-2, r
+    if name == "gemm":
+        persistent = [r for r in rows if r["kernel"] == "persistent"]
+        assert {r["gemm"] for r in rows} == {"gemm1", "gemm1_xperm", "gemm2"}
+        assert persistent and all(r["status"] == "ok" for r in persistent), persistent
+        assert "return GemmConfig(" in out  # the suggested tuning.py tail
+    elif name == "wgrad":
+        impls = {r["impl"].split(" ")[0] for r in rows if r["gemm"] == "dW1"}
+        assert {"pointer+gather", "plan:", "tma", "pointer"} <= impls, impls
+    elif name == "act":
+        assert {r["impl"] for r in rows} >= {"plan, gathered", "plan, permuted",
+                                            "epilogue bytes, copied"}  # fmt: skip
+    elif name == "decode":
+        assert [r["status"] for r in rows][:2] == ["baseline", "current"]
+    elif name == "bwd_decode":
+        assert {r["gemm"] for r in rows} == {"dX", "act_bwd"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what runs without a GPU")
+@pytest.mark.parametrize("name", list(SWEEP_TOKENS))
+def test_sweep_without_gpu_or_interpreter_refuses(monkeypatch, capsys, name):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert cli_main(["bench", "--sweep", name]) == 2
+    out = capsys.readouterr().out
+    assert f"bench --sweep {name}: needs a CUDA device" in out and "TRITON_INTERPRET=1" in out
+    assert cli_main(["bench", "--sweep", name, "--device", "cuda"]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().out

@@ -13,6 +13,9 @@
 * :mod:`.profiling` — what ``torch.profiler`` tells them: kernels grouped into steps, the
   activation memory of a training step;
 * :mod:`.suite` — the command line: runs stages × shapes with a progress bar;
+* :mod:`.sweeps` — ``--sweep NAME``: the tuning sweeps over tile configurations (gemm, wgrad,
+  act, decode, bwd_decode; one module each), on a GPU or, as a check, a tiny case through the
+  Triton interpreter;
 * :mod:`.results` — saved JSON read back (:class:`.results.Source`), and the order of stages,
   shapes and implementations; :mod:`.tables` — the markdown tables; :mod:`.plots` — the PNG
   plots; :mod:`.report` — the markdown results section and the README block (the other three's

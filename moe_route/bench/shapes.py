@@ -1,8 +1,9 @@
 """The benchmark's problem sizes: :class:`Shape`, the standard models and their token counts.
 
 DESIGN.md "Measuring" lists them. :func:`select_shapes` is what ``--shapes``, ``--tokens``,
-``--custom`` and ``--skew`` of ``python -m moe_route bench`` select; the tuning scripts under
-scripts/ take :data:`TRAINING_SHAPES` and :func:`model_shape`.
+``--custom`` and ``--skew`` of ``python -m moe_route bench`` select; the tuning sweeps
+(``bench --sweep``, :mod:`.sweeps`) and the scripts under scripts/ take :data:`TRAINING_SHAPES`
+and :func:`model_shape`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def model_shape(model: str, T: int) -> Shape:
 
 
 #: The training shapes by short name (each model at its first prefill size), as the tuning
-#: scripts under scripts/ take them with ``--shapes``.
+#: sweeps and the scripts under scripts/ take them with ``--shapes``.
 TRAINING_SHAPES = {
     name: model_shape(model, MODELS[model]["prefill"][0])
     for name, model in (("mixtral", "mixtral-8x7b"), ("qwen3", "qwen3-30b-a3b"),

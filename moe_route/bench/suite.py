@@ -7,7 +7,8 @@ Writes ``<name>.json`` and ``<name>.csv`` (rewritten after every step, so an int
 keeps what it measured), PNG plots and a markdown results table (:mod:`moe_route.bench.report`);
 optional baselines this torch / device / install cannot run are listed under ``skipped`` with
 the reason. Without a CUDA device it says so and runs a small CPU comparison (the reference path
-against the PyTorch baselines at tiny sizes).
+against the PyTorch baselines at tiny sizes). ``--sweep NAME`` runs one of the tuning sweeps of
+:mod:`.sweeps` instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from . import report
+from . import report, sweeps
 from .context import Context, available_alt_backends
 from .harness import Ceilings, add_speedups, environment, print_table, write_results
 from .shapes import Shape, select_shapes
@@ -144,6 +145,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="print the stages and shapes and exit")
     p.add_argument("--strict", action="store_true", help="exit 1 if any implementation failed")
     p.add_argument("--seed", type=int, default=0)
+    sweeps.add_arguments(p)
+
+
+def _defaults() -> dict:
+    """Every option's default (an option whose value differs was given)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return vars(p.parse_args([]))
 
 
 def _out_dir(args) -> str:
@@ -178,6 +187,8 @@ def _finish_outputs(paths: list[str], out_dir: str, args, stem: str) -> list[str
 
 
 def run(args) -> int:
+    if args.sweep:
+        return sweeps.run(args, _defaults(), lambda: _out_dir(args))
     if args.render:
         out_dir = args.out or os.path.dirname(os.path.abspath(args.render[0]))
         os.makedirs(out_dir, exist_ok=True)
