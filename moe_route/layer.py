@@ -471,7 +471,7 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
             maps_call, program, direct = call.sorted_path(x2, w1, w2, weights, ids, b1, b2, shared,
                                                           act, layout)  # fmt: skip
             maps = maps_call(ids)
-            out = program(x2, w1, w2, weights, maps, b1, b2, shared, direct=direct)
+            out = program(x2, w1, w2, weights, maps.tensors(), b1, b2, shared, direct=direct)
             counts = maps.tokens_per_expert()
         return MoEOutput(
             output=out if flat else out.view(x.shape),

@@ -21,7 +21,14 @@ from ._dispatch import (
     tensor_key,
 )
 from .activations import Activation, as_activation
-from .experts import DECODE, decode_planned, program_for, quant_program_for, runs_direct
+from .experts import (
+    DECODE,
+    compile_ahead,
+    decode_planned,
+    program_for,
+    quant_program_for,
+    runs_direct,
+)
 from .grouped_gemm import bias_dtypes, check_gemm_args, check_interpreter_dtype
 from .kernels.triton.decode import DecodeLaunch
 from .kernels.triton.gemm_mainloop import MAX_EXPERTS
@@ -163,6 +170,8 @@ def fused_moe(
     call = FusedCall(program, x, w1, w2, topk_weights, ids, b1, b2, bias, key is not None)
     if token_bucket(T) * ids.shape[1] < 2**31:  # the whole bucket fits the maps' int32 rows
         _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias))
+    if call.cuda and call.direct:  # a new signature: its kernels compile side by side
+        compile_ahead(call, x, w1, w2, topk_weights, ids, b1, b2, bias)
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
 
 
@@ -192,9 +201,12 @@ def _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation, gate_up
                                 activation, gate_up_layout, str(spec), plan.backend)  # fmt: skip
     call = FusedCall(program, x, w1, w2, topk_weights, ids, b1, b2, bias, key is not None,
                      w1_scale, w2_scale)  # fmt: skip
+    args = (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
     if token_bucket(T) * ids.shape[1] < 2**31:
-        _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale))
-    return call(x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
+        _CALLS.keep(key, call, args)
+    if call.cuda and call.direct:  # a new signature: its kernels compile side by side
+        compile_ahead(call, *args)
+    return call(*args)
 
 
 def _check_routing(x, topk_weights, topk_ids, bias, E: int) -> torch.Tensor:
@@ -258,8 +270,8 @@ class FusedCall:
         decode = self.decode  # (None under torch.compile: nothing below traces a capture query)
         if decode is not None and not (self.cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
-        return self.program(x, w1, w2, topk_weights, self.maps(ids), b1, b2, bias, w1_scale,
-                            w2_scale, direct=self.direct)  # fmt: skip
+        return self.program(x, w1, w2, topk_weights, self.maps(ids).tensors(), b1, b2, bias,
+                            w1_scale, w2_scale, direct=self.direct)  # fmt: skip
 
     def _through_op(self, x, w1, w2, topk_weights, ids, b1, b2, bias) -> torch.Tensor:
         """The decode path through its custom op: tensors the kernels cannot take as they are

@@ -435,7 +435,7 @@ def test_prepared_route_matches_op_route(monkeypatch, finalize, split, gather):
                         x, w1, w2, tw, b1, b2, bias, "swiglu", "concat", plan.path, plan.gather,
                         False, "triton",
                     )  # fmt: skip
-                    want_out = program(x, w1, w2, tw, maps, b1, b2, bias, direct=False)
+                    want_out = program(x, w1, w2, tw, maps.tensors(), b1, b2, bias, direct=False)
                 # a backward per dout, the graph kept for all but the last (which consumes z)
                 keep = i < len(kinds) - 1
                 want = torch.autograd.grad(want_out, op_leaves, dout, retain_graph=keep)

@@ -265,7 +265,7 @@ def _run_experts(layer, rows: torch.Tensor, local_ids: torch.Tensor,
     maps = maps_op(local_ids, w1.shape[0], plan.maps_backend)
     program = program_for(rows, w1, w2, weights, b1, b2, None, act, layout, plan.path,
                           plan.gather, False, plan.backend)  # fmt: skip
-    return program(rows, w1, w2, weights, maps, b1, b2), maps
+    return program(rows, w1, w2, weights, maps.tensors(), b1, b2), maps
 
 
 def _keep_within(ids: torch.Tensor, num_experts: int, limit: torch.Tensor, backend: str):

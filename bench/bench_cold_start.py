@@ -1,0 +1,127 @@
+"""Cold start: the wall time of the first call at each new token bucket, on an empty Triton
+cache, in a fresh process per measurement.
+
+    python bench/bench_cold_start.py [--tokens 100,700,1300] [--out DIR]
+
+Each measurement starts a new Python process with its own empty ``TRITON_CACHE_DIR`` and
+times (``time.perf_counter`` around the call and a device synchronise) the first
+``fused_moe`` inference call at each of ``--tokens`` in turn (each a new power-of-two
+bucket), then a second call at the same ``T`` (compiled by then), on Qwen3-30B-A3B's expert
+shapes (H 2048, I 768, E 128, K 8, bf16). Two variants, each in its own process:
+
+* ``ahead`` — moe_route as it is: a signature's first call compiles its kernels side by side
+  (``kernels.triton.compiling_ahead``) before it runs;
+* ``serial`` — the same with the compile-ahead pass switched off (each kernel compiles at its
+  first launch, one after the other): the reference.
+
+``--hf`` adds the same two variants through a transformers Qwen3-MoE model (two decoder
+layers at the real widths, random weights) switched to ``experts_implementation="moe_route"``:
+the first prefill of ``T`` tokens, which is what a serving process meets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+H, INTER, E, K = 2048, 768, 128, 8
+
+
+def _child(variant: str, tokens: list[int], hf: bool) -> dict:
+    import time
+
+    import torch
+
+    import moe_route
+    import moe_route.experts
+
+    if variant == "serial":
+        moe_route.experts.compiling_ahead = lambda: None
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    times = {}
+    if hf:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        import moe_route.integrations.hf as moe_hf
+
+        moe_hf.register()
+
+        cfg = Qwen3MoeConfig(
+            hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=K,
+            num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+            intermediate_size=6144, vocab_size=1024, head_dim=128,
+        )  # fmt: skip
+        model = Qwen3MoeForCausalLM(cfg).to(dev, torch.bfloat16).eval()
+        model.set_experts_implementation("moe_route")
+        for T in tokens:
+            ids = torch.randint(0, 1024, (1, T), device=dev, generator=g)
+            for attempt in ("first", "again"):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model(ids)
+                torch.cuda.synchronize()
+                times[f"{T}:{attempt}"] = time.perf_counter() - t0
+        return times
+    w1 = torch.randn(E, 2 * INTER, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(E, H, INTER, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    for T in tokens:
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(T, E, device=dev, generator=g)
+        weights, ids = moe_route.softmax_topk(logits, K)
+        for attempt in ("first", "again"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                moe_route.fused_moe(x, w1, w2, weights, ids)
+            torch.cuda.synchronize()
+            times[f"{T}:{attempt}"] = time.perf_counter() - t0
+    return times
+
+
+def _measure(variant: str, tokens: list[int], hf: bool) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        arg = ",".join(map(str, tokens))
+        cmd = [sys.executable, __file__, "--child", variant, "--tokens", arg]
+        out = subprocess.run(cmd + (["--hf"] if hf else []), env=env, capture_output=True,
+                             text=True)  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="100,700,1300")
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.child:
+        print(json.dumps(_child(args.child, tokens, args.hf)))
+        return
+    rows = []
+    for hf in (False, True) if args.hf else (False,):
+        for variant in ("serial", "ahead"):
+            times = _measure(variant, tokens, hf)
+            rows.append({"path": "hf" if hf else "fused_moe", "variant": variant, **times})
+    cols = [f"{T}:{a}" for T in tokens for a in ("first", "again")]
+    print("| path | variant | " + " | ".join(f"T={c} s" for c in cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['path']} | {r['variant']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cold_start.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
