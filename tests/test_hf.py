@@ -1157,3 +1157,134 @@ def test_describe_reports_experts_the_switch_does_not_reach():
     assert report[names[0]].startswith("eager: its config (Qwen3MoeConfig) asks for 'eager'")
     assert "(on moe_route: moe_route: swiglu concat)" in report[names[0]]
     assert all(report[n] == "moe_route: swiglu concat" for n in names[1:])
+
+
+# ----------------------------------------------------------------------------- warm-up
+# moe_hf.warmup(model, max_tokens) makes fused_moe's first call of each token bucket, once per
+# distinct configuration, through the forward's own code. What a later forward would compile
+# is observed through what a first call of a signature makes: a FusedCall (fused_moe's
+# decisions for the signature) and a MoEProgram (the experts' plan and prepared launches),
+# and, on a GPU, a ThinKernel's first launch of a variant (Triton compiles or finds it; the
+# interpreter never takes that path).
+import moe_route.experts  # noqa: E402
+import moe_route.moe  # noqa: E402
+import moe_route.plan  # noqa: E402
+from moe_route.kernels.triton import ThinKernel  # noqa: E402
+
+
+@pytest.fixture
+def first_calls(monkeypatch):
+    """Counts, by kind, the first calls of a signature from here on (every memo emptied)."""
+    moe_route.plan.clear_plans()
+    counts = dict.fromkeys(("FusedCall", "MoEProgram", "first launch"), 0)
+
+    def counting(name, real):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    for cls in (moe_route.moe.FusedCall, moe_route.experts.MoEProgram):
+        monkeypatch.setattr(cls, "__init__", counting(cls.__name__, cls.__init__))
+    monkeypatch.setattr(ThinKernel, "_first_launch",
+                        counting("first launch", ThinKernel._first_launch))  # fmt: skip
+    return counts
+
+
+def two_moe_layer_model(name="moe_route", dtype=torch.float32):
+    """The tiny Qwen3-MoE with both layers MoE, on ``name``, eval mode, on DEVICE."""
+    config = tiny_config("qwen3_moe")
+    config.mlp_only_layers = []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=name)
+    return model.to(DEVICE, dtype).eval()
+
+
+def test_warmup_warms_one_configuration_and_the_forward_compiles_nothing(first_calls):
+    model = two_moe_layer_model()
+    names = [n for n, how in moe_hf.describe(model).items() if how.startswith("moe_route")]
+    assert len(names) == 2
+    warmed = moe_hf.warmup(model, 6)
+    assert len(warmed) == 1, [str(w) for w in warmed]
+    (w,) = warmed
+    assert w.modules == tuple(names) and w.buckets == (1, 2, 4, 8)
+    assert w.description == ("swiglu concat; w1 [4, 48, 32] float32; top_k 3, tokens float32, "
+                             "ids int64, router weights float32")  # fmt: skip
+    # one fused_moe signature per bucket, not per layer
+    assert first_calls["FusedCall"] == first_calls["MoEProgram"] == 4
+    assert all(p.grad is None for p in model.parameters())
+    first_calls.update(dict.fromkeys(first_calls, 0))
+    with torch.no_grad():
+        for batch, seq in ((2, 3), (1, 1), (1, 2), (1, 3), (1, 5)):  # T = 6, 1, 2, 3, 5
+            model(token_ids(batch=batch, seq=seq))
+    assert first_calls == dict.fromkeys(first_calls, 0)
+    # the count can fail: T = 9 is a bucket (16) the warm-up did not reach
+    with torch.no_grad():
+        model(token_ids(batch=1, seq=9))
+    assert first_calls["FusedCall"] == first_calls["MoEProgram"] == 1
+
+
+@pytest.mark.parametrize("family, router", [("mixtral", "float32"), ("qwen3_moe", "bfloat16")])
+def test_warmup_takes_the_routers_dtypes(family, router, first_calls):
+    """bf16 tokens: Mixtral's router hands its experts float32 weights, Qwen3-MoE's bf16 ones;
+    the warm-up calls carry what the model's own forward hands its experts."""
+    model, _ = tiny_models(family, torch.bfloat16)
+    model.set_experts_implementation(BF16_NAME)
+    (w,) = moe_hf.warmup(model, 12)
+    assert f"tokens bfloat16, ids int64, router weights {router}" in w.description
+    assert len(w.modules) == len(moe_hf.describe(model)) and w.buckets == (1, 2, 4, 8, 16)
+    first_calls.update(dict.fromkeys(first_calls, 0))
+    with torch.no_grad():
+        model(token_ids())  # T = 12
+    assert first_calls == dict.fromkeys(first_calls, 0)
+
+
+def test_warmup_backward_warms_a_training_step(first_calls):
+    model = two_moe_layer_model("moe_route_reference")
+    (w,) = moe_hf.warmup(model, 12, backward=True)
+    assert w.buckets == (1, 2, 4, 8, 16)
+    assert all(p.grad is None for p in model.parameters())  # nothing accumulated
+    first_calls.update(dict.fromkeys(first_calls, 0))
+    model(token_ids()).logits.sum().backward()  # T = 12, with gradients
+    assert first_calls == dict.fromkeys(first_calls, 0)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+
+
+@pytest.mark.parametrize("quant", ["fp8", "mxfp4"])
+def test_warmup_quantised_experts(quant, first_calls):
+    """FP8Experts: the warm-up passes the quantised operands and scales as the forward does."""
+    _, model = tiny_fp8_model(quant=quant)
+    model.set_experts_implementation(QUANT_NAME)
+    (w,) = moe_hf.warmup(model, 4)
+    assert f"quant={quant!r}" in w.description and w.buckets == (1, 2, 4)
+    first_calls.update(dict.fromkeys(first_calls, 0))
+    with torch.no_grad():
+        model(token_ids(batch=1, seq=3))
+    assert first_calls == dict.fromkeys(first_calls, 0)
+
+
+def test_warmup_probes_the_moe_block_outside_a_whole_model(first_calls):
+    """Given an MoE block (no transformers model around it: no two-token forward), the probe
+    calls the experts' parent block; a lone experts module cannot be probed."""
+    model = two_moe_layer_model("moe_route_reference")
+    block = model.model.layers[1].mlp
+    (w,) = moe_hf.warmup(block, 4)
+    assert w.modules == ("experts",) and "router weights float32" in w.description
+    first_calls.update(dict.fromkeys(first_calls, 0))
+    with torch.no_grad():
+        block(torch.randn(1, 3, 32, device=DEVICE))
+    assert first_calls == dict.fromkeys(first_calls, 0)
+    with pytest.raises(RuntimeError, match="could not be probed"):
+        moe_hf.warmup(block.experts, 4)
+
+
+def test_warmup_without_moe_route_experts_raises():
+    eager = two_moe_layer_model("eager")
+    with pytest.raises(ValueError, match=r"no experts module of Qwen3MoeForCausalLM runs on "
+                       r"moe_route.*'eager'.*set_experts_implementation"):  # fmt: skip
+        moe_hf.warmup(eager, 8)
+    with pytest.raises(ValueError, match="Linear has no experts module"):
+        moe_hf.warmup(nn.Linear(4, 4), 8)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        moe_hf.warmup(two_moe_layer_model(), 0)

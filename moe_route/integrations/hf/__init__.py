@@ -107,7 +107,8 @@ recognition, :class:`ExpertsPlan`, :func:`plan_for`), :mod:`.quantized` (FP8 / F
 their operands and scales), :mod:`.forward` (the experts forward and its fallback),
 :mod:`.switch` (the blocks a request does not reach, the hook that warns about them),
 :mod:`.registration` (:func:`register`, :func:`is_registered`), :mod:`.description`
-(:func:`describe`).
+(:func:`describe`), :mod:`.warmup` (:func:`warmup`: compile the experts' kernels before the
+first request).
 """
 
 from .description import Description, describe
@@ -116,6 +117,7 @@ from .plan import PARAMETER_ATTRS, ExpertsPlan, Unsupported, plan_for
 from .quantized import is_quantized_experts
 from .registration import FALLBACKS, FUSED_MOE_OPTIONS, NAME, is_registered, register
 from .switch import MoeRouteNoOpWarning, bypassing_experts
+from .warmup import WarmedExperts, warmup
 
 __all__ = [
     "FALLBACKS",
@@ -127,6 +129,7 @@ __all__ = [
     "MoeRouteFallbackWarning",
     "MoeRouteNoOpWarning",
     "Unsupported",
+    "WarmedExperts",
     "bypassing_experts",
     "describe",
     "is_quantized_experts",
@@ -134,4 +137,5 @@ __all__ = [
     "moe_route_experts_forward",
     "plan_for",
     "register",
+    "warmup",
 ]

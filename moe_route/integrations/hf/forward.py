@@ -100,15 +100,24 @@ def moe_route_experts_forward(
     """
     try:
         plan = plan_for(module)
-        w1, w2, b1, b2, quant = _resolve(module, plan)
+        operands = _resolve(module, plan)
     except Unsupported as exc:
         return _fallback_forward(
             module, hidden_states, top_k_index, top_k_weights, fallback, str(exc)
         )
-    E = w1.shape[0]
+    return _run(
+        module, plan, operands, hidden_states, top_k_index, top_k_weights, fused_moe_options
+    )
+
+
+def _run(module, plan, operands, hidden_states, top_k_index, top_k_weights, options):
+    """The one :func:`moe_route.fused_moe` call that runs ``module`` (``operands``: what
+    :func:`_resolve` gives for ``plan``): the forward's, and what :func:`~.warmup.warmup`
+    launches, so that both build the same arguments."""
+    w1, w2, b1, b2, quant = operands
     ids = top_k_index
     if getattr(module, "_is_expert_parallel", False):
-        ids = torch.where(ids >= E, -1, ids)  # another rank's slot: dropped here
+        ids = torch.where(ids >= w1.shape[0], -1, ids)  # another rank's slot: dropped here
     out = fused_moe(
         hidden_states.to(_activation_dtype(hidden_states, w1, quant)),
         w1,
@@ -120,6 +129,6 @@ def moe_route_experts_forward(
         b1=b1,
         b2=b2,
         **quant,
-        **fused_moe_options,
+        **options,
     )
     return out.to(hidden_states.dtype)
