@@ -6,6 +6,7 @@ parameters (``"swiglu(alpha=1.702, limit=7.0, up_offset=1.0)"``) or an :class:`A
 
     moe_route.activation("swiglu", alpha=1.702, limit=7.0, up_offset=1.0)  # gpt-oss
     moe_route.activation("swiglu", limit=10.0)  # DeepSeek-V4-style clamp, alpha 1, offset 0
+    moe_route.activation("swiglu", gate_softcap=4.0, up_softcap=25.0)  # Inkling2
 
 Element-wise functions ``f`` (the *kind*):
 
@@ -33,6 +34,17 @@ follow ``torch.clamp``'s convention: they pass where ``gate <= limit`` and ``-li
 limit`` (bounds included) and are zero outside. ``alpha``, ``limit`` and ``up_offset`` are for
 gated activations (``alpha`` for ``swiglu`` only).
 
+The soft-capped SwiGLU (Inkling2's experts, transformers' ``Inkling2SoftcappedSwiGLU``) bounds
+the linear factor of the gate and the up value smoothly, each by its own cap, with
+``softcap(x, c) = c · tanh(x / c)``; the sigmoid sees the gate itself::
+
+    up   = softcap(up, up_softcap)                          # only with up_softcap
+    out  = softcap(gate, gate_softcap) · sigmoid(alpha · gate) · (up + up_offset)
+
+(``gate_softcap`` replaces silu's linear factor ``gate``; after the clamp when there is a
+``limit``). ``gate_softcap`` and ``up_softcap`` are for ``swiglu`` only; each may be given
+alone.
+
 Custom ops carry the activation as its canonical string (``str(spec)``), so it crosses
 ``torch.library`` and ``torch.compile`` as a constant.
 """
@@ -50,15 +62,17 @@ KIND_CODES = {"silu": 1, "gelu": 2, "gelu_tanh": 4, "relu": 3, "relu2": 5, "iden
 GATED_KINDS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
 #: Every accepted activation name (gated first).
 NAMES = (*GATED_KINDS, *KIND_CODES)
-_PARAMS = ("alpha", "limit", "up_offset")
+_PARAMS = ("alpha", "limit", "up_offset", "gate_softcap", "up_softcap")
+#: The parameters for which ``None`` (or ``inf``) means "none" and a number must be > 0.
+_BOUNDS = ("limit", "gate_softcap", "up_softcap")
 
 
 @dataclass(frozen=True)
 class Activation:
     """One activation: element-wise ``kind``, ``gated`` or not, and the gated parameters.
 
-    Build it with :func:`activation` (by name) or directly; it validates itself. A ``limit`` of
-    ``None`` (or ``inf``) means no clamp.
+    Build it with :func:`activation` (by name) or directly; it validates itself. A ``limit``,
+    ``gate_softcap`` or ``up_softcap`` of ``None`` (or ``inf``) means none.
     """
 
     #: element-wise function: ``silu``, ``gelu``, ``gelu_tanh``, ``relu``, ``relu2``,
@@ -72,6 +86,10 @@ class Activation:
     limit: float | None = None
     #: added to ``up`` after the clamp (gated only).
     up_offset: float = 0.0
+    #: ``swiglu``'s linear factor soft-capped: ``c·tanh(gate/c) · sigmoid(alpha·gate)``; > 0.
+    gate_softcap: float | None = None
+    #: ``up`` soft-capped, ``c·tanh(up/c)``, before ``up_offset`` (``swiglu`` only); > 0.
+    up_softcap: float | None = None
     # Derived once in __post_init__ (the public functions turn a spec into its string on every
     # call): plain attributes, which torch.compile traces (a functools.cached_property it
     # cannot: its lock).
@@ -89,16 +107,18 @@ class Activation:
             )
         for p in _PARAMS:
             v = getattr(self, p)
-            if v is None and p == "limit":
+            if v is None and p in _BOUNDS:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise ValueError(f"activation {p}={v!r}: expected a number")
             object.__setattr__(self, p, float(v))
-        if self.limit is not None:
-            if self.limit <= 0:
-                raise ValueError(f"activation limit={self.limit!r}: expected a number > 0")
-            if math.isinf(self.limit):
-                object.__setattr__(self, "limit", None)
+        for p in _BOUNDS:
+            v = getattr(self, p)
+            if v is not None:
+                if v <= 0:
+                    raise ValueError(f"activation {p}={v!r}: expected a number > 0")
+                if math.isinf(v):
+                    object.__setattr__(self, p, None)
         if not math.isfinite(self.alpha) or not math.isfinite(self.up_offset):
             raise ValueError(
                 f"activation alpha={self.alpha!r}, up_offset={self.up_offset!r}: expected "
@@ -109,10 +129,16 @@ class Activation:
                 f"activation {self.name!r}: limit and up_offset apply to gated activations "
                 f"({tuple(GATED_KINDS)}) only"
             )
-        if self.alpha != 1.0 and not (self.gated and self.kind == "silu"):
+        swiglu = self.gated and self.kind == "silu"
+        if self.alpha != 1.0 and not swiglu:
             raise ValueError(
                 f"activation {self.name!r}: alpha applies to 'swiglu' only, got "
                 f"alpha={self.alpha!r}"
+            )
+        if not swiglu and (self.gate_softcap is not None or self.up_softcap is not None):
+            raise ValueError(
+                f"activation {self.name!r}: gate_softcap and up_softcap apply to 'swiglu' only, "
+                f"got gate_softcap={self.gate_softcap!r}, up_softcap={self.up_softcap!r}"
             )
         params = []
         if self.alpha != 1.0:
@@ -121,11 +147,19 @@ class Activation:
             params.append(f"limit={self.limit!r}")
         if self.up_offset != 0.0:
             params.append(f"up_offset={self.up_offset!r}")
+        if self.gate_softcap is not None:
+            params.append(f"gate_softcap={self.gate_softcap!r}")
+        if self.up_softcap is not None:
+            params.append(f"up_softcap={self.up_softcap!r}")
         canonical = f"{self.name}({', '.join(params)})" if params else self.name
-        limit = 0.0 if self.limit is None else self.limit
+        limit, gate_cap, up_cap = (
+            0.0 if getattr(self, p) is None else getattr(self, p) for p in _BOUNDS
+        )
         object.__setattr__(self, "_canonical", canonical)
         object.__setattr__(
-            self, "_constexprs", (KIND_CODES[self.kind], self.alpha, limit, self.up_offset)
+            self,
+            "_constexprs",
+            (KIND_CODES[self.kind], self.alpha, limit, self.up_offset, gate_cap, up_cap),
         )
 
     @property
@@ -140,10 +174,10 @@ class Activation:
         (``repr`` of each float, so :func:`as_activation` reads back the same spec)."""
         return self._canonical
 
-    def triton_constexprs(self) -> tuple[int, float, float, float]:
-        """``(ACT, ALPHA, LIMIT, UP_OFFSET)`` for the kernels of
-        ``moe_route/kernels/triton/activation.py``; ``LIMIT = 0.0`` means no clamp (a real
-        limit is > 0)."""
+    def triton_constexprs(self) -> tuple[int, float, float, float, float, float]:
+        """``(ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)`` for the kernels of
+        ``moe_route/kernels/triton/activation.py``; ``0.0`` for ``LIMIT`` or a cap means none
+        (a real one is > 0)."""
         return self._constexprs
 
 
@@ -153,6 +187,8 @@ def activation(
     alpha: float | None = None,
     limit: float | None = None,
     up_offset: float | None = None,
+    gate_softcap: float | None = None,
+    up_softcap: float | None = None,
 ) -> Activation:
     """An :class:`Activation` by name, with parameters (``None`` keeps the name's own).
 
@@ -163,12 +199,20 @@ def activation(
         alpha: ``swiglu``'s ``x · sigmoid(alpha · x)`` (1 by default).
         limit: clamp ``gate`` from above and ``up`` to ``[-limit, limit]`` (gated only).
         up_offset: add to ``up`` after the clamp (gated only).
+        gate_softcap: soft-cap ``swiglu``'s linear gate factor, ``c·tanh(gate/c)``.
+        up_softcap: soft-cap ``up`` (``swiglu`` only), ``c·tanh(up/c)``.
 
-    Example: gpt-oss's experts are ``activation("swiglu", alpha=1.702, limit=7.0,
-    up_offset=1.0)``.
+    Examples: gpt-oss's experts are ``activation("swiglu", alpha=1.702, limit=7.0,
+    up_offset=1.0)``, Inkling2's ``activation("swiglu", gate_softcap=4.0, up_softcap=25.0)``.
     """
     spec = as_activation(name, arg="name")
-    given = {"alpha": alpha, "limit": limit, "up_offset": up_offset}
+    given = {
+        "alpha": alpha,
+        "limit": limit,
+        "up_offset": up_offset,
+        "gate_softcap": gate_softcap,
+        "up_softcap": up_softcap,
+    }
     fields = {p: getattr(spec, p) for p in _PARAMS}
     fields.update({p: v for p, v in given.items() if v is not None})
     return Activation(spec.kind, spec.gated, **fields)

@@ -29,10 +29,11 @@ def epilogue_for(activation: str | Activation, gate_up_layout: str) -> GemmEpilo
     """GEMM1's epilogue for an activation (its canonical string, as the ops carry it, or a
     spec) and gate/up layout; cached, so the launch keys and plans hold one object per spec."""
     spec = as_activation(activation)
-    act, alpha, limit, up_offset = spec.triton_constexprs()
+    act, alpha, limit, up_offset, gate_softcap, up_softcap = spec.triton_constexprs()
     return GemmEpilogue(
         act=act, gated=spec.gated, interleaved=spec.gated and gate_up_layout == "interleaved",
-        alpha=alpha, limit=limit, up_offset=up_offset,
+        alpha=alpha, limit=limit, up_offset=up_offset, gate_softcap=gate_softcap,
+        up_softcap=up_softcap,
     )  # fmt: skip
 
 

@@ -58,12 +58,16 @@ CONFIGS = [
     (128, 256, 64, 8, 8, 2),
 ]
 SWIGLU = dict(ACT=KIND_CODES["silu"], GATED=True)
+#: Inkling2's soft-capped SwiGLU (the epilogue with the most arithmetic).
+SOFTCAP = dict(SWIGLU, GATE_SOFTCAP=4.0, UP_SOFTCAP=25.0)
 # name -> (kernel, the constexprs that select its epilogue)
 VARIANTS = {
     "gemm2": (GEMM, dict()),
     "gemm1 swiglu gather": (GEMM, dict(SWIGLU, GATHER=True)),
     "gemm1 swiglu gather + z": (GEMM, dict(SWIGLU, GATHER=True, STORE_PRE=True)),
     "gemm2 bwd + swiglu bwd": (GEMM_ACT_BWD, dict(SWIGLU, W_KMAJOR=True)),
+    "gemm1 softcap gather + z": (GEMM, dict(SOFTCAP, GATHER=True, STORE_PRE=True)),
+    "gemm2 bwd + softcap bwd": (GEMM_ACT_BWD, dict(SOFTCAP, W_KMAJOR=True)),
     "gemm2 persistent": (GEMM_PERSISTENT, dict()),
     "gemm1 swiglu gather pers.": (GEMM_PERSISTENT, dict(SWIGLU, GATHER=True, ONE_DOT=1)),
     "gemm2 pers. TMA store": (GEMM_PERSISTENT, dict(OUT_DESC=True)),
@@ -102,7 +106,8 @@ def _params(kernel):
 def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     bm, bn, bk, group_m, warps, stages = cfg
     const = dict(
-        ACT=0, GATED=False, ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, INTERLEAVED=False,
+        ACT=0, GATED=False, ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, GATE_SOFTCAP=0.0,
+        UP_SOFTCAP=0.0, INTERLEAVED=False,
         HAS_BIAS=False, GATHER=False, STORE_PRE=False, ORDERED=False, FINAL_BIAS=False,
         TOP_K=top_k, ACC=tl.float32, DOT_PRECISION="tf32", W_KMAJOR=False, EVEN_K=True,
         E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

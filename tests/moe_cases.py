@@ -54,6 +54,13 @@ ACT_VARIANTS = {
                                 "interleaved"),
     "relu2": (as_activation("relu2"), "concat"),
     "gelu_tanh": (as_activation("gelu_tanh"), "concat"),
+    # Inkling2's soft-capped SwiGLU, with caps that bend O(1) values; then every parameter at
+    # once (the clamp before the caps, alpha in the sigmoid, the offset after the up cap).
+    "softcapped-swiglu": (moe_route.activation("swiglu", gate_softcap=0.75, up_softcap=1.5),
+                          "concat"),
+    "softcapped-swiglu-clamped": (
+        as_activation("swiglu(alpha=1.702, limit=1.25, up_offset=1.0, gate_softcap=1.0, "
+                      "up_softcap=0.5)"), "interleaved"),
 }  # fmt: skip
 # finalize path -> the fused_moe arguments that select it
 PATHS = {

@@ -3,7 +3,8 @@ Triton math of ``moe_route/kernels/triton/activation.py`` on its own, GEMM1's ep
 training backward through the interpreter, float64 ``gradcheck``, and MoELayer.
 
 The variants are the clamped SwiGLU family (``f(min(g, limit)) · (clamp(u, ±limit) +
-up_offset)`` with ``f(x) = x·sigmoid(alpha·x)``), tanh-approximated GELU (gated and plain) and
+up_offset)`` with ``f(x) = x·sigmoid(alpha·x)``), the soft-capped SwiGLU of Inkling2
+(``c·tanh(g/c) · sigmoid(g) · c'·tanh(u/c')``), tanh-approximated GELU (gated and plain) and
 squared ReLU. The oracle of every gradient is ``torch.autograd`` through
 ``moe_route.reference.activation_reference``, which is written with torch ops (``clamp``
 included), so the gradient at ``gate == limit`` and ``up == ±limit`` is torch's: the bounds
@@ -57,6 +58,7 @@ from moe_route.reference import (
 )
 
 GPT_OSS = moe_route.activation("swiglu", alpha=1.702, limit=7.0, up_offset=1.0)
+INKLING2 = moe_route.activation("swiglu", gate_softcap=4.0, up_softcap=25.0)
 IDS = list(VARIANTS)
 SMALL_TILES = (16, 16, 16, 2, 4, 2)
 launch = functools.partial(moe_cases.launch, allow_tf32=False, config=SMALL_TILES)
@@ -71,6 +73,11 @@ def test_constructor_and_canonical_string():
     assert moe_route.activation(GPT_OSS, limit=3.0).limit == 3.0  # overrides one parameter
     assert moe_route.activation("swiglu", limit=math.inf).limit is None  # no clamp
     assert str(as_activation("geglu_tanh( limit = 2 )")) == "geglu_tanh(limit=2.0)"
+    assert Activation("silu", gated=True, gate_softcap=4, up_softcap=25.0) == INKLING2
+    assert str(INKLING2) == "swiglu(gate_softcap=4.0, up_softcap=25.0)"
+    assert as_activation(str(INKLING2)) == INKLING2
+    assert moe_route.activation(INKLING2, up_softcap=math.inf).up_softcap is None  # no cap
+    assert str(moe_route.activation("swiglu", up_softcap=2)) == "swiglu(up_softcap=2.0)"
     for name in NAMES:
         assert str(as_activation(name)) == name
 
@@ -78,11 +85,16 @@ def test_constructor_and_canonical_string():
 def test_derived_fields_follow_the_parameters():
     """The canonical string and the constexprs are derived once per spec (the public functions
     read them on every call): equality, hash, replace and pickle see only the parameters."""
-    assert GPT_OSS.triton_constexprs() == (1, 1.702, 7.0, 1.0)
-    assert as_activation("swiglu").triton_constexprs() == (1, 1.0, 0.0, 0.0)  # 0.0: no clamp
+    assert GPT_OSS.triton_constexprs() == (1, 1.702, 7.0, 1.0, 0.0, 0.0)
+    # 0.0: no clamp, no cap
+    assert as_activation("swiglu").triton_constexprs() == (1, 1.0, 0.0, 0.0, 0.0, 0.0)
+    assert INKLING2.triton_constexprs() == (1, 1.0, 0.0, 0.0, 4.0, 25.0)
     narrower = dataclasses.replace(GPT_OSS, limit=3.0)
     assert str(narrower) == "swiglu(alpha=1.702, limit=3.0, up_offset=1.0)"
-    assert narrower.triton_constexprs() == (1, 1.702, 3.0, 1.0)
+    assert narrower.triton_constexprs() == (1, 1.702, 3.0, 1.0, 0.0, 0.0)
+    capped = dataclasses.replace(INKLING2, gate_softcap=2.0)
+    assert str(capped) == "swiglu(gate_softcap=2.0, up_softcap=25.0)"
+    assert capped.triton_constexprs() == (1, 1.0, 0.0, 0.0, 2.0, 25.0)
     assert len({GPT_OSS, as_activation(str(GPT_OSS)), narrower}) == 2
     back = pickle.loads(pickle.dumps(GPT_OSS))
     assert back == GPT_OSS and str(back) == str(GPT_OSS)
@@ -103,16 +115,21 @@ def test_epilogue_and_plan_carry_the_spec():
     assert epilogue_for("geglu_tanh(limit=2)", "concat") == GemmEpilogue(act=4, gated=True,
                                                                          limit=2.0)  # fmt: skip
     assert epilogue_for("relu2", "interleaved") == GemmEpilogue(act=5)  # layout: gated only
+    assert epilogue_for(str(INKLING2), "concat") == GemmEpilogue(
+        act=1, gated=True, gate_softcap=4.0, up_softcap=25.0
+    )
     if not TRITON_OK:
         return
     case = moe_case(5, 2, 3, 8, 4)
     x, w1, w2 = case["x"], case["w1"], case["w2"]
     plans = {
         act: _plan_for(x, w1, w2, 2, act, "concat", "standalone", True, False, "triton")
-        for act in ("swiglu", str(moe_route.activation("swiglu", limit=0.5)))
+        for act in ("swiglu", str(moe_route.activation("swiglu", limit=0.5)), str(INKLING2))
     }
     assert plans["swiglu"].configs.epilogue.limit == 0.0
     assert plans["swiglu(limit=0.5)"].configs.epilogue.limit == 0.5
+    assert plans["swiglu"].configs.epilogue.up_softcap == 0.0
+    assert plans[str(INKLING2)].configs.epilogue.up_softcap == 25.0
 
 
 @given(
@@ -120,10 +137,13 @@ def test_epilogue_and_plan_carry_the_spec():
     alpha=st.floats(0.01, 100),
     limit=st.none() | st.floats(1e-3, 1e6),
     up_offset=st.floats(-10, 10),
+    caps=st.tuples(st.none() | st.floats(1e-3, 1e6), st.none() | st.floats(1e-3, 1e6)),
 )
-def test_canonical_string_round_trips(name, alpha, limit, up_offset):
-    spec = moe_route.activation(name, alpha=alpha if name == "swiglu" else None, limit=limit,
-                                up_offset=up_offset)  # fmt: skip
+def test_canonical_string_round_trips(name, alpha, limit, up_offset, caps):
+    swiglu = name == "swiglu"
+    spec = moe_route.activation(name, alpha=alpha if swiglu else None, limit=limit,
+                                up_offset=up_offset, gate_softcap=caps[0] if swiglu else None,
+                                up_softcap=caps[1] if swiglu else None)  # fmt: skip
     assert as_activation(str(spec)) == spec
 
 
@@ -134,6 +154,11 @@ def test_canonical_string_round_trips(name, alpha, limit, up_offset):
         ("relu(limit=1)", ValueError, "gated activations"),
         ("relu2(up_offset=1)", ValueError, "gated activations"),
         ("geglu(alpha=2)", ValueError, "alpha applies to 'swiglu' only"),
+        ("geglu(up_softcap=2)", ValueError, "gate_softcap and up_softcap apply to 'swiglu' only"),
+        ("silu(gate_softcap=2)", ValueError, "apply to 'swiglu' only"),
+        ("swiglu(gate_softcap=0)", ValueError, r"gate_softcap=0.0: expected a number > 0"),
+        ("swiglu(up_softcap=-25)", ValueError, r"up_softcap=-25.0: expected a number > 0"),
+        ("swiglu(up_softcap=nan)", ValueError, "expected a number"),
         ("swiglu(limit=0)", ValueError, r"limit=0.0: expected a number > 0"),
         ("swiglu(limit=nan)", ValueError, "expected a number"),
         ("swiglu(alpha=inf)", ValueError, "finite"),
@@ -201,6 +226,51 @@ def test_reference_is_the_formula_of_gpt_oss():
         assert got == pytest.approx(want, rel=1e-14, abs=1e-300)
 
 
+def _inkling2_formula(gate, up, gate_cap=4.0, up_cap=25.0):
+    """transformers' Inkling2SoftcappedSwiGLU.forward, written out with torch ops."""
+    return (torch.tanh(gate / gate_cap) * gate_cap * torch.sigmoid(gate)
+            * (torch.tanh(up / up_cap) * up_cap))  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_reference_is_the_formula_of_inkling2(layout):
+    """The soft-capped SwiGLU against its formula in float64 (values through both caps, far
+    beyond them, and zero), forward and, by autograd through the formula, backward."""
+    pts = [-80.0, -30.0, -6.0, -1.0, -1e-3, 0.0, 1e-3, 0.5, 2.5, 4.0, 9.0, 25.0, 60.0]
+    gate = torch.tensor(pts, dtype=torch.float64).repeat_interleave(len(pts))
+    up = torch.tensor(pts, dtype=torch.float64).repeat(len(pts))
+    z = _join(gate, up, layout).requires_grad_(True)
+    g, u = (z[0, : gate.numel()], z[0, gate.numel() :]) if layout == "concat" else (
+        z[0, 0::2], z[0, 1::2])  # fmt: skip
+    want = _inkling2_formula(g, u)
+    got = activation_reference(z, INKLING2, layout)[0]
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    dh = torch.randn(gate.numel(), generator=torch.Generator().manual_seed(3),
+                     dtype=torch.float64)  # fmt: skip
+    (dz,) = torch.autograd.grad(want, z, dh)
+    got_dz = activation_backward_reference(z.detach(), dh[None], INKLING2, layout)
+    torch.testing.assert_close(got_dz, dz, rtol=1e-13, atol=1e-14)
+    assert (dz[0, :] != 0).float().mean() > 0.5  # not a grid of saturated zeros
+
+
+def test_reference_matches_transformers_inkling2_module():
+    """The spec's reference against transformers' own Inkling2SoftcappedSwiGLU (which computes
+    in float32): the formula moe_route implements is the one transformers runs."""
+    modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+    import types
+
+    config = types.SimpleNamespace(mlp_gate_softcap=4.0, mlp_up_softcap=25.0)
+    act = modeling.Inkling2SoftcappedSwiGLU(config)
+    g = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(2, 64, generator=g, dtype=torch.float64) * 12 for _ in range(2))
+    with torch.no_grad():
+        theirs = act(gate, up)  # float32 inside, float64 out
+    ours = activation_reference(torch.cat([gate, up], dim=-1), INKLING2, "concat")
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)
+    ours_other = activation_reference(torch.cat([gate, up], dim=-1), GPT_OSS, "concat")
+    assert not torch.allclose(ours_other, theirs, rtol=1e-3)  # the check can fail
+
+
 def test_reference_gradient_convention_at_the_bounds():
     """torch.clamp's: the gradient passes at gate == limit and up == ±limit, not beyond."""
     spec = moe_route.activation("swiglu", limit=1.0)
@@ -216,15 +286,16 @@ def test_reference_gradient_convention_at_the_bounds():
 @triton.jit
 def _math_kernel(gate_ptr, up_ptr, dh_ptr, h_ptr, dg_ptr, du_ptr, N, ACT: tl.constexpr,
                  ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                 GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr, GATED: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
     i = tl.arange(0, BLOCK)
     m = i < N
     g = tl.load(gate_ptr + i, mask=m, other=0.0)
     dh = tl.load(dh_ptr + i, mask=m, other=0.0)
     if GATED:
         u = tl.load(up_ptr + i, mask=m, other=0.0)
-        h = gated_forward(g, u, ACT, ALPHA, LIMIT, UP_OFFSET)
-        dg, du = gated_backward(g, u, dh, ACT, ALPHA, LIMIT, UP_OFFSET)
+        h = gated_forward(g, u, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
+        dg, du = gated_backward(g, u, dh, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
         tl.store(du_ptr + i, du, mask=m)
     else:
         h = plain_forward(g, ACT)
@@ -246,11 +317,20 @@ def _assert_close_to(got, want, dtype, what):
 
 @pytest.mark.skipif(not TRITON_OK, reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("spec", [GPT_OSS, *(v[0] for v in VARIANTS.values())],
-                         ids=["gpt-oss", *IDS])  # fmt: skip
+@pytest.mark.parametrize("spec", [GPT_OSS, INKLING2, *(v[0] for v in VARIANTS.values())],
+                         ids=["gpt-oss", "inkling2", *IDS])  # fmt: skip
 def test_triton_math_matches_autograd(spec, dtype):
-    """The four entry points on a grid through the bounds (and NaN), against autograd."""
+    """The four entry points on a grid through the bounds (and NaN), against autograd; the
+    soft caps' tanh on both sides of its polynomial's range (``|x/c| < 0.625``) and beyond
+    saturation."""
     gate, up = _gate_up_grid(spec)
+    if spec.up_softcap is not None:
+        # Points scaled by the caps: tanh's two ranges and saturation in float32 (not beyond
+        # |x/c| = 19, where float64's tanh rounds to 1 and the oracle's 1 - tanh² to 0).
+        r = torch.tensor([-15.0, -3.0, -0.7, -0.6, 0.01, 0.3, 0.62, 0.63, 1.5, 12.0],
+                         dtype=gate.dtype)  # fmt: skip
+        gate = torch.cat([gate, (r * (spec.gate_softcap or 1.0)).repeat_interleave(len(r))])
+        up = torch.cat([up, (r * spec.up_softcap).repeat(len(r))])
     gate, up = (
         torch.cat([gate, gate.new_tensor([math.nan, 0.5])]),
         torch.cat([up, up.new_tensor([0.5, math.nan])]),
@@ -260,9 +340,10 @@ def test_triton_math_matches_autograd(spec, dtype):
     n = gate.numel()
     dev = [t.to(DEVICE) for t in (gate, up, dh)]
     h, dg, du = (torch.full((n,), 123.0, dtype=dtype, device=DEVICE) for _ in range(3))
-    act, alpha, limit, off = spec.triton_constexprs()
+    act, alpha, limit, off, gate_cap, up_cap = spec.triton_constexprs()
     _math_kernel[(1,)](*dev, h, dg, du, n, ACT=act, ALPHA=alpha, LIMIT=limit, UP_OFFSET=off,
-                       GATED=spec.gated, BLOCK=triton.next_power_of_2(n))  # fmt: skip
+                       GATE_SOFTCAP=gate_cap, UP_SOFTCAP=up_cap, GATED=spec.gated,
+                       BLOCK=triton.next_power_of_2(n))  # fmt: skip
     z = torch.stack([gate, up], 1).reshape(1, -1) if spec.gated else gate[None]
     z = z.double().requires_grad_(True)
     ref = activation_reference(z, spec, "interleaved")
@@ -287,13 +368,64 @@ def test_gemm1_epilogue(variant, dtype):
     ref = gemm_reference(a, w, maps, b, activation=spec, layout=layout, gather=True)
     moe_cases.assert_matches(out, ref, TOL[dtype], verbose=True)
     moe_cases.assert_dropped_rows_zero(out, maps)
-    if spec.limit is not None:  # the case reaches the clamp, or it tests nothing
-        z = gemm_reference(a, w, maps, b, gather=True)
-        assert (z.abs() > spec.limit).float().mean() > 0.1
+    z = gemm_reference(a, w, maps, b, gather=True)
+    for bound in (spec.limit, spec.gate_softcap, spec.up_softcap):
+        if bound is not None:  # the case reaches the clamp and the caps, or it tests nothing
+            assert (z.abs() > bound).float().mean() > 0.1
 
 
 # ----------------------------------------------------------------------------- training
 BACKENDS = ["reference", pytest.param("triton", marks=needs_interpreter)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("variant", ["softcapped-swiglu", "softcapped-swiglu-clamped"])
+def test_fused_moe_forward(variant, dtype, backend):
+    """fused_moe's forward (GEMM1's epilogue in the chain, biases, dropped slots) against the
+    float64 reference of the whole chain."""
+    spec, layout = VARIANTS[variant]
+    case = moe_case(11, 2, 3, 16, 8, activation=spec, dtype=dtype, b1=True, b2=True, seed=12)
+    out = moe_cases.run_moe(case, activation=spec, layout=layout, backend=backend)
+    want = moe_cases.moe_expected(case, activation=spec, layout=layout)
+    moe_cases.assert_matches(out, want, TOL[dtype], verbose=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant", ["softcapped-swiglu", "softcapped-swiglu-clamped"])
+def test_decode_path(variant, monkeypatch):
+    """One token: fused_moe's decode path, whose own GEMM1 kernel applies the activation
+    (``moe_route/kernels/triton/decode.py``)."""
+    from moe_route.kernels.triton.decode import DecodeLaunch
+
+    calls, real = [], DecodeLaunch.__call__
+    monkeypatch.setattr(DecodeLaunch, "__call__",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))  # fmt: skip
+    spec, layout = VARIANTS[variant]
+    case = moe_case(1, 4, 6, 40, 24, activation=spec, b1=True, b2=True, bias="TH", drop=0.25,
+                    seed=3)  # fmt: skip
+    out = moe_cases.run_moe(case, activation=spec, layout=layout, backend="triton")
+    assert calls  # the decode path ran
+    want = moe_cases.moe_expected(case, activation=spec, layout=layout)
+    moe_cases.assert_matches(out, want, TOL[torch.float32], verbose=True)
+
+
+@needs_interpreter
+def test_fp8_experts_forward():
+    """The quantised GEMM1's epilogue (``moe_route/kernels/triton/quant.py``) on FP8 experts
+    against the torch backend on the same codes and scales (one algorithm, so float32
+    rounding apart; the float64 reference of unquantised weights is 6 % away)."""
+    spec, layout = VARIANTS["softcapped-swiglu"]
+    case = moe_case(9, 2, 3, 128, 128, activation=spec, seed=13)
+    q1, s1 = moe_route.quantize_experts(case["w1"], "fp8")
+    q2, s2 = moe_route.quantize_experts(case["w2"], "fp8")
+    args = (case["x"], q1, q2, case["topk_weights"], case["topk_ids"])
+    kw = dict(activation=spec, gate_up_layout=layout, quant="fp8", w1_scale=s1, w2_scale=s2)
+    got = moe_route.fused_moe(*args, **kw, backend="triton")
+    want = moe_route.fused_moe(*args, **kw, backend="torch")
+    moe_cases.assert_matches(got, want, 1e-5, verbose=True)
+
+
 NAMES_GRAD = ("x", "w1", "w2", "topk_weights", "b1", "b2")
 # As tests/test_training.py: the backward rounds z, h and dz to float16 before the next product.
 GRAD_TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
@@ -323,7 +455,8 @@ def _grads(case, dout, spec, layout, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("variant", ["clamped-swiglu", "swiglu-limit", "geglu_tanh-limit-offset"])
+@pytest.mark.parametrize("variant", ["clamped-swiglu", "swiglu-limit", "geglu_tanh-limit-offset",
+                                     "softcapped-swiglu-clamped"])  # fmt: skip
 def test_training_gradients_at_the_bounds(variant, dtype, backend):
     """Gradients (the activation-backward epilogue on the Triton path) against autograd, with
     pre-activations exactly on the bounds: there the gradient passes, beyond it is 0."""
@@ -342,7 +475,7 @@ def test_training_gradients_at_the_bounds(variant, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", ["relu2", "gelu_tanh", "geglu_tanh"])
+@pytest.mark.parametrize("variant", ["relu2", "gelu_tanh", "geglu_tanh", "softcapped-swiglu"])
 def test_training_gradients(variant, backend):
     spec, layout = VARIANTS[variant]
     case = moe_case(9, 2, 3, 16, 8, activation=spec, b1=True, b2=True, seed=5)
@@ -358,7 +491,7 @@ def test_training_gradients(variant, backend):
 # each kind with its parameters, and a plain one (test_training_gradients* cover the rest there).
 GRADCHECK = [(v, "reference") for v in IDS] + [
     pytest.param(v, "triton", marks=needs_interpreter)
-    for v in ("clamped-swiglu", "geglu_tanh-limit-offset", "relu2")
+    for v in ("clamped-swiglu", "geglu_tanh-limit-offset", "relu2", "softcapped-swiglu")
 ]
 
 

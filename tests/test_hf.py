@@ -35,6 +35,7 @@ from transformers import (  # noqa: E402
     DbrxConfig,
     Gemma4TextConfig,
     GptOssConfig,
+    Inkling2TextConfig,
     JetMoeConfig,
     Llama4TextConfig,
     MixtralConfig,
@@ -95,6 +96,16 @@ def tiny_config(family: str):
             intermediate_size=48, enable_moe_block=True, num_experts=4, top_k_experts=2,
             moe_intermediate_size=24, hidden_size_per_layer_input=0, vocab_size_per_layer_input=96,
             **common,
+        )  # fmt: skip
+    if family == "inkling2":  # one layer; caps that the tiny model's pre-activations reach
+        return Inkling2TextConfig(
+            vocab_size=96, unpadded_vocab_size=96, hidden_size=32, num_hidden_layers=1,
+            layer_types=["hybrid_sliding"], num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+            sliding_window_size=16, rel_extent=16, d_rel=4, max_position_embeddings=64,
+            moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+            mlp_gate_softcap=1.0, mlp_up_softcap=1.5, tie_word_embeddings=False,
+            eos_token_id=None,
         )  # fmt: skip
     if family == "nemotron_h":  # one attention and one MoE layer (no Mamba)
         return NemotronHConfig(
@@ -243,6 +254,61 @@ def test_activation_families_match_eager(family):
         assert_vs_exact(p.grad, grads[name].grad, grads64[name].grad, name=f"d {name}")
         experts += ".experts." in name
     assert experts >= 2 * len(moe_hf.describe(model))  # w1 and w2 of every MoE layer
+
+
+INKLING2_PLAN = "moe_route: swiglu(gate_softcap=1.0, up_softcap=1.5) concat"
+
+
+def _inkling2_caps(model, gate, up):
+    """Set the soft caps of every experts module's act_fn (transformers keeps them there)."""
+    for m in model.modules():
+        if hasattr(m, "has_gate"):
+            m.act_fn.gate_softcap.softcap, m.act_fn.up_softcap.softcap = gate, up
+
+
+def test_inkling2_matches_eager():
+    """Inkling2 (soft-capped SwiGLU, transformers' Inkling2Experts), a tiny random model:
+    float32 logits and every parameter's gradient with moe_route against eager.
+
+    The model cannot run in float64 (its router and activation cast to float32), so the bound
+    is float32's own: relative 2e-5 of each tensor's largest value. That the caps matter at
+    these sizes, and so that the comparison would catch an activation without them, is
+    checked first: the eager logits move by far more than the bound when the caps are lifted.
+    """
+    model, _ = tiny_models("inkling2", torch.float32)
+    assert set(moe_hf.describe(model).values()) == {INKLING2_PLAN}
+    ours = copy.deepcopy(model)
+    ours.set_experts_implementation("moe_route_strict")  # no silent fallback
+    ids = token_ids()
+    assert min(experts_hit(model, ids)) >= 3
+
+    def close(got, want, name):
+        bound = 2e-5 * want.abs().max().item()
+        err = (got - want).abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.3g} exceeds {bound:.3g}"
+        return bound
+
+    uncapped = copy.deepcopy(model)
+    _inkling2_caps(uncapped, 1e6, 1e6)
+    with torch.no_grad():
+        plain, eager = uncapped(ids).logits, model(ids).logits
+    assert (plain - eager).abs().max() > 100 * 2e-5 * eager.abs().max()
+    g = torch.Generator().manual_seed(2)
+    probe = torch.randn(*ids.shape, 96, generator=g, dtype=torch.float64).to(DEVICE)
+    logits = {}
+    for key, m in (("eager", model), ("ours", ours)):
+        logits[key] = m(ids).logits
+        (logits[key] * probe.to(m.dtype)).sum().backward()
+    close(logits["ours"], logits["eager"], "inkling2 logits")
+    grads = dict(model.named_parameters())
+    experts = 0
+    for name, p in ours.named_parameters():
+        if grads[name].grad is None:
+            continue
+        assert p.grad is not None, f"{name}: no gradient through moe_route"
+        close(p.grad, grads[name].grad, f"d {name}")
+        experts += ".experts." in name
+    assert experts == 2  # gate_up_proj and down_proj of the MoE layer
 
 
 def test_from_config_by_name():
@@ -602,7 +668,8 @@ def _experts_of(cls_path: str, dtype=torch.float32, limit=1.5, seed=0):
     config = types.SimpleNamespace(
         num_experts=E, num_local_experts=E, n_routed_experts=E, hidden_size=H,
         intermediate_size=INTER, moe_intermediate_size=INTER, hidden_act="silu",
-        swiglu_alpha=1.702, swiglu_limit=limit, _experts_implementation="eager",
+        swiglu_alpha=1.702, swiglu_limit=limit, mlp_gate_softcap=1.0, mlp_up_softcap=1.5,
+        _experts_implementation="eager",
     )  # fmt: skip
     module = cls(config)
     g = torch.Generator().manual_seed(seed)
@@ -642,6 +709,61 @@ def test_overridden_apply_gate_is_recognised(cls_path):
         eager = run(module, "eager", x, ids, weights)
         ours = run(module, "moe_route_strict", x, ids, weights)
     assert_vs_exact(ours, eager, exact, name=cls_path)
+
+
+class _Float64SoftcappedSwiGLU(nn.Module):
+    """transformers' Inkling2SoftcappedSwiGLU.forward without its cast to float32 (so that a
+    float64 module is exact), on the module's own Softcap submodules."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.gate_softcap, self.up_softcap = act.gate_softcap, act.up_softcap
+
+    def forward(self, gate, up):
+        return self.gate_softcap(gate) * torch.sigmoid(gate) * self.up_softcap(up)
+
+
+INKLING2_CLASSES = ["inkling2.modeling_inkling2.Inkling2Experts",
+                    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopExperts"]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls_path", INKLING2_CLASSES, ids=lambda p: p.rsplit(".", 1)[1])
+def test_inkling2_experts_forward_and_backward(cls_path):
+    """Inkling2's experts (soft caps 1.0 / 1.5, reached by these pre-activations): the plan,
+    then forward and every gradient against the class's own eager forward in float32 and a
+    float64 run of it (its activation without the float32 cast)."""
+    module = _experts_of(cls_path)
+    assert moe_hf.describe(module)[""] == INKLING2_PLAN
+    x, ids, weights = routing(seed=12)
+    z = x @ module.gate_up_proj[0].T
+    assert (z.abs() > 1.5).float().mean() > 0.1  # both caps bend these values
+    probe = torch.randn(T, H, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+
+    def grads(impl, dtype):
+        mod = copy.deepcopy(module).to(dtype)
+        if dtype == torch.float64:
+            mod.act_fn = _Float64SoftcappedSwiGLU(mod.act_fn)
+        xx = x.to(dtype).requires_grad_()
+        ww = weights.to(dtype).requires_grad_()
+        out = run(mod, impl, xx, ids, ww)
+        (out * probe.to(DEVICE, dtype)).sum().backward()
+        return {"out": out, "x": xx.grad, "topk_weights": ww.grad} | {
+            n: p.grad for n, p in mod.named_parameters()
+        }
+
+    exact, eager = grads("eager", torch.float64), grads("eager", torch.float32)
+    ours = grads("moe_route_strict", torch.float32)
+    for name in exact:
+        assert_vs_exact(ours[name], eager[name], exact[name], name=f"{cls_path} {name}")
+
+
+def test_inkling2_recognition_follows_the_caps():
+    """The caps are read from act_fn's Softcap modules; the plan follows a change of them."""
+    module = _experts_of("inkling2.modeling_inkling2.Inkling2Experts")
+    first = moe_hf.plan_for(module)
+    assert moe_hf.plan_for(module) is first  # probed once
+    module.act_fn.up_softcap.softcap = 7.0
+    assert moe_hf.plan_for(module).activation == "swiglu(gate_softcap=1.0, up_softcap=7.0)"
 
 
 def test_gpt_oss_experts_backward():

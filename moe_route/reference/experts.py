@@ -26,7 +26,14 @@ def split_gate_up(
     return gate, up
 
 
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap · tanh(x / cap)``, as transformers' ``Inkling2Softcap``."""
+    return torch.tanh(x / cap) * cap
+
+
 def _elementwise(x: torch.Tensor, spec: Activation) -> torch.Tensor:
+    if spec.kind == "silu" and spec.gate_softcap is not None:  # the linear factor capped
+        return _softcap(x, spec.gate_softcap) * torch.sigmoid(spec.alpha * x)
     if spec.kind == "silu":
         return F.silu(x) if spec.alpha == 1.0 else x * torch.sigmoid(spec.alpha * x)
     if spec.kind == "gelu":
@@ -53,13 +60,17 @@ def activation_reference(
 
     Gated activations take ``[M, 2I]`` and return ``[M, I]``:
     ``f(min(gate, limit)) * (clamp(up, -limit, limit) + up_offset)`` (``swiglu = silu(g) * u``
-    without parameters); the exact, erf-based gelu unless the kind says ``gelu_tanh``. Torch ops
-    only, so autograd through it defines the gradients (``torch.clamp``'s at the bounds).
+    without parameters); the exact, erf-based gelu unless the kind says ``gelu_tanh``. With soft
+    caps (``swiglu`` only), ``up`` becomes ``c'·tanh(up/c')`` before the offset and silu's linear
+    factor ``c·tanh(g/c)``: ``c·tanh(g/c) · sigmoid(alpha·g) · c'·tanh(u/c')`` for Inkling2. Torch
+    ops only, so autograd through it defines the gradients (``torch.clamp``'s at the bounds).
     """
     spec = as_activation(activation)
     if not spec.gated:
         return _elementwise(z, spec)
     gate, up = _clamped(*split_gate_up(z, gate_up_layout), spec)
+    if spec.up_softcap is not None:
+        up = _softcap(up, spec.up_softcap)
     if spec.up_offset:
         up = up + spec.up_offset
     return _elementwise(gate, spec) * up
@@ -68,12 +79,17 @@ def activation_reference(
 def activation_grad_reference(x: torch.Tensor, activation: str | Activation) -> torch.Tensor:
     """``d f / dx`` of the element-wise part of an activation (the gate's for gated ones).
 
-    ``silu' = s (1 + a x (1 - s))`` with ``s = sigmoid(a x)``, ``a = alpha``;
+    ``silu' = s (1 + a x (1 - s))`` with ``s = sigmoid(a x)``, ``a = alpha``, and with a
+    ``gate_softcap`` ``c``: ``s (1 - t² + a c t (1 - s))``, ``t = tanh(x / c)``;
     ``gelu' = Φ(x) + x φ(x)``; ``gelu_tanh' = s + x s (1 - s) 2u'`` with ``s = sigmoid(2u)``,
     ``u = √(2/π)(x + 0.044715 x³)``; ``relu' = [x > 0]`` and ``relu2' = 2 max(x, 0)`` (0 at 0,
     as torch); ``identity' = 1``.
     """
     spec = as_activation(activation)
+    if spec.kind == "silu" and spec.gate_softcap is not None:
+        t = torch.tanh(x / spec.gate_softcap)
+        s = torch.sigmoid(spec.alpha * x)
+        return s * (1 - t * t + spec.alpha * spec.gate_softcap * t * (1 - s))
     if spec.kind == "silu":
         ax = spec.alpha * x
         s = torch.sigmoid(ax)
@@ -99,15 +115,20 @@ def activation_backward_reference(
 
     Written out (not autograd): ``d gate = dh · (u + up_offset) · f'(g) · [gate <= limit]``,
     ``d up = dh · f(g) · [-limit <= up <= limit]`` with ``g``, ``u`` the clamped values; the
-    bounds pass the gradient, as ``torch.clamp``'s backward does.
+    bounds pass the gradient, as ``torch.clamp``'s backward does. With an ``up_softcap`` ``c'``,
+    ``u`` is ``c'·tanh(u/c')`` in ``d gate`` and ``d up`` has the factor ``1 - tanh²(u/c')``.
     """
     spec = as_activation(activation)
     if not spec.gated:
         return dh * activation_grad_reference(z, spec)
     gate, up = split_gate_up(z, gate_up_layout)
     g, u = _clamped(gate, up, spec)
-    d_gate = dh * (u + spec.up_offset) * activation_grad_reference(g, spec)
     d_up = dh * _elementwise(g, spec)
+    if spec.up_softcap is not None:
+        t = torch.tanh(u / spec.up_softcap)
+        u = t * spec.up_softcap
+        d_up = d_up * (1 - t * t)
+    d_gate = dh * (u + spec.up_offset) * activation_grad_reference(g, spec)
     if spec.limit is not None:
         zero = torch.zeros((), dtype=d_gate.dtype, device=d_gate.device)
         d_gate = torch.where(gate <= spec.limit, d_gate, zero)

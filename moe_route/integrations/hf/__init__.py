@@ -34,14 +34,17 @@ The activation is recognised from what the module computes, not from its class n
   ``geglu`` / ``geglu_tanh``, with the gate/up layout of ``is_concatenated`` (honoured as
   interleaved rows, as transformers' ``sonicmoe`` does, although the default ``_apply_gate``
   splits in halves);
-* a class that overrides ``_apply_gate`` (gpt-oss, DeepSeek-V4, GLM-5, MiniMax-M3, ...) has its
-  ``_apply_gate`` evaluated on a probe ``[gate | up]`` tensor and compared with the clamped
-  SwiGLU family and the plain gated activations, in both gate/up layouts, with the parameters
-  the module holds (``alpha`` / ``swiglu_alpha``, ``limit`` / ``swiglu_limit``) and an
-  ``up_offset`` of 0 or 1. The one that agrees (to float32 rounding) is what runs; its layout
-  is the one ``_apply_gate`` reads (gpt-oss: interleaved). gpt-oss's experts, for instance,
-  run as ``swiglu(alpha=1.702, limit=7.0, up_offset=1.0)``, interleaved, transposed weights,
-  biases.
+* a class that overrides ``_apply_gate`` (gpt-oss, DeepSeek-V4, GLM-5, MiniMax-M3, Inkling2,
+  ...) has its ``_apply_gate`` evaluated on a probe ``[gate | up]`` tensor and compared with
+  the clamped and soft-capped SwiGLU family and the plain gated activations, in both gate/up
+  layouts, with the parameters the module holds (``alpha`` / ``swiglu_alpha``, ``limit`` /
+  ``swiglu_limit``; the soft caps ``gate_softcap`` / ``up_softcap`` on the module or its
+  ``act_fn``, as numbers or as submodules with a ``softcap``) and an ``up_offset`` of 0 or 1.
+  The one that agrees (to float32 rounding) is what runs; its layout is the one
+  ``_apply_gate`` reads (gpt-oss: interleaved). gpt-oss's experts, for instance, run as
+  ``swiglu(alpha=1.702, limit=7.0, up_offset=1.0)``, interleaved, transposed weights, biases;
+  Inkling2's as ``swiglu(gate_softcap=4.0, up_softcap=25.0)`` (the config's
+  ``mlp_gate_softcap`` / ``mlp_up_softcap``).
 
 The probes run once per module (CPU, float64, a few hundred values) and the plan is kept on
 the module until its ``act_fn``, parameters or flags change. Slots that transformers' expert
@@ -80,7 +83,7 @@ moe_route, load it dequantised (``Mxfp4Config(dequantize=True)``: bf16 experts, 
 same e2m1 + ue8m0-per-32 format, unswizzled) and call ``fused_moe(..., quant="mxfp4")``.
 
 Not supported, and what happens then: an ``act_fn`` or ``_apply_gate`` that matches none of
-the above (e.g. Step-3.7's clamp after the activation, a soft-capped SwiGLU, a gated ReLU),
+the above (e.g. Step-3.7's clamp after the activation, a gated ReLU),
 ``has_post_expert_norm=True`` (the norm sits between GEMM2 and the weighted sum that fused_moe
 fuses), weights of another dtype than float32 / float16 / bfloat16 or of two dtypes. Such a
 module *falls back*: a :class:`MoeRouteFallbackWarning` names the class and the reason (once per

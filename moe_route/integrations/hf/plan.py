@@ -19,8 +19,17 @@ from torch import nn
 from ...activations import GATED_KINDS, KIND_CODES, Activation
 from ...grouped_gemm import GEMM_DTYPES
 
-#: Module attributes read as the gated activation's parameters, by parameter.
-PARAMETER_ATTRS = {"alpha": ("alpha", "swiglu_alpha"), "limit": ("limit", "swiglu_limit")}
+#: Module attributes read as the gated activation's parameters, by parameter. The soft caps
+#: are looked for on the module and on its ``act_fn``, as numbers or as submodules holding a
+#: ``softcap`` number (Inkling2: ``act_fn.gate_softcap.softcap``, ``act_fn.up_softcap.softcap``).
+PARAMETER_ATTRS = {
+    "alpha": ("alpha", "swiglu_alpha"),
+    "limit": ("limit", "swiglu_limit"),
+    "gate_softcap": ("gate_softcap", "mlp_gate_softcap"),
+    "up_softcap": ("up_softcap", "mlp_up_softcap"),
+}
+#: The parameters read on the module only (``getattr``); the others are :func:`_softcaps`.
+_MODULE_PARAMETERS = ("alpha", "limit")
 
 
 class Unsupported(Exception):
@@ -53,10 +62,11 @@ class ExpertsPlan:
 
 
 # --------------------------------------------------------------------------- recognition
-def _probe_points(limit: float | None) -> torch.Tensor:
+def _probe_points(limit: float | None, *caps: float | None) -> torch.Tensor:
     """float64 points on both sides of ``±limit`` (when given) and through ``[-4, 4]``, where
-    exact and tanh GELU differ by up to 5e-4 and SiLU's slope matters."""
-    span = 1.5 * max(4.0, limit or 0.0)
+    exact and tanh GELU differ by up to 5e-4 and SiLU's slope matters; out to 1.5 times the
+    largest soft cap given, where a cap and no cap differ."""
+    span = 1.5 * max(4.0, limit or 0.0, *(c or 0.0 for c in caps))
     pts = torch.linspace(-span, span, 97, dtype=torch.float64)
     return torch.cat([pts, torch.linspace(-4.0, 4.0, 31, dtype=torch.float64)])
 
@@ -88,12 +98,47 @@ def _recognise_act_fn(act_fn: object) -> str | None:
     return None
 
 
+def _number(v: object) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
 def _attr_number(module: nn.Module, names: tuple[str, ...]) -> float | None:
     for name in names:
-        v = getattr(module, name, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            return float(v)
+        v = _number(getattr(module, name, None))
+        if v is not None:
+            return v
     return None
+
+
+def _softcaps(module: nn.Module) -> tuple[float | None, float | None]:
+    """``(gate_softcap, up_softcap)`` the module or its ``act_fn`` holds (> 0), else None.
+
+    Read from the instances' ``__dict__`` and submodules, never by ``getattr`` (a missing
+    attribute of an ``nn.Module`` costs microseconds, and :func:`_plan_key` runs per forward):
+    a number, or a submodule holding a ``softcap`` number."""
+    holders = [module]
+    act_fn = module.__dict__.get("_modules", {}).get("act_fn", module.__dict__.get("act_fn"))
+    if act_fn is not None:
+        holders.append(act_fn)
+    found = []
+    for param in ("gate_softcap", "up_softcap"):
+        cap = None
+        for holder in holders:
+            attrs = getattr(holder, "__dict__", {})
+            for name in PARAMETER_ATTRS[param]:
+                v = attrs.get("_modules", {}).get(name, attrs.get(name))
+                if isinstance(v, nn.Module):
+                    v = v.__dict__.get("softcap")
+                v = _number(v)
+                if v is not None and v > 0:
+                    cap = v
+                    break
+            if cap is not None:
+                break
+        found.append(cap)
+    return found[0], found[1]
 
 
 @torch.compiler.disable
@@ -101,14 +146,16 @@ def _recognise_apply_gate(module: nn.Module) -> tuple[Activation, str] | None:
     """``(spec, gate_up_layout)`` that the module's own ``_apply_gate`` computes, or None.
 
     Candidates: every gated kind (an ``_apply_gate`` need not use ``act_fn``), the module's
-    ``alpha`` (and 1), its ``limit`` (and none), an ``up_offset`` of 0 or 1, both layouts.
+    ``alpha`` (and 1), its ``limit`` (and none), an ``up_offset`` of 0 or 1, for ``swiglu`` the
+    soft caps it holds (and none: :func:`_softcaps`), both layouts.
     """
     from ...reference import activation_reference
 
     alpha = _attr_number(module, PARAMETER_ATTRS["alpha"])
     limit = _attr_number(module, PARAMETER_ATTRS["limit"])
     limit = limit if limit is not None and limit > 0 else None
-    pts = _probe_points(limit)
+    gate_cap, up_cap = _softcaps(module)
+    pts = _probe_points(limit, gate_cap, up_cap)
     n = pts.numel()
     # Two rows: gate and up take every pairing of small, large and clamped values.
     gate = torch.stack([pts, pts.flip(0)])
@@ -123,16 +170,28 @@ def _recognise_apply_gate(module: nn.Module) -> tuple[Activation, str] | None:
         except Exception:
             got[layout] = None
     found = set()
+    for spec in _candidates(alpha, limit, gate_cap, up_cap):
+        for layout, probe in (("concat", concat), ("interleaved", interleaved)):
+            want = activation_reference(probe, spec, layout)
+            if _agrees(got[layout], want):
+                found.add((spec, layout))
+    return found.pop() if len(found) == 1 else None
+
+
+def _candidates(alpha, limit, gate_cap, up_cap):
+    """The gated activations :func:`_recognise_apply_gate` compares with (a set: no repeats)."""
+    specs = set()
     for k in GATED_KINDS.values():
-        for a in {alpha or 1.0, 1.0} if k == "silu" else {1.0}:
+        swiglu = k == "silu"
+        for a in {alpha or 1.0, 1.0} if swiglu else {1.0}:
             for lim in {limit, None}:
                 for off in (0.0, 1.0):
-                    spec = Activation(k, gated=True, alpha=a, limit=lim, up_offset=off)
-                    for layout, probe in (("concat", concat), ("interleaved", interleaved)):
-                        want = activation_reference(probe, spec, layout)
-                        if _agrees(got[layout], want):
-                            found.add((spec, layout))
-    return found.pop() if len(found) == 1 else None
+                    for gc in {gate_cap, None} if swiglu else {None}:
+                        for uc in {up_cap, None} if swiglu else {None}:
+                            specs.add(Activation(k, gated=True, alpha=a, limit=lim,
+                                                 up_offset=off, gate_softcap=gc,
+                                                 up_softcap=uc))  # fmt: skip
+    return specs
 
 
 def _describe_act(act_fn: object) -> str:
@@ -143,8 +202,9 @@ def _plan_key(module: nn.Module) -> tuple:
     """What the plan depends on; cheap enough to compare on every forward."""
     attrs = tuple(
         v if v is None or isinstance(v, (bool, int, float)) else id(v)  # never a tensor's ==
-        for v in (getattr(module, a, None) for names in PARAMETER_ATTRS.values() for a in names)
-    )
+        for v in (getattr(module, a, None) for p in _MODULE_PARAMETERS
+                  for a in PARAMETER_ATTRS[p])
+    ) + _softcaps(module)  # fmt: skip
     flags = tuple(
         getattr(module, f, None)
         for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated",
@@ -207,8 +267,8 @@ def _make_plan(module: nn.Module) -> ExpertsPlan:
         if found is None:
             raise Unsupported(
                 f"{cls}._apply_gate computes none of moe_route's gated activations (swiglu, "
-                "geglu, geglu_tanh, with the module's alpha / limit and an up_offset of 0 or 1, "
-                "in either gate/up layout)"
+                "geglu, geglu_tanh, with the module's alpha / limit, an up_offset of 0 or 1 and "
+                "swiglu's soft caps, in either gate/up layout)"
             )
         (spec, layout), w1_name = found, "gate_up_proj"
     return ExpertsPlan(

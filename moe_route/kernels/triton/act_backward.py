@@ -73,7 +73,8 @@ def _act_bwd_rows_kernel(
     g_ptr, z_ptr, weights_ptr, offsets_ptr, dest_to_src_ptr, wh_ptr, dz_ptr, partial_ptr,
     E, M_ROWS, N_OUT, T, stride_gm, stride_zm, stride_whm, stride_dzm, stride_wt, stride_wk,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, ACC: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     n_blocks = tl.cdiv(N_OUT, BLOCK_N)
@@ -103,7 +104,7 @@ def _act_bwd_rows_kernel(
         else:
             zg = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
             zu = tl.load(z_rows + N_OUT + cols[None, :], mask=mask, other=0.0).to(ACC)
-        h = gated_forward(zg, zu, ACT, ALPHA, LIMIT, UP_OFFSET)
+        h = gated_forward(zg, zu, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
     else:
         zg = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(ACC)
         h = plain_forward(zg, ACT)
@@ -119,7 +120,9 @@ def _act_bwd_rows_kernel(
     dz_rows = dz_ptr + rows64[:, None] * stride_dzm
     dz_ty = dz_ptr.dtype.element_ty
     if GATED:
-        d_gate, d_up = gated_backward(zg, zu, dh, ACT, ALPHA, LIMIT, UP_OFFSET)
+        d_gate, d_up = gated_backward(
+            zg, zu, dh, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP
+        )
         d_gate = tl.where(routed[:, None], d_gate, 0.0).to(dz_ty)
         d_up = tl.where(routed[:, None], d_up, 0.0).to(dz_ty)
         if INTERLEAVED:
@@ -158,7 +161,8 @@ class RowPassLaunch:
                               dz.dtype, *self.strides, E, n_out))  # fmt: skip
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(g.dtype),
+            UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
+            UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved, ACC=_acc(g.dtype),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )  # fmt: skip
 

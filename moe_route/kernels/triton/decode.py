@@ -88,7 +88,8 @@ def _decode_up_kernel(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_it,
     stride_ik, stride_hs, stride_hn,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+    LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -124,7 +125,7 @@ def _decode_up_kernel(
         up = _first_row(acc_u, BLOCK_M)
         if HAS_BIAS:
             up += tl.load(b_base + up_rows * stride_bn, mask=col_ok, other=0.0).to(ACC)
-        h = gated_forward(gate, up, ACT, ALPHA, LIMIT, UP_OFFSET)
+        h = gated_forward(gate, up, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
     else:
         h = plain_forward(gate, ACT)
     tl.store(h_ptr + slot.to(tl.int64) * stride_hs + cols * stride_hn,
@@ -239,7 +240,8 @@ class DecodeLaunch:
         self.up_tail = (n_inter, H, E, *sx, *sw1, *sb1, *sid, *sh)
         self.up_constexprs = lambda: dict(
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
-            UP_OFFSET=epi.up_offset, INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
+            UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
+            INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None,
             ACC=acc, DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv, next_pow2
-from .activation import gated_backward, gated_forward, plain_backward, plain_forward
+from .activation import gated_forward_backward, plain_backward, plain_forward
 from .gemm_mainloop import (
     _VARYING,
     GemmConfig,
@@ -45,7 +45,8 @@ def _gemm_act_bwd_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_wt, stride_wkk,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, ACC: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_PERMUTED: tl.constexpr, A_DESC: tl.constexpr,
     W_DESC: tl.constexpr, W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -91,17 +92,17 @@ def _gemm_act_bwd_kernel(
         part = _act_bwd_epilogue(
             acc_lo, n_tile * BLOCK_N + tl.arange(0, half), local,
             row_ok, wt, bases, N_OUT, stride_zm, stride_om, stride_on, ACT, GATED, ALPHA, LIMIT,
-            UP_OFFSET, INTERLEAVED, ACC,
+            UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, ACC,
         )  # fmt: skip
         part += _act_bwd_epilogue(
             acc_hi, n_tile * BLOCK_N + half + tl.arange(0, half), local, row_ok, wt, bases,
             N_OUT, stride_zm, stride_om, stride_on, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
-            INTERLEAVED, ACC,
+            GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, ACC,
         )  # fmt: skip
     else:
         part = _act_bwd_epilogue(
             acc, cols, local, row_ok, wt, bases, N_OUT, stride_zm, stride_om, stride_on, ACT,
-            GATED, ALPHA, LIMIT, UP_OFFSET, INTERLEAVED, ACC,
+            GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, ACC,
         )  # fmt: skip
     # this tile's share of <dout[t] W2[e], h[d]>
     tl.store(partial_ptr + rows.to(tl.int64) * n_tiles + n_tile, part, mask=row_ok)
@@ -110,7 +111,8 @@ def _gemm_act_bwd_kernel(
 @triton.jit
 def _act_bwd_epilogue(acc, cols, local, row_ok, wt, bases, N_OUT, stride_zm, stride_om,
                       stride_on, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
-                      LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+                      UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr,
                       ACC: tl.constexpr):  # fmt: skip
     """For the columns ``cols`` of a tile of ``g``: ``w·h`` and ``dz`` stored, ``Σ_cols g·h``
     returned. ``bases``: ``z``, ``dz`` and ``w·h`` at the tile's first row; ``local`` the
@@ -121,19 +123,19 @@ def _act_bwd_epilogue(acc, cols, local, row_ok, wt, bases, N_OUT, stride_zm, str
     mask = row_ok[:, None] & col_ok[None, :]
     z_rows = local[:, None] * stride_zm
     zg = tl.load(z_base + z_rows + gate_cols[None, :], mask=mask, other=0.0).to(ACC)
+    dh = acc * wt[:, None]
     if GATED:
         zu = tl.load(z_base + z_rows + up_cols[None, :], mask=mask, other=0.0).to(ACC)
-        h = gated_forward(zg, zu, ACT, ALPHA, LIMIT, UP_OFFSET)
+        # h and dz from one evaluation of each term (the soft caps' would not fit twice)
+        h, d_gate, d_up = gated_forward_backward(zg, zu, dh, ACT, ALPHA, LIMIT, UP_OFFSET,
+                                                 GATE_SOFTCAP, UP_SOFTCAP)  # fmt: skip
     else:
-        zu = zg
         h = plain_forward(zg, ACT)
     h = h.to(wh_base.dtype.element_ty).to(ACC)  # the forward's h, bit for bit
     wh_offs = local[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(wh_base + wh_offs, (h * wt[:, None]).to(wh_base.dtype.element_ty), mask=mask)
     part = tl.sum(acc * h, axis=1)
-    dh = acc * wt[:, None]
     if GATED:
-        d_gate, d_up = gated_backward(zg, zu, dh, ACT, ALPHA, LIMIT, UP_OFFSET)
         tl.store(dz_base + z_rows + gate_cols[None, :], d_gate.to(dz_base.dtype.element_ty),
                  mask=mask)  # fmt: skip
         tl.store(dz_base + z_rows + up_cols[None, :], d_up.to(dz_base.dtype.element_ty),
@@ -172,7 +174,9 @@ class ActBackwardLaunch:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved, ACC=_acc(dout.dtype),
+            UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
+            UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved,
+            ACC=_acc(dout.dtype),
             DOT_PRECISION=_precision(dout.dtype, allow_tf32), A_PERMUTED=permuted,
             EVEN_K=kd % bk == 0, E_POW2=next_pow2(E + 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=cfg.group_m, SPLIT_EPILOGUE=bm * bn >= 4096 and bn >= 32,

@@ -95,8 +95,12 @@ class GemmEpilogue:
     alpha: float = 1.0
     #: clamp of gate (from above) and up (both sides) of a gated activation; ``0.0``: none.
     limit: float = 0.0
-    #: added to the clamped up.
+    #: added to the clamped (and soft-capped) up.
     up_offset: float = 0.0
+    #: silu's linear factor soft-capped, ``c·tanh(gate/c) · sigmoid(alpha·gate)``; ``0.0``: none.
+    gate_softcap: float = 0.0
+    #: up soft-capped, ``c·tanh(up/c)``, before ``up_offset``; ``0.0``: none.
+    up_softcap: float = 0.0
 
 
 IDENTITY = GemmEpilogue()

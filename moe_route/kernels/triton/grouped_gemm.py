@@ -62,7 +62,8 @@ def _gemm_tile(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,7 +115,7 @@ def _gemm_tile(
                 tl.store(z_rows + up_rows[None, :], zu, mask=mask)
             acc_up = zu.to(ACC)
     if GATED:
-        h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET)
+        h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
     else:
         h = plain_forward(acc, ACT)
     if OUT_DESC:
@@ -131,7 +132,8 @@ def _gemm_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -149,8 +151,9 @@ def _gemm_kernel(
         a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_ptr, z_ptr, bias_ptr, dest_to_src_ptr,
         e, first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak, stride_we, stride_wn,
         stride_wk, stride_om, stride_on, stride_zm, stride_be, stride_bn, ACT, GATED, ALPHA,
-        LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC,
-        W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 0, False, False,
+        LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE,
+        ACC, DOT_PRECISION, A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, 0, False,
+        False,
     )  # fmt: skip
 
 
@@ -162,7 +165,8 @@ def _gemm_persistent_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm,
     stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, STORE_PRE: tl.constexpr, ACC: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr,
     W_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -196,9 +200,9 @@ def _gemm_persistent_kernel(
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr,
             dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, T, stride_am, stride_ak,
             stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_zm, stride_be,
-            stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, INTERLEAVED, HAS_BIAS, GATHER,
-            STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC, W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N,
-            BLOCK_K, ONE_DOT, OUT_DESC, Z_DESC,
+            stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
+            INTERLEAVED, HAS_BIAS, GATHER, STORE_PRE, ACC, DOT_PRECISION, A_DESC, W_DESC,
+            W_KMAJOR, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, ONE_DOT, OUT_DESC, Z_DESC,
         )  # fmt: skip
     routed = tl.load(offsets_ptr + E)
     zero_tiles = tl.cdiv(M_ROWS - routed, BLOCK_M) * n_tiles
@@ -293,7 +297,8 @@ class GemmLaunch:
         self.strides = (*sa, *sw, *so, sz0, *sb)
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
+            UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
+            UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved,
             HAS_BIAS=bias is not None, GATHER=gather, STORE_PRE=store_pre, ACC=_acc(a.dtype),
             DOT_PRECISION=_precision(a.dtype, allow_tf32), EVEN_K=kd % cfg.block_k == 0,
             E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -282,7 +282,8 @@ def _quant_gemm_kernel(
     stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATHER: tl.constexpr, MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr,
     UE8M0: tl.constexpr, UPCAST: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -325,7 +326,7 @@ def _quant_gemm_kernel(
                 None, :
             ]
     if GATED:
-        h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET)
+        h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
     else:
         h = plain_forward(acc, ACT)
     mask = row_ok[:, None] & col_ok[None, :]
@@ -375,7 +376,8 @@ class QuantGemmLaunch:
                               out_fp8, mxfp4, block_n_scale, ue8m0, E, n_out, kd))  # fmt: skip
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
-            UP_OFFSET=epilogue.up_offset, INTERLEAVED=epilogue.interleaved,
+            UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
+            UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved,
             HAS_BIAS=bias is not None, GATHER=gather, MXFP4=mxfp4, SN=block_n_scale,
             OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=INTERPRETING and not mxfp4,
             E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
