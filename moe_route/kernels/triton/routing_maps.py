@@ -71,8 +71,11 @@ def check_num_experts_supported(
 
 
 # An in-program sort of n keys costs ~n log² n: one launch covers the decode sizes, larger
-# inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles").
-ONE_TILE_MAX = 1024
+# inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles"). The one launch's
+# tile takes three sizes, not one per token bucket: each size is a variant that compiles for
+# seconds at its first call (docs/decisions.md, "Cold start").
+ONE_TILE_SIZES = (64, 256, 1024)
+ONE_TILE_MAX = ONE_TILE_SIZES[-1]
 TILE = 512
 
 
@@ -224,7 +227,8 @@ class MapsLaunch:
     signature. ``tile`` forces the tile size (a power of two; benchmarks sweep it); by
     default one tile covers up to ``ONE_TILE_MAX`` slots in a single launch, else
     ``TILE``-slot tiles. Tiles follow the token bucket (``T`` rounded up to a power of two),
-    not ``T``: every ``T`` of a bucket runs the same compiled kernels."""
+    not ``T``: every ``T`` of a bucket runs the same compiled kernels, and the one tile is the
+    smallest of ``ONE_TILE_SIZES`` that holds the bucket's slots."""
 
     __slots__ = ("E", "K", "key", "num_bins", "one_tile_cx", "strides", "tile", "warps")
 
@@ -233,7 +237,8 @@ class MapsLaunch:
         K, E = topk_ids.shape[1], num_experts
         n_bucket = bucket * K
         if tile is None:
-            tile = next_pow2(n_bucket) if n_bucket <= ONE_TILE_MAX else TILE
+            fits = [size for size in ONE_TILE_SIZES if size >= n_bucket]
+            tile = fits[0] if fits else TILE
         self.tile = tile = max(tile, 16)
         self.K, self.E, self.strides = K, E, topk_ids.stride()
         self.key = LaunchKey((tile, K, E, topk_ids.dtype, *self.strides))
