@@ -7,16 +7,12 @@ Each measurement starts a new Python process with its own empty ``TRITON_CACHE_D
 times (``time.perf_counter`` around the call and a device synchronise) the first
 ``fused_moe`` inference call at each of ``--tokens`` in turn (each a new power-of-two
 bucket), then a second call at the same ``T`` (compiled by then), on Qwen3-30B-A3B's expert
-shapes (H 2048, I 768, E 128, K 8, bf16). Two variants, each in its own process:
+shapes (H 2048, I 768, E 128, K 8, bf16), with the time of each kernel's first launch (its
+compile) listed. ``--repeat N`` runs it in N fresh processes.
 
-* ``ahead`` — moe_route as it is: a signature's first call compiles its kernels side by side
-  (``kernels.triton.compiling_ahead``) before it runs;
-* ``serial`` — the same with the compile-ahead pass switched off (each kernel compiles at its
-  first launch, one after the other): the reference.
-
-``--hf`` adds the same two variants through a transformers Qwen3-MoE model (two decoder
-layers at the real widths, random weights) switched to ``experts_implementation="moe_route"``:
-the first prefill of ``T`` tokens, which is what a serving process meets.
+``--hf`` adds the same through a transformers Qwen3-MoE model (two decoder layers at the real
+widths, random weights) switched to ``experts_implementation="moe_route"``: the first prefill
+of ``T`` tokens, which is what a serving process meets.
 """
 
 from __future__ import annotations
@@ -31,16 +27,23 @@ import tempfile
 H, INTER, E, K = 2048, 768, 128, 8
 
 
-def _child(variant: str, tokens: list[int], hf: bool) -> dict:
+def _child(tokens: list[int], hf: bool) -> dict:
     import time
 
     import torch
 
     import moe_route
-    import moe_route.experts
+    from moe_route.kernels import triton as kt
 
-    if variant == "serial":
-        moe_route.experts.compiling_ahead = lambda: None
+    first = kt.ThinKernel._first_launch
+    compiles = []
+
+    def timed(self, *args):
+        t0 = time.perf_counter()
+        first(self, *args)
+        compiles.append(f"{self.fn.__name__} {time.perf_counter() - t0:.2f}")
+
+    kt.ThinKernel._first_launch = timed
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     times = {}
@@ -67,6 +70,8 @@ def _child(variant: str, tokens: list[int], hf: bool) -> dict:
                     model(ids)
                 torch.cuda.synchronize()
                 times[f"{T}:{attempt}"] = time.perf_counter() - t0
+            times[f"{T}:compiles"] = compiles[:]
+            compiles.clear()
         return times
     w1 = torch.randn(E, 2 * INTER, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
     w2 = torch.randn(E, H, INTER, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
@@ -81,14 +86,16 @@ def _child(variant: str, tokens: list[int], hf: bool) -> dict:
                 moe_route.fused_moe(x, w1, w2, weights, ids)
             torch.cuda.synchronize()
             times[f"{T}:{attempt}"] = time.perf_counter() - t0
+        times[f"{T}:compiles"] = compiles[:]
+        compiles.clear()
     return times
 
 
-def _measure(variant: str, tokens: list[int], hf: bool) -> dict:
+def _measure(tokens: list[int], hf: bool) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         arg = ",".join(map(str, tokens))
-        cmd = [sys.executable, __file__, "--child", variant, "--tokens", arg]
+        cmd = [sys.executable, __file__, "--child", "--tokens", arg]
         out = subprocess.run(cmd + (["--hf"] if hf else []), env=env, capture_output=True,
                              text=True)  # fmt: skip
     if out.returncode:
@@ -100,23 +107,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="100,700,1300")
     ap.add_argument("--hf", action="store_true")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.child:
-        print(json.dumps(_child(args.child, tokens, args.hf)))
+        print(json.dumps(_child(tokens, args.hf)))
         return
     rows = []
-    for hf in (False, True) if args.hf else (False,):
-        for variant in ("serial", "ahead"):
-            times = _measure(variant, tokens, hf)
-            rows.append({"path": "hf" if hf else "fused_moe", "variant": variant, **times})
+    for _ in range(args.repeat):
+        for hf in (False, True) if args.hf else (False,):
+            rows.append({"path": "hf" if hf else "fused_moe", **_measure(tokens, hf)})
     cols = [f"{T}:{a}" for T in tokens for a in ("first", "again")]
-    print("| path | variant | " + " | ".join(f"T={c} s" for c in cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
+    print("| path | " + " | ".join(f"T={c} s" for c in cols) + " |")
+    print("|---|" + "---|" * len(cols))
     for r in rows:
-        print(f"| {r['path']} | {r['variant']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |")
+        print(f"| {r['path']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |")
+    for r in rows:
+        for T in tokens:
+            print(f"{r['path']} T={T} compiles (s): {', '.join(r[f'{T}:compiles'])}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cold_start.json"), "w") as f:

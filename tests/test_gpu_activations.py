@@ -22,7 +22,6 @@ import torch
 from moe_cases import ACT_VARIANTS, PATHS, TOL, f64, gemm_reference, moe_expected, run_moe
 
 import moe_route
-from moe_route import reference
 from moe_route.reference import moe_forward_reference
 
 pytestmark = [
@@ -104,12 +103,15 @@ def _oracle(case, dout, spec, layout, monkeypatch=None, round_to=None):
     ``z`` within half an ulp of a bound can sit inside in float64 and on/outside in bf16, and
     each such flip moves one ``dz`` element by the full local gradient."""
     if round_to is not None:
-        real = reference.activation_reference
+        from moe_route.reference import experts as ref_experts
+
+        real = ref_experts.activation_reference
 
         def rounded(z, *args, **kw):
             return real(z + (z.to(round_to).to(z.dtype) - z).detach(), *args, **kw)
 
-        monkeypatch.setattr(reference, "activation_reference", rounded)
+        # where moe_forward_reference's GEMM1 (grouped_gemm_reference) looks it up
+        monkeypatch.setattr(ref_experts, "activation_reference", rounded)
     leaves = {n: f64(case[n]).nan_to_num(0.0).requires_grad_(True) for n in NAMES}
     out = moe_forward_reference(
         leaves["x"], leaves["w1"], leaves["w2"], leaves["topk_weights"], case["topk_ids"],

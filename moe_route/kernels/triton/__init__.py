@@ -15,11 +15,8 @@ so a new ``T`` never compiles a new variant.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -108,38 +105,6 @@ CHECK_LAUNCHES = flag("MOE_ROUTE_CHECK_LAUNCHES")
 #: every :class:`ThinKernel` made (for :func:`launch_keys`)
 KERNELS: list[ThinKernel] = []
 
-#: True while a :func:`compiling_ahead` pass runs: launches compile, nothing runs
-_AHEAD = False
-
-
-def compiling_ahead():
-    """A context in which every :class:`ThinKernel` launch compiles (or finds) its variant on a
-    thread pool and launches nothing; on exit, every compile has finished and the variants
-    are in Triton's cache. None where Triton has no asynchronous compile, and inside such a
-    pass (which covers what runs within it).
-
-    A signature's first call runs its launch sequence once inside it, on the buffers it
-    allocates, then for real: the variants compile side by side instead of one after the
-    other (docs/decisions.md, "Cold start"). Nothing may read what the pass "wrote"."""
-    if _AHEAD:
-        return None
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return None
-    return _ahead(AsyncCompileMode)
-
-
-@contextlib.contextmanager
-def _ahead(mode):
-    global _AHEAD
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool, mode(pool):
-        _AHEAD = True
-        try:
-            yield
-        finally:
-            _AHEAD = False
-
 
 class ThinKernel:
     """A ``@triton.jit`` function launched through a cache of its compiled variants.
@@ -174,9 +139,6 @@ class ThinKernel:
         self._constexpr_names = tuple(p.name for p in params if p.is_constexpr)
 
     def launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
-        if _AHEAD:
-            self._compile_ahead(key, grid, args)(**constexprs())
-            return
         if key is None or INTERPRETING:
             self.fn[grid](*_for_triton(args), **constexprs())
             return
@@ -203,15 +165,6 @@ class ThinKernel:
         values = tuple(cx[name] for name in self._constexpr_names)
         run = _direct_launch(compiled, values, len(args))
         entry[1][(_current_device(), entry[0](args)[1])] = run
-
-    def _compile_ahead(self, key, grid: tuple, args: tuple):
-        """``compile(**constexprs)``: Triton's warm-up of this launch's variant (a compile
-        submitted to the :func:`compiling_ahead` pool), or nothing for a variant launched
-        before."""
-        entry = self._entries.get(key) if key is not None else None
-        if entry is not None and (_current_device(), entry[0](args)[1]) in entry[1]:
-            return _nothing
-        return functools.partial(self.fn.warmup, *_for_triton(args), grid=grid)
 
     def variant(self, key, device: int, alignment: tuple):
         """The launch function of a variant launched before (KeyError if none)."""
@@ -245,10 +198,6 @@ class ThinKernel:
                 f"{self.fn.__name__}: launch key {key!r} maps to a variant compiled for other "
                 f"arguments than these (Triton's specialisation: {specialization})"
             )
-
-
-def _nothing(**_) -> None:
-    return None
 
 
 def _packer(args: tuple):

@@ -72,9 +72,9 @@ def check_num_experts_supported(
 
 # An in-program sort of n keys costs ~n log² n: one launch covers the decode sizes, larger
 # inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles"). The one launch's
-# tile takes three sizes, not one per token bucket: each size is a variant that compiles for
+# tile takes four sizes, not one per token bucket: each size is a variant that compiles for
 # seconds at its first call (docs/decisions.md, "Cold start").
-ONE_TILE_SIZES = (64, 256, 1024)
+ONE_TILE_SIZES = (64, 256, 512, 1024)
 ONE_TILE_MAX = ONE_TILE_SIZES[-1]
 TILE = 512
 
