@@ -51,9 +51,9 @@ SWEEP_CONFIGS = [  # GemmConfig's tiles: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, nu
 
 def sweep_gemms(name, T, H, I, E, K, ceil, rows, tmas=(False, True)):  # noqa: E741
     """Time GEMM1 (swiglu, gathered) and GEMM2 under each tile configuration."""
-    from moe_route.grouped_gemm import epilogue_for
     from moe_route.kernels.triton.gemm_mainloop import GemmConfig
     from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+    from moe_route.plan import epilogue_for
 
     dev, dt = "cuda", torch.bfloat16
     shape = f"{name} T={T}"

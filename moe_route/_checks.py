@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from ._env import flag
+from .activations import as_activation
+from .kernels.triton.gemm_mainloop import MAX_EXPERTS as GEMM_MAX_EXPERTS
+from .reference import GATE_UP_LAYOUTS
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -126,4 +129,61 @@ def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
         raise ValueError(
             f"topk_ids[{where[0]}, {where[1]}] = {value} is out of range: expected expert ids in "
             f"[0, {num_experts}) or -1 for a dropped slot"
+        )
+
+
+# --------------------------------------------------------------------------- grouped GEMM operands
+# float64 runs on the FMA units (small tiles): it is there for gradcheck, not for speed.
+GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def bias_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """A per-expert bias has the activations' dtype or float32 (float64 only with float64)."""
+    return (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
+
+
+def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_layout, E=None):
+    """Validate one grouped GEMM's operands; returns ``(E, N_out)``."""
+    check_tensor(a_name, a, ndim=2, dtypes=GEMM_DTYPES)
+    check_tensor(w_name, w, ndim=3, dtypes=GEMM_DTYPES)
+    spec = as_activation(activation)  # raises, naming the argument
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}")
+    if w.dtype != a.dtype:
+        raise TypeError(
+            f"{w_name} has dtype {w.dtype} but {a_name} has {a.dtype}: expected one dtype"
+        )
+    if E is not None and w.shape[0] != E:
+        raise ValueError(f"{w_name} must have E = {E} experts in dim 0, got {describe(w)}")
+    if w.shape[0] > GEMM_MAX_EXPERTS:
+        raise ValueError(
+            f"{w_name} has E = {w.shape[0]} experts; the grouped GEMM takes at most "
+            f"{GEMM_MAX_EXPERTS}"
+        )
+    if w.shape[2] != a.shape[1]:
+        raise ValueError(
+            f"{w_name} [E, N, K] must have K = {a_name}.shape[1] = {a.shape[1]}, got {describe(w)}"
+        )
+    if spec.gated and w.shape[1] % 2:
+        raise ValueError(
+            f"{w_name} for gated activation {str(spec)!r} must have an even N = 2*I (gate and "
+            f"up rows), got {describe(w)}"
+        )
+    if bias is not None:
+        check_tensor(bias_name, bias, ndim=2, dtypes=bias_dtypes(a.dtype))
+        if tuple(bias.shape) != tuple(w.shape[:2]):
+            raise ValueError(
+                f"{bias_name} must be [E, N] = {list(w.shape[:2])} (one row per expert, matching "
+                f"{w_name}), got {describe(bias)}"
+            )
+    check_same_device(**{a_name: a, w_name: w, bias_name: bias})
+    return w.shape[0], w.shape[1] // 2 if spec.gated else w.shape[1]
+
+
+def check_interpreter_dtype(name: str, t: torch.Tensor, backend: str) -> None:
+    """The Triton interpreter's bf16 ``tl.dot`` is wrong: refuse it rather than return garbage."""
+    if backend == "triton" and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        raise TypeError(
+            f"{name} is bfloat16 on the CPU with the Triton interpreter (TRITON_INTERPRET=1), "
+            "whose bf16 matrix product is wrong: use float16/float32 there, or backend='torch'"
         )

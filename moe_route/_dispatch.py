@@ -137,6 +137,11 @@ def _autograd_function(name, impl, setup_context, backward):
     )
 
 
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call records a graph for autograd: grad mode on and a tensor requiring grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # --------------------------------------------------------------------------- call memos
 #: The most call signatures a memo keeps (``fused_moe``'s, each layer's) before starting over.
 MAX_CALLS = 256

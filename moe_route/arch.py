@@ -352,3 +352,33 @@ def describe(device: torch.device | str) -> dict[str, str]:
         info[f"  {backend_name}"] = f"{available.value:<4} [{available.why}]"
     info["finalize path"] = f"{path.value}  [{path.why}]"
     return info
+
+
+# --------------------------------------------------------------------------- maps backend
+def maps_backend(device: torch.device, backend: str, bucket: int, K: int,
+                 num_experts: int) -> str:  # fmt: skip
+    """The backend that builds maps for a token ``bucket`` (a power of two) into
+    ``num_experts`` (the bucket's slots decide). Where ``"auto"`` picked the CuPy kernels for
+    speed but ``E`` is past what they hold, the GEMMs' backend (Triton) builds them; an
+    explicit ``"cupy"`` (argument or ``MOE_ROUTE_BACKEND``) stays, and
+    :func:`check_kernel_limits` raises."""
+    chosen = backend_for(device, backend, op="routing_maps", slots=bucket * K).value
+    if chosen == "cupy":
+        general = backend_for(device, backend).value
+        if general != "cupy":
+            from .kernels.cupy.routing_maps import max_num_experts
+
+            if num_experts > max_num_experts(K, device):
+                return general
+    return chosen
+
+
+def check_kernel_limits(chosen: str, E: int, K: int, device: torch.device) -> None:
+    """Raise before any launch if the maps kernels of ``chosen`` cannot hold ``E`` experts."""
+    if chosen == "triton":
+        from .kernels.triton.routing_maps import check_num_experts_supported
+    elif chosen == "cupy":
+        from .kernels.cupy.routing_maps import check_num_experts_supported
+    else:
+        return  # the torch backend takes any E
+    check_num_experts_supported(E, K, device)

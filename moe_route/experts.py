@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from . import arch, tuning
-from ._dispatch import CallMemo, Op, needs_dispatcher
+from . import arch
+from ._dispatch import CallMemo, Op, needs_dispatcher, wants_grad
 from .activations import as_activation
-from .grouped_gemm import epilogue_for
 from .kernels import torch_impl
-from .kernels.triton.decode import MAX_SLOTS, moe_decode_triton
 from .kernels.triton.moe import moe_backward_triton, moe_forward_quant_triton, moe_forward_triton
 from .plan import MoEPlan, plan_for, quant_plan_for
 from .quant import as_quant, dequantize_experts
@@ -72,7 +70,7 @@ class MoEProgram:
         if not direct:
             return self._through_op(x, w1, w2, topk_weights, tables, b1, b2, bias, w1_scale,
                                     w2_scale)  # fmt: skip
-        if _wants_grad(x, w1, w2, topk_weights, b1, b2, bias):
+        if wants_grad(x, w1, w2, topk_weights, b1, b2, bias):
             return _ExpertsFunction.apply(self, tables, x, w1, w2, topk_weights, b1, b2, bias,
                                           w1_scale, w2_scale)  # fmt: skip
         return self.forward(x, w1, w2, topk_weights, b1, b2, bias, tables, False,
@@ -83,7 +81,7 @@ class MoEProgram:
         if self.quant is not None:
             return QMOE(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, *tables,
                         self.activation, self.layout, self.quant, plan.backend)  # fmt: skip
-        store_z = _wants_grad(x, w1, w2, topk_weights, b1, b2, bias)
+        store_z = wants_grad(x, w1, w2, topk_weights, b1, b2, bias)
         return MOE(x, w1, w2, topk_weights, b1, b2, bias, *tables, self.activation, self.layout,
                    plan.path, plan.gather, self.allow_tf32, plan.backend, store_z)[0]  # fmt: skip
 
@@ -299,20 +297,6 @@ def _bias_grad(bias_meta, dout: torch.Tensor) -> torch.Tensor:
     return (dout if ndim == 2 else dout.sum(0, dtype=acc)).to(dtype)
 
 
-def _wants_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def decode_planned(plan: MoEPlan, x, *params) -> bool:
-    """Whether a call takes the decode path, CUDA-graph capture aside (the caller asks that per
-    call: ``fused_moe``'s memo, the layer's): a decode plan, eager inference.
-
-    The decode path saves host time but not device time, so CUDA-graph capture and
-    torch.compile keep the sorted path (docs/decisions.md, "Decode path threshold").
-    """
-    return not (plan.decode is None or _wants_grad(x, *params) or torch.compiler.is_compiling())
-
-
 # --------------------------------------------------------------------------- custom ops
 def _moe_experts_impl(
     x: torch.Tensor,
@@ -509,44 +493,3 @@ def _quant_backward_by_op(dout, x, w1, w1_scale, w2, w2_scale, topk_weights, b1,
 QMOE = Op("moe_experts_quant", _moe_experts_quant_impl, _moe_quant_fake,
           setup_context=_quant_setup_context, backward=_quant_backward,
           eager_autograd=False)  # fmt: skip
-
-
-def _moe_decode_impl(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    b1: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    activation: str,
-    gate_up_layout: str,
-    want_counts: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, counts)`` on the decode path (Triton; no maps, no gradient): ``fused_moe``'s
-    output, and with ``want_counts`` the routed slots per expert (``[E] int64``, else empty),
-    which :class:`moe_route.MoELayer` returns as ``tokens_per_expert``. The op's
-    implementation; eager calls on plain tensors run their prepared
-    :class:`~moe_route.kernels.triton.decode.DecodeLaunch` without it."""
-    E, K = w1.shape[0], topk_ids.shape[1]
-    if want_counts and x.shape[0] * K > MAX_SLOTS:
-        raise ValueError(
-            f"moe_decode counts at most {MAX_SLOTS} slots per call, got T*K = "
-            f"{x.shape[0]}*{K}: take the sorted path (fused_moe) at this size"
-        )
-    cfg = tuning.decode_tiles(x.dtype)
-    counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
-    out = moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
-                            epilogue_for(activation, gate_up_layout), cfg,
-                            counts if want_counts else None)  # fmt: skip
-    return out, counts
-
-
-def _decode_fake(x, w1, w2, topk_weights, topk_ids, *rest):
-    want_counts = rest[-1]
-    return x.new_empty(x.shape), topk_ids.new_empty(w1.shape[0] if want_counts else 0,
-                                                    dtype=torch.int64)  # fmt: skip
-
-
-DECODE = Op("moe_decode", _moe_decode_impl, _decode_fake)

@@ -2,75 +2,24 @@
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 
 from . import _checks, arch, tuning
+from ._checks import check_gemm_args, check_interpreter_dtype
 from ._dispatch import CallMemo, Op, memo_env, memo_wanted, needs_dispatcher, rows_key, tensor_key
 from .activations import Activation, as_activation
 from .kernels import torch_impl
-from .kernels.triton.act_backward import ActBackwardConfig
-from .kernels.triton.gemm_mainloop import MAX_EXPERTS, GemmConfig, GemmEpilogue
 from .kernels.triton.grouped_gemm import GemmLaunch, grouped_gemm_triton
 from .kernels.triton.moe import grouped_gemm_backward_triton
-from .kernels.triton.weight_grad import WeightGradConfig
 from .maps import RoutingMaps, check_maps
-from .reference import GATE_UP_LAYOUTS
+from .plan import epilogue_for
 from .tuning import token_bucket
-
-# float64 runs on the FMA units (small tiles): it is there for gradcheck, not for speed.
-GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@functools.cache
-def epilogue_for(activation: str | Activation, gate_up_layout: str) -> GemmEpilogue:
-    """GEMM1's epilogue for an activation (its canonical string, as the ops carry it, or a
-    spec) and gate/up layout; cached, so the launch keys and plans hold one object per spec."""
-    spec = as_activation(activation)
-    act, alpha, limit, up_offset, gate_softcap, up_softcap = spec.triton_constexprs()
-    return GemmEpilogue(
-        act=act, gated=spec.gated, interleaved=spec.gated and gate_up_layout == "interleaved",
-        alpha=alpha, limit=limit, up_offset=up_offset, gate_softcap=gate_softcap,
-        up_softcap=up_softcap,
-    )  # fmt: skip
-
-
-class GemmConfigs(NamedTuple):
-    """The tile configs of one GEMM ``[M, Kd] @ W[e].T`` (``W [E, N_w, Kd]``) for a shape
-    bucket, forward and backward."""
-
-    forward: GemmConfig
-    #: the forward when it also stores the pre-activation (training)
-    forward_z: GemmConfig
-    act_backward: ActBackwardConfig
-    #: the input gradient's GEMM, ``dout [M, N_w] @ W[e]`` (its K is ``N_w``)
-    dx: GemmConfig
-    weight_grad: WeightGradConfig
-
-
-@functools.cache
-def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: int, gated: bool,
-                 n_out: int, kd: int, env: tuple) -> GemmConfigs:  # fmt: skip
-    """:class:`GemmConfigs` for one shape bucket (``N_w = 2 * n_out`` gated, else ``n_out``)."""
-    cc = arch.compute_capability(device)
-    rpe = bucket_rows / max(E, 1)
-    n_w = n_out * (2 if gated else 1)
-    return GemmConfigs(
-        forward=tuning.gemm_config(rpe, gated, dtype, cc, kd=kd),
-        forward_z=tuning.gemm_config(rpe, gated, dtype, cc, kd=kd, store_z=True),
-        # GEMM2's input gradient reduces over GEMM1's Kd (H)
-        act_backward=tuning.act_backward_config(rpe, dtype, cc, kd=kd),
-        dx=tuning.gemm_config(rpe, False, dtype, cc, kd=n_w),
-        weight_grad=tuning.weight_grad_config(rpe, n_w, kd, dtype, cc),
-    )
 
 
 def _configs(a_like: torch.Tensor, w: torch.Tensor, M: int, gated: bool):
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     bucket = tuning.token_bucket(M)
-    return gemm_configs(a_like.device, a_like.dtype, w.shape[0], bucket, gated, n_out,
+    return tuning.gemm_configs(a_like.device, a_like.dtype, w.shape[0], bucket, gated, n_out,
                         w.shape[2], arch.env_key())  # fmt: skip
 
 
@@ -183,58 +132,6 @@ GEMM = Op("grouped_gemm", gemm_tables, _gemm_fake, setup_context=_setup_context,
 
 def n_out(w: torch.Tensor, activation: str | Activation) -> int:
     return w.shape[1] // 2 if as_activation(activation).gated else w.shape[1]
-
-
-def bias_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """A per-expert bias has the activations' dtype or float32 (float64 only with float64)."""
-    return (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
-
-
-def check_gemm_args(a_name, a, w_name, w, bias_name, bias, activation, gate_up_layout, E=None):
-    """Validate one grouped GEMM's operands; returns ``(E, N_out)``."""
-    _checks.check_tensor(a_name, a, ndim=2, dtypes=GEMM_DTYPES)
-    _checks.check_tensor(w_name, w, ndim=3, dtypes=GEMM_DTYPES)
-    spec = as_activation(activation)  # raises, naming the argument
-    if gate_up_layout not in GATE_UP_LAYOUTS:
-        raise ValueError(f"gate_up_layout={gate_up_layout!r}: expected one of {GATE_UP_LAYOUTS}")
-    if w.dtype != a.dtype:
-        raise TypeError(
-            f"{w_name} has dtype {w.dtype} but {a_name} has {a.dtype}: expected one dtype"
-        )
-    if E is not None and w.shape[0] != E:
-        raise ValueError(f"{w_name} must have E = {E} experts in dim 0, got {_checks.describe(w)}")
-    if w.shape[0] > MAX_EXPERTS:
-        raise ValueError(
-            f"{w_name} has E = {w.shape[0]} experts; the grouped GEMM takes at most {MAX_EXPERTS}"
-        )
-    if w.shape[2] != a.shape[1]:
-        raise ValueError(
-            f"{w_name} [E, N, K] must have K = {a_name}.shape[1] = {a.shape[1]}, "
-            f"got {_checks.describe(w)}"
-        )
-    if spec.gated and w.shape[1] % 2:
-        raise ValueError(
-            f"{w_name} for gated activation {str(spec)!r} must have an even N = 2*I (gate and "
-            f"up rows), got {_checks.describe(w)}"
-        )
-    if bias is not None:
-        _checks.check_tensor(bias_name, bias, ndim=2, dtypes=bias_dtypes(a.dtype))
-        if tuple(bias.shape) != tuple(w.shape[:2]):
-            raise ValueError(
-                f"{bias_name} must be [E, N] = {list(w.shape[:2])} (one row per expert, matching "
-                f"{w_name}), got {_checks.describe(bias)}"
-            )
-    _checks.check_same_device(**{a_name: a, w_name: w, bias_name: bias})
-    return w.shape[0], w.shape[1] // 2 if spec.gated else w.shape[1]
-
-
-def check_interpreter_dtype(name: str, t: torch.Tensor, backend: str) -> None:
-    """The Triton interpreter's bf16 ``tl.dot`` is wrong: refuse it rather than return garbage."""
-    if backend == "triton" and t.dtype == torch.bfloat16 and t.device.type == "cpu":
-        raise TypeError(
-            f"{name} is bfloat16 on the CPU with the Triton interpreter (TRITON_INTERPRET=1), "
-            "whose bf16 matrix product is wrong: use float16/float32 there, or backend='torch'"
-        )
 
 
 def grouped_gemm(

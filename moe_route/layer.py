@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
+from ._checks import GEMM_DTYPES
 from .activations import Activation, as_activation
 from .arch import check_backend_name
-from .experts import DECODE
-from .grouped_gemm import GEMM_DTYPES
+from .decode import DECODE
 from .layer_call import LayerCallMemo
 from .layer_call import _LayerCall as _LayerCall  # (re-exported: callers patch it here)
 from .layer_router import LayerRouter

@@ -8,9 +8,10 @@ import math
 
 import torch
 
+from ._checks import check_interpreter_dtype
 from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
-from .experts import decode_planned, program_for, runs_direct
-from .grouped_gemm import check_interpreter_dtype
+from .decode import decode_planned
+from .experts import program_for, runs_direct
 from .kernels.triton.decode import DecodeLaunch
 from .maps import MapsCall
 from .plan import moe_plan

@@ -229,33 +229,6 @@ def maps_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> RoutingMa
     return RoutingMaps._built(tables, T, K, num_experts)
 
 
-def maps_backend(device: torch.device, backend: str, T: int, K: int, num_experts: int) -> str:
-    """The backend that builds maps for ``T`` tokens into ``num_experts`` (the token bucket's
-    slots decide). Where ``"auto"`` picked the CuPy kernels for speed but ``E`` is past what
-    they hold, the GEMMs' backend (Triton) builds them; an explicit ``"cupy"`` (argument or
-    ``MOE_ROUTE_BACKEND``) stays, and :func:`check_kernel_limits` raises."""
-    chosen = arch.backend_for(device, backend, op="routing_maps", slots=token_bucket(T) * K).value
-    if chosen == "cupy":
-        general = arch.backend_for(device, backend).value
-        if general != "cupy":
-            from .kernels.cupy.routing_maps import max_num_experts
-
-            if num_experts > max_num_experts(K, device):
-                return general
-    return chosen
-
-
-def check_kernel_limits(chosen: str, E: int, K: int, device: torch.device) -> None:
-    """Raise before any launch if the maps kernels of ``chosen`` cannot hold ``E`` experts."""
-    if chosen == "triton":
-        from .kernels.triton.routing_maps import check_num_experts_supported
-    elif chosen == "cupy":
-        from .kernels.cupy.routing_maps import check_num_experts_supported
-    else:
-        return  # the torch backend takes any E
-    check_num_experts_supported(E, K, device)
-
-
 def build_routing_maps(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -349,8 +322,8 @@ def _cached_maps_backend(device: torch.device, backend: str, T: int, K: int, E: 
 
 @arch.env_cached
 def _bucket_maps_backend(device: torch.device, backend: str, bucket: int, K: int, E: int) -> str:
-    """Keyed on the token bucket, the unit :func:`maps_backend` decides on."""
+    """Keyed on the token bucket, the unit :func:`moe_route.arch.maps_backend` decides on."""
     arch.check_backend_name(backend)
-    chosen = maps_backend(device, backend, bucket, K, E)
-    check_kernel_limits(chosen, E, K, device)  # before any launch
+    chosen = arch.maps_backend(device, backend, bucket, K, E)
+    arch.check_kernel_limits(chosen, E, K, device)  # before any launch
     return chosen

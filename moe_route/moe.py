@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
+from ._checks import bias_dtypes, check_gemm_args, check_interpreter_dtype
 from ._dispatch import (
     CallMemo,
     bias_key,
@@ -21,8 +22,8 @@ from ._dispatch import (
     tensor_key,
 )
 from .activations import Activation, as_activation
-from .experts import DECODE, decode_planned, program_for, quant_program_for, runs_direct
-from .grouped_gemm import bias_dtypes, check_gemm_args, check_interpreter_dtype
+from .decode import DECODE, decode_planned
+from .experts import program_for, quant_program_for, runs_direct
 from .kernels.triton.decode import DecodeLaunch
 from .kernels.triton.gemm_mainloop import MAX_EXPERTS
 from .maps import MapsCall

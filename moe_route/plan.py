@@ -1,8 +1,8 @@
 """The plan of a ``fused_moe`` call: everything decided once per call shape, in the order of
 the data flow (backend, who builds the maps, the finalize path, gather or expand, the tiles of
-every GEMM of the forward and backward, the decode path's tiles), from :mod:`.arch` and
-:mod:`.tuning` (the GEMMs' tiles through ``grouped_gemm.gemm_configs``, the maps' backend
-through ``maps.maps_backend``).
+every GEMM of the forward and backward, the decode path's tiles), asking :mod:`.arch` (the
+backends, the maps' backend, the finalize path) and :mod:`.tuning` (the tiles) and nothing
+else; and GEMM1's epilogue from the activation (:func:`epilogue_for`).
 
 A plan is cached on everything that decides it: the device, dtypes, the weights' shapes, the
 options, environment overrides and the token bucket (``T`` rounded up to a power of two;
@@ -20,12 +20,25 @@ from dataclasses import dataclass
 
 from . import arch, tuning
 from ._dispatch import clear_memos
-from .grouped_gemm import epilogue_for, gemm_configs
+from .activations import Activation, as_activation
 from .kernels.triton.decode import DecodeConfig
+from .kernels.triton.gemm_mainloop import GemmEpilogue
 from .kernels.triton.moe import MoEConfigs, QuantConfigs
-from .maps import check_kernel_limits, maps_backend
 from .quant import QuantSpec
 from .tuning import token_bucket
+
+
+@functools.cache
+def epilogue_for(activation: str | Activation, gate_up_layout: str) -> GemmEpilogue:
+    """GEMM1's epilogue for an activation (its canonical string, as the ops carry it, or a
+    spec) and gate/up layout; cached, so the launch keys and plans hold one object per spec."""
+    spec = as_activation(activation)
+    act, alpha, limit, up_offset, gate_softcap, up_softcap = spec.triton_constexprs()
+    return GemmEpilogue(
+        act=act, gated=spec.gated, interleaved=spec.gated and gate_up_layout == "interleaved",
+        alpha=alpha, limit=limit, up_offset=up_offset, gate_softcap=gate_softcap,
+        up_softcap=up_softcap,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,14 +65,14 @@ class MoEPlan:
 def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, path, gather,
           allow_tf32, backend, env):  # fmt: skip
     chosen = arch.backend_for(device, backend).value
-    maps_chosen = maps_backend(device, backend, bucket, K, E)
-    check_kernel_limits(maps_chosen, E, K, device)
+    maps_chosen = arch.maps_backend(device, backend, bucket, K, E)
+    arch.check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
         return MoEPlan("torch", maps_chosen, None, path, gather)
     epi = epilogue_for(activation, layout)
     M = bucket * K
-    first = gemm_configs(device, dtype, E, M, epi.gated, w2_shape[2], w1_shape[2], env)
-    second = gemm_configs(device, dtype, E, M, False, w2_shape[1], w2_shape[2], env)
+    first = tuning.gemm_configs(device, dtype, E, M, epi.gated, w2_shape[2], w1_shape[2], env)
+    second = tuning.gemm_configs(device, dtype, E, M, False, w2_shape[1], w2_shape[2], env)
     cfg = MoEConfigs(
         gemm1=first.forward, gemm1_z=first.forward_z, gemm2=second.forward,
         act_bwd=first.act_backward, dx=first.dx, wgrad2=second.weight_grad,
@@ -84,8 +97,8 @@ def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, lay
                 spec: QuantSpec, backend, env):  # fmt: skip
     """The plan of a call on quantised experts: the standalone finalize, GEMM1 gathering."""
     chosen = arch.backend_for(device, backend).value
-    maps_chosen = maps_backend(device, backend, bucket, K, E)
-    check_kernel_limits(maps_chosen, E, K, device)
+    maps_chosen = arch.maps_backend(device, backend, bucket, K, E)
+    arch.check_kernel_limits(maps_chosen, E, K, device)
     if chosen == "torch":
         return MoEPlan("torch", maps_chosen, None, "standalone", True)
     epi = epilogue_for(activation, layout)
@@ -138,4 +151,4 @@ def clear_plans() -> None:
     clear_memos()
     _CALL_PLANS.clear()
     _plan.cache_clear()
-    gemm_configs.cache_clear()
+    tuning.gemm_configs.cache_clear()

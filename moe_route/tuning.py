@@ -8,9 +8,12 @@ the exact ``T``, so every ``T`` in a bucket runs the same compiled kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import NamedTuple
 
 import torch
 
+from . import arch
 from ._env import getenv
 from .kernels.triton import cdiv
 from .kernels.triton.act_backward import ActBackwardConfig, RowPassConfig
@@ -105,7 +108,7 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     ``min(16, E)`` slots, and up to ``min(64, E / 2)`` where one expert's weights (``W1[e]``
     and ``W2[e]``, ``expert_bytes``) are at most 16 MiB, small enough that the slots sharing
     an expert find its tiles in L2. Only eager calls take the path
-    (:func:`moe_route.experts.decode_planned`), where it saves the maps and two launches of host
+    (:func:`moe_route.decode.decode_planned`), where it saves the maps and two launches of host
     time: docs/decisions.md, "Decode path threshold" and "Decode tiles".
     """
     if dtype == torch.float64:
@@ -263,3 +266,34 @@ def weight_grad_config(rows_per_expert: float, n: int, kd: int, dtype: torch.dty
     cfg = WeightGradConfig(32, 128, 256, 8, 4, True, 1)
     along_kd = cdiv(kd, cfg.block_k) <= cdiv(n, cfg.block_n)  # fewer tiles along Kd
     return dataclasses.replace(cfg, k_fastest=along_kd)
+
+
+# --------------------------------------------------------------------------- one GEMM's tiles
+class GemmConfigs(NamedTuple):
+    """The tile configs of one GEMM ``[M, Kd] @ W[e].T`` (``W [E, N_w, Kd]``) for a shape
+    bucket, forward and backward."""
+
+    forward: GemmConfig
+    #: the forward when it also stores the pre-activation (training)
+    forward_z: GemmConfig
+    act_backward: ActBackwardConfig
+    #: the input gradient's GEMM, ``dout [M, N_w] @ W[e]`` (its K is ``N_w``)
+    dx: GemmConfig
+    weight_grad: WeightGradConfig
+
+
+@functools.cache
+def gemm_configs(device: torch.device, dtype: torch.dtype, E: int, bucket_rows: int, gated: bool,
+                 n_out: int, kd: int, env: tuple) -> GemmConfigs:  # fmt: skip
+    """:class:`GemmConfigs` for one shape bucket (``N_w = 2 * n_out`` gated, else ``n_out``)."""
+    cc = arch.compute_capability(device)
+    rpe = bucket_rows / max(E, 1)
+    n_w = n_out * (2 if gated else 1)
+    return GemmConfigs(
+        forward=gemm_config(rpe, gated, dtype, cc, kd=kd),
+        forward_z=gemm_config(rpe, gated, dtype, cc, kd=kd, store_z=True),
+        # GEMM2's input gradient reduces over GEMM1's Kd (H)
+        act_backward=act_backward_config(rpe, dtype, cc, kd=kd),
+        dx=gemm_config(rpe, False, dtype, cc, kd=n_w),
+        weight_grad=weight_grad_config(rpe, n_w, kd, dtype, cc),
+    )

@@ -156,9 +156,9 @@ def launch(a, w, maps, bias=None, *, activation="identity", layout="concat", gat
     (:func:`moe_route.tuning.gemm_config`). ``use_tma``: ``None`` keeps the library's choice
     (SM90+ and 16-bit), a bool forces it."""
     from moe_route import tuning
-    from moe_route.grouped_gemm import epilogue_for
     from moe_route.kernels.triton.gemm_mainloop import GemmConfig
     from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+    from moe_route.plan import epilogue_for
 
     M = maps.num_expanded_rows
     epilogue = epilogue_for(activation, layout)

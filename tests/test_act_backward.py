@@ -21,13 +21,12 @@ from moe_cases import moe_case as make_moe
 import moe_route
 from moe_route import tuning
 from moe_route.activations import as_activation
-from moe_route.grouped_gemm import epilogue_for
 from moe_route.kernels.triton.act_backward import (
     ActBackwardConfig,
     RowPassConfig,
     act_backward_rows_triton,
 )
-from moe_route.plan import clear_plans
+from moe_route.plan import clear_plans, epilogue_for
 from moe_route.reference import (
     activation_backward_reference,
     activation_reference,

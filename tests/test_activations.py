@@ -104,8 +104,8 @@ def test_derived_fields_follow_the_parameters():
 def test_epilogue_and_plan_carry_the_spec():
     """The spec reaches GEMM1's GemmEpilogue (the kernels' constexprs and launch keys) and the
     fused_moe plan, which is cached per canonical string."""
-    from moe_route.grouped_gemm import epilogue_for
     from moe_route.kernels.triton.gemm_mainloop import GemmEpilogue
+    from moe_route.plan import epilogue_for
     from moe_route.plan import plan_for as _plan_for
 
     want = GemmEpilogue(act=1, gated=True, interleaved=True, alpha=1.702, limit=7.0, up_offset=1.0)

@@ -385,14 +385,14 @@ def test_plan_takes_the_training_and_store_configs(monkeypatch, inter, stores):
     backward's ``g = dout @ W2[e]`` (K = H = 2048) at both."""
     grouped_gemm = importlib.import_module("moe_route.grouped_gemm")  # the module, not the op
     monkeypatch.setattr(grouped_gemm.arch, "compute_capability", lambda device: 90)
-    grouped_gemm.gemm_configs.cache_clear()
+    tuning.gemm_configs.cache_clear()
     try:
         cfg = moe_route.plan._plan.__wrapped__(
             torch.device("cpu"), torch.bfloat16, (128, 2 * inter, 2048), (128, 2048, inter),
             128, 8, 8192, "swiglu", "concat", "standalone", True, False, "triton", (),
         ).configs  # fmt: skip
     finally:
-        grouped_gemm.gemm_configs.cache_clear()
+        tuning.gemm_configs.cache_clear()
     assert (cfg.gemm1.num_stages, cfg.gemm1_z.num_stages) == (3, 4)
     assert not cfg.gemm1.tma_store and not cfg.gemm1_z.tma_store
     assert cfg.gemm2.tma_store

@@ -105,9 +105,9 @@ def test_quant_gemm_stages(fmt, shape):
     """Each GEMM against float64 products of the very operands it read: GEMM1's float32
     pre-activation, its quantised output within one e4m3 step of the float64 value, GEMM2 on
     GEMM1's own codes and scales, each within 2e-3."""
-    from moe_route.grouped_gemm import epilogue_for
     from moe_route.kernels.triton.gemm_mainloop import IDENTITY
     from moe_route.kernels.triton.quant import QuantGemmLaunch
+    from moe_route.plan import epilogue_for
 
     spec = Q.as_quant(fmt)
     x, w1, w2, _tw, ids = _case(*shape)

@@ -359,11 +359,11 @@ def test_activation_backward_split_and_fused_kernels(activation, layout, permute
 
     from moe_route import arch, tuning
     from moe_route.activations import as_activation
-    from moe_route.grouped_gemm import epilogue_for
     from moe_route.kernels.triton.act_backward import act_backward_rows_triton
     from moe_route.kernels.triton.expand import expand_rows_triton
     from moe_route.kernels.triton.gemm_act_backward import grouped_gemm_act_backward_triton
     from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+    from moe_route.plan import epilogue_for
     from moe_route.reference import activation_backward_reference, activation_reference
 
     T, K, E, H, inter, dt = 200, 3, 7, 264, 200, torch.bfloat16

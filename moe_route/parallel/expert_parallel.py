@@ -76,10 +76,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 from .. import arch
+from .._checks import check_interpreter_dtype
 from .._dispatch import needs_dispatcher
 from ..experts import program_for
 from ..finalize import finalize_moe_routing
-from ..grouped_gemm import check_interpreter_dtype
 from ..kernels.torch_impl import rank_maps_torch
 from ..kernels.triton.rank_maps import rank_maps_triton
 from ..maps import RoutingMaps, build_routing_maps, maps_op

@@ -15,8 +15,8 @@ import torch
 
 import moe_route
 from moe_route import tuning
-from moe_route.grouped_gemm import epilogue_for
 from moe_route.kernels.triton.decode import moe_decode_triton
+from moe_route.plan import epilogue_for
 
 from ..shapes import MODELS, model_shape
 from ..timing import time_cuda

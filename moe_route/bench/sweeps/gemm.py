@@ -16,9 +16,9 @@ import torch
 
 import moe_route
 from moe_route import tuning
-from moe_route.grouped_gemm import epilogue_for
 from moe_route.kernels.triton import gemm_mainloop as gm
 from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
+from moe_route.plan import epilogue_for
 
 from ..shapes import MODELS, Shape, model_shape
 from .common import Sweep, rel_err, short_error, tiny_shapes

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..._checks import GEMM_DTYPES
 from ...activations import GATED_KINDS, KIND_CODES, Activation
-from ...grouped_gemm import GEMM_DTYPES
 
 #: Module attributes read as the gated activation's parameters, by parameter. The soft caps
 #: are looked for on the module and on its ``act_fn``, as numbers or as submodules holding a

@@ -84,7 +84,7 @@ class GemmEpilogue:
     """What GEMM1's epilogue computes: the activation and its parameters, the layout.
 
     Built from a :class:`moe_route.activations.Activation` by
-    :func:`moe_route.grouped_gemm.epilogue_for`; every field is a constexpr of the kernels
+    :func:`moe_route.plan.epilogue_for`; every field is a constexpr of the kernels
     (and part of their launch key)."""
 
     #: element-wise kind's code (:data:`moe_route.activations.KIND_CODES`).
