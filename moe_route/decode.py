@@ -10,19 +10,20 @@ from __future__ import annotations
 import torch
 
 from . import tuning
-from ._dispatch import Op, wants_grad
+from ._dispatch import Op
 from .kernels.triton.decode import MAX_SLOTS, moe_decode_triton
 from .plan import MoEPlan, epilogue_for
 
 
-def decode_planned(plan: MoEPlan, x, *params) -> bool:
+def decode_planned(plan: MoEPlan, gradient: bool) -> bool:
     """Whether a call takes the decode path, CUDA-graph capture aside (the caller asks that per
-    call: ``fused_moe``'s memo, the layer's): a decode plan, eager inference.
+    call: ``fused_moe``'s memo, the layer's): a decode plan, eager inference (``gradient``:
+    whether the call records a graph, :func:`moe_route._dispatch.wants_grad`).
 
     The decode path saves host time but not device time, so CUDA-graph capture and
     torch.compile keep the sorted path (docs/decisions.md, "Decode path threshold").
     """
-    return not (plan.decode is None or wants_grad(x, *params) or torch.compiler.is_compiling())
+    return not (plan.decode is None or gradient or torch.compiler.is_compiling())
 
 
 def _moe_decode_impl(

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ._checks import check_interpreter_dtype
-from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key
+from ._dispatch import MAX_CALLS, memo_env, needs_dispatcher, tensor_key, wants_grad
 from .decode import decode_planned
 from .experts import program_for, runs_direct
 from .kernels.triton.decode import DecodeLaunch
@@ -66,7 +66,7 @@ class _LayerCall:
         if meta != self._decode_meta:
             self._decode, self._decode_meta, self.decode_by_op = None, meta, False
             args = (x, w1, w2, weights, ids, b1, b2, shared)
-            if decode_planned(self.plan, x, w1, w2, weights, b1, b2, shared):
+            if decode_planned(self.plan, wants_grad(x, w1, w2, weights, b1, b2, shared)):
                 if needs_dispatcher(args):
                     self.decode_by_op = True
                 else:

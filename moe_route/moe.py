@@ -20,6 +20,7 @@ from ._dispatch import (
     needs_dispatcher,
     rows_key,
     tensor_key,
+    wants_grad,
 )
 from .activations import Activation, as_activation
 from .decode import DECODE, decode_planned
@@ -245,7 +246,8 @@ class FusedCall:
         # call.
         self.decode = None
         args = (x, w1, w2, topk_weights, ids, b1, b2, bias)
-        if program.quant is None and decode_planned(plan, x, w1, w2, topk_weights, b1, b2, bias):
+        gradient = wants_grad(x, w1, w2, topk_weights, b1, b2, bias)
+        if program.quant is None and decode_planned(plan, gradient):
             self.decode = self._through_op
             if not needs_dispatcher(args):
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
