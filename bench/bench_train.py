@@ -193,7 +193,7 @@ def bench_shape(name, T, H, I, E, K, ceil, rows, with_loop=True):  # noqa: E741
 def stage_breakdown(name, T, H, I, E, K, ceil, rows):  # noqa: E741
     """Time each kernel of the training step alone (TFLOP/s against the dense rate), under the
     launch configurations fused_moe's plan picks for this shape."""
-    from moe_route.kernels.triton import weight_grad
+    from moe_route.kernels.triton import router_grad, weight_grad
     from moe_route.kernels.triton.finalize import finalize_triton
     from moe_route.kernels.triton.gemm_act_backward import grouped_gemm_act_backward_triton
     from moe_route.kernels.triton.grouped_gemm import grouped_gemm_triton
@@ -236,7 +236,7 @@ def stage_breakdown(name, T, H, I, E, K, ceil, rows):  # noqa: E741
             x, w1, off, h, cfg.gemm1, epilogue=cfg.epilogue, dest_to_src=d2s, num_rows=M,
             pre_activation=z), 2 * g),
         "bwd_gemm2_act": (act_backward, g),
-        "bwd_router_w": (lambda: weight_grad.router_weight_grad_triton(
+        "bwd_router_w": (lambda: router_grad.router_weight_grad_triton(
             partial, dout, None, s2d, efs, dtw), 0),
         "bwd_dw2": (lambda: weight_grad.expert_weight_grad_triton(
             dout_perm, h, off, dw2, cfg.wgrad2, dest_to_src=d2s, num_rows=M), g),

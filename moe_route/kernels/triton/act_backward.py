@@ -19,7 +19,7 @@ of ``I``: for a routed row (``d < offset[E]``) with ``src = dest_to_src[d]``, ``
 * ``dz[d] = act'(z[d])·(w·g[d])`` in ``z``'s gate/up layout;
 * ``partial[d, j] = Σ g[d]·h`` over the block's columns, in the accumulator dtype: the
   router-weight gradient's per-block dot products (summed in fixed order by
-  :func:`.weight_grad.router_weight_grad_triton`).
+  :func:`.router_grad.router_weight_grad_triton`).
 
 Dropped rows (``d >= offset[E]``) get zeros in ``wh``, ``dz`` and ``partial``: every output
 row is defined. The activation math is :mod:`.activation`'s, shared with the fused epilogue.
