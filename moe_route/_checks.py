@@ -10,6 +10,8 @@ them too (a data-dependent branch cannot be traced); ``check_ids=True`` still as
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._env import flag
@@ -186,4 +188,35 @@ def check_interpreter_dtype(name: str, t: torch.Tensor, backend: str) -> None:
         raise TypeError(
             f"{name} is bfloat16 on the CPU with the Triton interpreter (TRITON_INTERPRET=1), "
             "whose bf16 matrix product is wrong: use float16/float32 there, or backend='torch'"
+        )
+
+
+# --------------------------------------------------------------------------- MoELayer
+def positive_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value``, an int (not a bool) of at least ``minimum``, or a clear error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}={value}: expected >= {minimum}")
+    return value
+
+
+def nonneg_float(name: str, value: object) -> float:
+    """``value`` as a float, a finite number (not a bool) >= 0, or a clear error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value}: expected a finite number >= 0")
+    return float(value)
+
+
+def check_layer_input(x: object, H: int, dtype: torch.dtype) -> None:
+    """Raise unless ``x`` is a ``[..., H]`` tensor of the layer's ``dtype``."""
+    check_tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] != H:
+        raise ValueError(f"x must be [..., hidden_size] = [..., {H}], got {describe(x)}")
+    if x.dtype != dtype:
+        raise TypeError(
+            f"x has dtype {x.dtype} but the layer's parameters are {dtype}: convert one of them "
+            "(layer.to(dtype) or x.to(dtype))"
         )

@@ -74,22 +74,6 @@ class MoEOutput(NamedTuple):
     z_loss: torch.Tensor
 
 
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}={value}: expected >= {minimum}")
-    return value
-
-
-def _nonneg_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not 0 <= value < math.inf:
-        raise ValueError(f"{name}={value}: expected a finite number >= 0")
-    return float(value)
-
-
 class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
     """Mixture-of-experts block: ``y_t = Σ_k w[t,k] · expert_{e[t,k]}(x_t) + shared(x_t)``.
 
@@ -204,10 +188,10 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        H = _positive_int("hidden_size", hidden_size)
-        inter = _positive_int("intermediate_size", intermediate_size)
-        E = _positive_int("num_experts", num_experts)
-        K = _positive_int("top_k", top_k)
+        H = _checks.positive_int("hidden_size", hidden_size)
+        inter = _checks.positive_int("intermediate_size", intermediate_size)
+        E = _checks.positive_int("num_experts", num_experts)
+        K = _checks.positive_int("top_k", top_k)
         if K > E:
             raise ValueError(f"top_k={K} > num_experts={E}: a token cannot pick more experts")
         if router not in ROUTERS:
@@ -236,13 +220,13 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
                            ("shared_expert_gate", shared_expert_gate),
                            ("deterministic", deterministic)):  # fmt: skip
             _checks.check_bool(name, flag)
-        aux_loss_coef = _nonneg_float("aux_loss_coef", aux_loss_coef)
-        z_loss_coef = _nonneg_float("z_loss_coef", z_loss_coef)
+        aux_loss_coef = _checks.nonneg_float("aux_loss_coef", aux_loss_coef)
+        z_loss_coef = _checks.nonneg_float("z_loss_coef", z_loss_coef)
         if capacity_factor is not None:
             expert_capacity(capacity_factor, 1, K, E)  # validates the factor
-        n_shared = _positive_int("num_shared_experts", num_shared_experts, minimum=0)
+        n_shared = _checks.positive_int("num_shared_experts", num_shared_experts, minimum=0)
         if shared_intermediate_size is not None:
-            _positive_int("shared_intermediate_size", shared_intermediate_size)
+            _checks.positive_int("shared_intermediate_size", shared_intermediate_size)
         if shared_expert_gate and not n_shared:
             raise ValueError("shared_expert_gate=True needs num_shared_experts >= 1")
         spec = as_activation(activation)  # raises, naming the argument
@@ -431,7 +415,7 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
         H = self.hidden_size
         # each parameter read once (nn.Module.__getattr__ per read)
         w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
-        _check_x(x, H, w1.dtype)
+        _checks.check_layer_input(x, H, w1.dtype)
         flat = x.dim() == 2  # (a reshape and a view cost ~3 us of host time each)
         x2 = x if flat else x.reshape(-1, H)
         if self.ep is not None:
@@ -519,7 +503,9 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
         """:meth:`forward` on quantised experts: the same routing, losses and capacity, the
         experts by :func:`moe_route.fused_moe` on the codes and scales."""
         H = self.hidden_size
-        _check_x(x, H, self.gate.weight.dtype)  # (the experts hold codes, not the dtype)
+        _checks.check_layer_input(
+            x, H, self.gate.weight.dtype
+        )  # (the experts hold codes, not the dtype)
         x2 = x.reshape(-1, H)
         T = x2.shape[0]
         logits = self.router_logits(x2)
@@ -533,15 +519,3 @@ class MoELayer(ExpertWeights, LayerRouter, LayerCallMemo, nn.Module):
         )  # fmt: skip
         counts = tokens_per_expert(ids, self.num_experts)
         return MoEOutput(out.view(x.shape), aux, logits, counts, ids, weights, lb, z)
-
-
-def _check_x(x: object, H: int, dtype: torch.dtype) -> None:
-    """Raise unless ``x`` is a ``[..., H]`` tensor of the layer's ``dtype``."""
-    _checks.check_tensor("x", x)
-    if x.dim() < 1 or x.shape[-1] != H:
-        raise ValueError(f"x must be [..., hidden_size] = [..., {H}], got {_checks.describe(x)}")
-    if x.dtype != dtype:
-        raise TypeError(
-            f"x has dtype {x.dtype} but the layer's parameters are {dtype}: convert one of them "
-            "(layer.to(dtype) or x.to(dtype))"
-        )
