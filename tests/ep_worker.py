@@ -16,6 +16,7 @@ import datetime
 import os
 import socket
 
+import interpreter_patch
 import torch
 import torch.distributed as dist
 
@@ -222,6 +223,9 @@ def run_from_experts(group) -> tuple[torch.Tensor, ...]:
 
 
 def worker(rank: int, world: int, port: int, outdir: str, names: list[str]) -> None:
+    # A spawned rank runs no conftest: the "triton" scenario's interpreter gets the same
+    # once-per-module patching as the test process (its kernels run the same either way).
+    interpreter_patch.apply_if_interpreting()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

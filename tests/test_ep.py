@@ -15,9 +15,11 @@ from __future__ import annotations
 import csv
 import functools
 import importlib.util
+import os
 import pathlib
 
 import ep_worker
+import filelock
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,9 +45,21 @@ MATCHED = [n for n in ep_worker.SCENARIOS if n != "fixed-truncated"]
 def job(request, tmp_path_factory):
     """``(W, [rank results])`` of one spawned gloo job running every scenario."""
     W = request.param
-    outdir = tmp_path_factory.mktemp(f"ep_w{W}")
-    names = list(ep_worker.SCENARIOS)
-    mp.spawn(ep_worker.worker, args=(W, ep_worker.free_port(), str(outdir), names), nprocs=W)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under pytest-xdist both workers get tests of this module, and each would spawn the
+        # job: the first to ask runs it into the run's shared temporary directory (the
+        # workers' common parent, new for each run) while the other waits on the lock, then
+        # both read its files.
+        outdir = tmp_path_factory.getbasetemp().parent / f"ep_w{W}"
+        outdir.mkdir(exist_ok=True)
+    else:
+        outdir = tmp_path_factory.mktemp(f"ep_w{W}")
+    with filelock.FileLock(str(outdir / "job.lock")):
+        if not (outdir / "done").exists():
+            names = list(ep_worker.SCENARIOS)
+            args = (W, ep_worker.free_port(), str(outdir), names)
+            mp.spawn(ep_worker.worker, args=args, nprocs=W)
+            (outdir / "done").touch()
     return W, [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(W)]
 
 

@@ -34,8 +34,16 @@ def routings(draw, *, max_tokens, max_experts, max_k=4, distinct):
     K = draw(st.integers(1, min(E, max_k)))
     T = draw(st.integers(0, max_tokens))
     if distinct:
-        rows = [draw(st.permutations(range(E)))[:K] for _ in range(T)]
-        flat = [e for row in rows for e in row]
+        # The first K entries of a random permutation of range(E): the first K steps of the
+        # Fisher-Yates shuffle that st.permutations runs (its later steps never move them),
+        # so the same rows for K draws a token instead of E - 1.
+        flat = []
+        for _ in range(T):
+            row = list(range(E))
+            for i in range(min(K, E - 1)):
+                j = draw(st.integers(i, E - 1))
+                row[i], row[j] = row[j], row[i]
+            flat += row[:K]
     else:
         flat = draw(st.lists(st.integers(0, E - 1), min_size=T * K, max_size=T * K))
     drop_every = draw(st.sampled_from([0, 0, 2, 3, 7, 1]))  # 0: no drops, 1: all dropped
