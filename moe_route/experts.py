@@ -66,7 +66,7 @@ class MoEProgram:
         sequences itself (:func:`runs_direct`), when the caller's memo decided it already."""
         if direct is None:
             tensors = (x, w1, w2, topk_weights, b1, b2, bias, w1_scale, w2_scale)
-            direct = runs_direct(self.plan, not torch.compiler.is_compiling(), tensors)
+            direct = runs_direct(not torch.compiler.is_compiling(), tensors)
         if not direct:
             return self._through_op(x, w1, w2, topk_weights, tables, b1, b2, bias, w1_scale,
                                     w2_scale)  # fmt: skip
@@ -174,8 +174,8 @@ class MoEProgram:
         return _backward_by_op(dout, x, w1, w2, topk_weights, b1, b2, z, tables, config, need)
 
 
-def runs_direct(plan: MoEPlan, eager: bool, tensors) -> bool:
-    """Whether a call of ``plan`` runs the program's launch sequences itself: eager, and
+def runs_direct(eager: bool, tensors) -> bool:
+    """Whether a call runs its program's launch sequences itself: eager, and
     tensors the kernels take as they are (else the custom ops' dispatch must see them). The
     Triton backend and the torch backend alike."""
     return eager and not needs_dispatcher(tensors)

@@ -50,7 +50,7 @@ class _LayerCall:
             plan, E = self.plan, w1.shape[0]
             program = program_for(x, w1, w2, weights, b1, b2, shared, activation, layout,
                                   plan.path, plan.gather, False, plan.backend)  # fmt: skip
-            direct = runs_direct(plan, self.eager, (x, w1, w2, weights, ids, b1, b2, shared))
+            direct = runs_direct(self.eager, (x, w1, w2, weights, ids, b1, b2, shared))
             maps = MapsCall(ids, E, plan.maps_backend, False, self.eager)
             self._sorted = (maps, program, direct)
             self._sorted_meta = meta

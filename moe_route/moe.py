@@ -253,7 +253,7 @@ class FusedCall:
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
         # The sorted path: the maps' launch prepared, and the route of the experts' program.
         self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
-        self.direct = runs_direct(plan, eager, (*args, w1_scale, w2_scale))
+        self.direct = runs_direct(eager, (*args, w1_scale, w2_scale))
 
     def __call__(self, x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale=None,
                  w2_scale=None) -> torch.Tensor:  # fmt: skip

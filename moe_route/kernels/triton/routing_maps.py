@@ -237,8 +237,7 @@ class MapsLaunch:
         K, E = topk_ids.shape[1], num_experts
         n_bucket = bucket * K
         if tile is None:
-            fits = [size for size in ONE_TILE_SIZES if size >= n_bucket]
-            tile = fits[0] if fits else TILE
+            tile = next((size for size in ONE_TILE_SIZES if size >= n_bucket), TILE)
         self.tile = tile = max(tile, 16)
         self.K, self.E, self.strides = K, E, topk_ids.stride()
         self.key = LaunchKey((tile, K, E, topk_ids.dtype, *self.strides))
