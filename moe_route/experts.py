@@ -28,6 +28,7 @@ from . import arch
 from ._dispatch import CallMemo, Op, needs_dispatcher, wants_grad
 from .activations import as_activation
 from .kernels import torch_impl
+from .kernels.triton import INTERPRETING, compiling_ahead
 from .kernels.triton.moe import moe_backward_triton, moe_forward_quant_triton, moe_forward_triton
 from .plan import MoEPlan, plan_for, quant_plan_for
 from .quant import as_quant, dequantize_experts
@@ -97,15 +98,18 @@ class MoEProgram:
                     layout, as_quant(self.quant),
                 )  # fmt: skip
             else:
-                out = moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1,
-                                               b2, bias, tables, plan.configs,
-                                               self.forward_launches[False])  # fmt: skip
+                args = (x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, tables,
+                        plan.configs, self.forward_launches[False])  # fmt: skip
+                _first_compiled_ahead(moe_forward_quant_triton, args)
+                out = moe_forward_quant_triton(*args)
             return out, None
         if plan.backend == "torch":
             return torch_impl.moe_forward_torch(x, w1, w2, topk_weights, b1, b2, bias, *tables,
                                                 act, layout, keep_z=store_z)  # fmt: skip
-        return moe_forward_triton(x, w1, w2, topk_weights, b1, b2, bias, tables, plan.configs,
-                                  store_z, self.forward_launches[store_z])  # fmt: skip
+        args = (x, w1, w2, topk_weights, b1, b2, bias, tables, plan.configs, store_z,
+                self.forward_launches[store_z])  # fmt: skip
+        _first_compiled_ahead(moe_forward_triton, args)
+        return moe_forward_triton(*args)
 
     def backward(self, dout, x, w1, w2, topk_weights, b1, b2, z, tables, need: tuple,
                  consume_z: bool = False, w1_scale=None, w2_scale=None) -> tuple:  # fmt: skip
@@ -125,10 +129,11 @@ class MoEProgram:
                 need_dx=need_dx, need_dw1=need_dw1, need_dw2=need_dw2, need_dtopk=need_dtopk,
             ))  # fmt: skip
         else:
-            grads = list(moe_backward_triton(dout, x, w1, w2, topk_weights, b1, b2, z, tables,
-                                             self.plan.configs, *need,
-                                             dz_out=z if consume_z else None,
-                                             launches=self._backward_for(dout)))  # fmt: skip
+            launches = self._backward_for(dout)
+            args = (dout, x, w1, w2, topk_weights, b1, b2, z, tables, self.plan.configs, *need)
+            _first_compiled_ahead(moe_backward_triton, args, launches=launches)
+            grads = list(moe_backward_triton(*args, dz_out=z if consume_z else None,
+                                             launches=launches))  # fmt: skip
             if consume_z:
                 torch.autograd.graph.increment_version(z)
         for i, bias_in in ((4, b1), (5, b2)):
@@ -172,6 +177,30 @@ class MoEProgram:
         config = (self.activation, self.layout, self.plan.path, self.plan.gather,
                   self.allow_tf32, self.plan.backend)  # fmt: skip
         return _backward_by_op(dout, x, w1, w2, topk_weights, b1, b2, z, tables, config, need)
+
+
+def _first_compiled_ahead(sequence, args: tuple, **kwargs) -> None:
+    """Before a launch sequence's first run with its prepared launches (the last argument, or
+    ``launches=``, still empty) on a GPU: the same sequence once in a compile-ahead pass, so
+    that the variants it needs compile side by side (:func:`compile_ahead`)."""
+    launches = kwargs.get("launches", args[-1])
+    if not launches and args[1].is_cuda:
+        with torch.no_grad():
+            compile_ahead(sequence, *args, **kwargs)
+
+
+def compile_ahead(call, *args, **kwargs) -> None:
+    """``call(*args, **kwargs)`` once in a compile-ahead pass
+    (:func:`moe_route.kernels.triton.compiling_ahead`: its launches compile their variants in
+    child processes and run nothing; its result is garbage and dropped), where one can run: on
+    a GPU, not inside another such pass, not while a CUDA graph is captured (the pass's
+    allocations and torch ops would be recorded), not while ``torch.compile`` traces."""
+    if INTERPRETING or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return
+    ahead = compiling_ahead()
+    if ahead is not None:
+        with ahead:
+            call(*args, **kwargs)
 
 
 def runs_direct(eager: bool, tensors) -> bool:

@@ -24,7 +24,7 @@ from ._dispatch import (
 )
 from .activations import Activation, as_activation
 from .decode import DECODE, decode_planned
-from .experts import program_for, quant_program_for, runs_direct
+from .experts import compile_ahead, program_for, quant_program_for, runs_direct
 from .kernels.triton.decode import DecodeLaunch
 from .kernels.triton.gemm_mainloop import MAX_EXPERTS
 from .maps import MapsCall
@@ -165,6 +165,8 @@ def fused_moe(
     call = FusedCall(program, x, w1, w2, topk_weights, ids, b1, b2, bias, key is not None)
     if token_bucket(T) * ids.shape[1] < 2**31:  # the whole bucket fits the maps' int32 rows
         _CALLS.keep(key, call, (x, w1, w2, topk_weights, ids, b1, b2, bias))
+    if call.cuda and call.direct:  # a new signature: its kernels compile side by side
+        compile_ahead(call, x, w1, w2, topk_weights, ids, b1, b2, bias)
     return call(x, w1, w2, topk_weights, ids, b1, b2, bias)
 
 
@@ -197,6 +199,8 @@ def _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation, gate_up
     args = (x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
     if token_bucket(T) * ids.shape[1] < 2**31:
         _CALLS.keep(key, call, args)
+    if call.cuda and call.direct:  # a new signature: its kernels compile side by side
+        compile_ahead(call, *args)
     return call(*args)
 
 

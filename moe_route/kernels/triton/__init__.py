@@ -15,13 +15,18 @@ so a new ``T`` never compiles a new variant.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
+import threading
+import warnings
+from concurrent.futures import Executor, Future
 
 import torch
 import triton
 
-from ..._env import flag
+from ..._env import flag, getenv
 from .tma import Descriptor
 
 
@@ -105,6 +110,87 @@ CHECK_LAUNCHES = flag("MOE_ROUTE_CHECK_LAUNCHES")
 #: every :class:`ThinKernel` made (for :func:`launch_keys`)
 KERNELS: list[ThinKernel] = []
 
+#: True while a :func:`compiling_ahead` pass runs: launches compile, nothing runs
+_AHEAD = False
+#: ``MOE_ROUTE_COMPILE_AHEAD=0`` compiles each variant at its first launch, one after another,
+#: in this process (for hosts where forking is unwelcome).
+COMPILE_AHEAD_ENV = "MOE_ROUTE_COMPILE_AHEAD"
+
+
+def compiling_ahead():
+    """A context in which every :class:`ThinKernel` launch of a variant not launched before
+    compiles it in a child process and launches nothing; on exit, every compile has finished
+    and the variants are loaded. None where it cannot run: inside such a pass (which covers
+    what runs within it), without ``os.fork`` or Triton's asynchronous compile, or with
+    ``MOE_ROUTE_COMPILE_AHEAD=0``.
+
+    A signature's first call runs its launch sequence once inside it, on the buffers it
+    allocates, then for real: the variants compile side by side instead of one after the
+    other (docs/decisions.md, "Cold start"). Nothing may read what the pass "wrote"."""
+    if _AHEAD or not hasattr(os, "fork") or getenv(COMPILE_AHEAD_ENV, "1") in ("", "0"):
+        return None
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return _ahead(AsyncCompileMode)
+
+
+@contextlib.contextmanager
+def _ahead(mode):
+    global _AHEAD
+    with mode(_ForkedCompiles()):
+        _AHEAD = True
+        try:
+            yield
+        finally:
+            _AHEAD = False
+
+
+class _ForkedCompiles(Executor):
+    """Runs each submitted compile in a process forked for it, then once more here.
+
+    Triton holds the GIL through most of a compile, so compiles on threads barely overlap; in
+    forked children they do. A child only compiles (Triton's ``compile`` for an explicit
+    target touches no CUDA, which a forked child must not), and builds the variant's launcher,
+    into Triton's on-disk cache, and exits; the parent's own compile of the same source then
+    finds the cache entry and loads it. A child that fails leaves the parent to compile (and
+    report) as it would have."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: Future = Future()
+        with warnings.catch_warnings():  # Python 3.12+ warns of forking a threaded process
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _build_launcher(fn(*args, **kwargs))
+                code = 0
+            finally:
+                os._exit(code)
+        threading.Thread(target=_reap, args=(pid, future, fn, args, kwargs), daemon=True).start()
+        return future
+
+
+def _build_launcher(compiled) -> None:
+    """Build ``compiled``'s C launcher: a small C module per argument signature that Triton
+    compiles with the host compiler and keeps in its on-disk cache, else built by the parent
+    at the variant's first launch (0.2-0.4 s each, one after another)."""
+    from triton.runtime.driver import driver
+
+    driver.active.launcher_cls(compiled.src, compiled.metadata)
+
+
+def _reap(pid: int, future: Future, fn, args, kwargs) -> None:
+    """Wait for the child ``pid`` (GIL released), then run ``fn`` here: a cache hit where the
+    child compiled, the whole compile where it did not."""
+    os.waitpid(pid, 0)
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # handed to whoever waits on the future
+        future.set_exception(exc)
+
 
 class ThinKernel:
     """A ``@triton.jit`` function launched through a cache of its compiled variants.
@@ -139,6 +225,9 @@ class ThinKernel:
         self._constexpr_names = tuple(p.name for p in params if p.is_constexpr)
 
     def launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
+        if _AHEAD:
+            self._compile_ahead(key, grid, args)(**constexprs())
+            return
         if key is None or INTERPRETING:
             self.fn[grid](*_for_triton(args), **constexprs())
             return
@@ -165,6 +254,15 @@ class ThinKernel:
         values = tuple(cx[name] for name in self._constexpr_names)
         run = _direct_launch(compiled, values, len(args))
         entry[1][(_current_device(), entry[0](args)[1])] = run
+
+    def _compile_ahead(self, key, grid: tuple, args: tuple):
+        """``compile(**constexprs)``: Triton's warm-up of this launch's variant (a compile
+        submitted to the :func:`compiling_ahead` pool), or nothing for a variant launched
+        before."""
+        entry = self._entries.get(key) if key is not None else None
+        if entry is not None and (_current_device(), entry[0](args)[1]) in entry[1]:
+            return _nothing
+        return functools.partial(self.fn.warmup, *_for_triton(args), grid=grid)
 
     def variant(self, key, device: int, alignment: tuple):
         """The launch function of a variant launched before (KeyError if none)."""
@@ -198,6 +296,10 @@ class ThinKernel:
                 f"{self.fn.__name__}: launch key {key!r} maps to a variant compiled for other "
                 f"arguments than these (Triton's specialisation: {specialization})"
             )
+
+
+def _nothing(**_) -> None:
+    return None
 
 
 def _packer(args: tuple):

@@ -279,9 +279,13 @@ def _expert_weight_grad_tma_kernel(
             tile = tl.where(new_tile, tile + programs, tile)
             step = tl.where(new_tile, 1, step + 1)
             e, pid_n, pid_k = _tile_of(tile, per_expert, n_tiles, k_tiles, K_FASTEST)
+            # The pipeliner's prologue works out the next step's tile ahead, even past the
+            # program's last step, and the inline-PTX reads are not predicated: the expert
+            # they read is clamped into ``offsets`` (a real step's is below E already).
+            e_read = tl.minimum(e, E - 1)
             # int32 rows: TMA coordinates are 32-bit (M = T*K < 2^31 rows)
-            lo = _read_offset(offsets_ptr + e, ASM_OFFSETS).to(tl.int32)
-            size = _read_offset(offsets_ptr + e + 1, ASM_OFFSETS).to(tl.int32) - lo
+            lo = _read_offset(offsets_ptr + e_read, ASM_OFFSETS).to(tl.int32)
+            size = _read_offset(offsets_ptr + e_read + 1, ASM_OFFSETS).to(tl.int32) - lo
             steps = tl.maximum(tl.cdiv(size, BLOCK_R), 1)
             i = (step - 1) * BLOCK_R
             acc, col_sum = _row_step(a_desc, b_desc, acc, col_sum, lo, size, i,
