@@ -43,9 +43,11 @@ def sorted_path(monkeypatch):
 class Launches:
     """Counts the decode path's runs (a prepared DecodeLaunch called, whether by fused_moe's
     memo, the layer or the op) and the maps the Triton kernels built (a MapsLaunch called,
-    whether by build_routing_maps's memo or the op)."""
+    whether by build_routing_maps's memo or the op), as they run: a signature's compile-ahead
+    pass on a GPU (which calls each once more, and launches nothing) is turned off."""
 
     def __init__(self, monkeypatch):
+        monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")
         self.decode = self.maps = 0
         real_decode = DecodeLaunch.__call__
         real_maps = MapsLaunch.__call__

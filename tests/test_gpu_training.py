@@ -318,6 +318,7 @@ def test_activation_backward_ways_match_reference(monkeypatch, split):
     from moe_route.plan import clear_plans
 
     kt_moe = importlib.import_module("moe_route.kernels.triton.moe")
+    monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run
     calls = []
     for cls in (kt_moe.RowPassLaunch, kt_moe.ActBackwardLaunch):
         real = cls.__call__
