@@ -71,12 +71,12 @@ def check_num_experts_supported(
 
 
 # An in-program sort of n keys costs ~n log² n: one launch covers the decode sizes, larger
-# inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles"). Every size is a
-# variant whose sort compiles for about a second per 256 keys, so the sizes are few and small:
-# two for the one launch, 256-slot tiles beyond (docs/decisions.md, "Cold start").
-ONE_TILE_SIZES = (64, 256)
+# inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles"). The one launch's
+# tile takes four sizes, not one per token bucket: each size is a variant that compiles for
+# seconds at its first call (docs/decisions.md, "Cold start").
+ONE_TILE_SIZES = (64, 256, 512, 1024)
 ONE_TILE_MAX = ONE_TILE_SIZES[-1]
-TILE = 256
+TILE = 512
 
 
 @triton.jit
