@@ -194,13 +194,18 @@ def compile_ahead(call, *args, **kwargs) -> None:
     (:func:`moe_route.kernels.triton.compiling_ahead`: its launches compile their variants in
     child processes and run nothing; its result is garbage and dropped), where one can run: on
     a GPU, not inside another such pass, not while a CUDA graph is captured (the pass's
-    allocations and torch ops would be recorded), not while ``torch.compile`` traces."""
+    allocations and torch ops would be recorded), not while ``torch.compile`` traces. The pass
+    only saves time: whatever goes wrong in it is left to the real call, which compiles what
+    is missing at its first launch and raises its own errors."""
     if INTERPRETING or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
     ahead = compiling_ahead()
     if ahead is not None:
-        with ahead:
-            call(*args, **kwargs)
+        try:
+            with ahead:
+                call(*args, **kwargs)
+        except Exception:  # the real call reports it
+            pass
 
 
 def runs_direct(eager: bool, tensors) -> bool:
