@@ -271,3 +271,46 @@ def test_every_op_entry_resolves_backend_names(monkeypatch, name, entry):
             assert torch.equal(g, w), f"backend={alias!r} gave other bits than 'torch'"
     with pytest.raises(ValueError, match=r"backend='cuda': expected 'auto' or one of"):
         run("cuda")
+
+
+# ----------------------------------------------------------------------------- programs
+@requires_triton
+def test_compiled_fused_moe_runs_the_eager_calls_program(monkeypatch):
+    """Compiled code calls the experts' custom op, whose implementation looks up the call
+    signature's program: after an eager call of that signature, compiled calls (T of the same
+    token bucket) plan nothing and prepare no launch again, and give the eager bits."""
+    from moe_route.kernels.triton.grouped_gemm import GemmLaunch
+
+    moe_route.plan.clear_plans()
+    H, inter, K = 16, 8, 2
+    w1 = randn(E, 2 * inter, H, seed=1) * 0.2
+    w2 = randn(E, H, inter, seed=2) * 0.2
+
+    def run(x, ids, weights):
+        return moe_route.fused_moe(x, w1, w2, weights, ids, backend="triton", allow_tf32=False)
+
+    cases = [(randn(T, H, seed=T), random_topk_ids(T, K, E, drop_prob=0.2, seed=T),
+              random_weights(T, K, seed=T)) for T in (11, 13, 11)]  # fmt: skip
+    want = [run(*case) for case in cases]  # eager: the programs and their launches
+    made = {"plan_for": 0, "GemmLaunch": 0}
+
+    def counting(name, real):
+        def counted(*args, **kwargs):
+            if not torch.compiler.is_compiling():  # a (re)trace makes its own, none kept
+                made[name] += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(moe_route.experts, "plan_for",
+                        counting("plan_for", moe_route.experts.plan_for))  # fmt: skip
+    monkeypatch.setattr(GemmLaunch, "__init__", counting("GemmLaunch", GemmLaunch.__init__))
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True)
+    try:
+        for case, expected in zip(cases, want, strict=True):
+            assert torch.equal(compiled(*case), expected)
+        assert made == {"plan_for": 0, "GemmLaunch": 0}, made
+    finally:
+        moe_route.plan.clear_plans()
+        torch._dynamo.reset()
