@@ -1,4 +1,5 @@
-"""The Triton interpreter's per-call patching of ``triton.language``, done once per module.
+"""The Triton interpreter's per-call patching of ``triton.language``, done once per module, and
+its integer-overflow checks skipped where it would drop their result unread.
 
 Used by ``tests/conftest.py`` (the pytest processes), and by the processes that the tests start
 and that run interpreted kernels themselves: ``tests/ep_worker.py``'s gloo ranks and the
@@ -27,7 +28,9 @@ def apply():
     interpreted one. The rebinding is global and never undone, and a member once rebound is no
     builtin any more, so every call after a module's first finds nothing to change, yet it
     spent about a third of the suite's interpreter time walking the modules. The kernels run
-    the same interpreted builtins either way: only the repeated walk is skipped.
+    the same interpreted builtins either way: only the repeated walk is skipped. Also: the
+    table of ``_get_np_dtype`` built once, and the integer-overflow checks that
+    ``device_assert`` drops unread not built (see below).
     """
     from triton import language as tl
     from triton.runtime import interpreter
@@ -61,3 +64,27 @@ def apply():
         return table[key]
 
     interpreter._get_np_dtype = get_np_dtype
+
+    # The interpreter builds the overflow check of every integer add, sub and mul on 32 bits or
+    # fewer (``TritonSemantic.binary_op_sanitize_overflow_impl``: casts to int64, the op again,
+    # two comparisons and an ``and``, a few numpy operations and tl.tensor objects each) and
+    # hands it to ``device_assert``, which returns without looking at it unless the options'
+    # ``debug`` is set, and the interpreter's options never set it (``InterpreterOptions()``,
+    # triton 3.5.1). The check took about a quarter of the kernels' interpreted time; it is
+    # skipped under the same condition that ``device_assert`` drops it, so nothing that was
+    # checked before goes unchecked (with ``debug`` on it runs as before).
+    from triton.language.semantic import TritonSemantic
+
+    real_sanitize = TritonSemantic.binary_op_sanitize_overflow_impl
+    if not getattr(real_sanitize, "_moe_route_unread", False):
+
+        def sanitize_overflow(self, lhs, rhs, binary_op):
+            if isinstance(self.builder, interpreter.InterpreterBuilder) and not (
+                self.builder.options.debug
+            ):
+                return None
+            return real_sanitize(self, lhs, rhs, binary_op)
+
+        sanitize_overflow._moe_route_unread = True
+        sanitize_overflow._moe_route_real = real_sanitize  # tests/test_interpreter_patch.py
+        TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow

@@ -32,10 +32,14 @@ def test_there_are_notebooks():
 def test_notebook_runs(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    # The kernel is a fresh interpreter: let it import this checkout's moe_route.
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    )
+    # The kernel is a fresh interpreter: let it import this checkout's moe_route, and give its
+    # Triton interpreter (if it runs one) the patch conftest gives this process
+    # (tests/interpreter_patch.py: the kernels compute the same), in a cell before the
+    # notebook's own (the copy in memory: nothing is written back).
+    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+    patch = "import interpreter_patch\n\ninterpreter_patch.apply_if_interpreting()"
+    nb.cells.insert(0, nbformat.v4.new_code_cell(patch))
     client = nbclient.NotebookClient(
         nb,
         timeout=300,
