@@ -51,6 +51,15 @@ import moe_route.kernels.triton  # noqa: E402
 for _mod in pkgutil.iter_modules(moe_route.kernels.triton.__path__):
     importlib.import_module(f"moe_route.kernels.triton.{_mod.name}")
 
+# Under pytest-xdist the workers already share the cores: torch's intra-op threads (one per
+# core by default) would put several threads of each worker on every core, and their
+# OpenMP pools spin while they wait. Each worker takes its share of the cores instead
+# (one thread each when there are as many workers as cores).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _workers > 0:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (_cores or 1) // _workers))
+
 # The interpreter is slow (a 2048-key sort takes seconds): no per-example deadline, modest
 # example counts (each test states its own max_examples), no health check for slow data.
 settings.register_profile(
@@ -60,6 +69,28 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "moe_route"))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Work stealing where ``-n`` was given without a ``--dist`` mode (pytest-xdist's default
+    is ``load``).
+
+    The tests take from milliseconds to tens of seconds, and the slow ones sit late in the
+    collection order (tests/test_training.py's prepared route: 4 x 10 s): ``load`` sends each
+    worker its chunks ahead, so on two cores one worker sat idle for the last half minute
+    while the other ran them. Work stealing hands each worker a contiguous half and moves
+    tests not yet started to whichever runs dry, so a worker waits at most for the other's
+    current test. Which worker runs a test changes, not what any test does.
+    """
+    given = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split(),
+             *config.getini("addopts")]  # fmt: skip
+    chosen = any(a == "-d" or a.startswith(("--dist", "--maxschedchunk")) for a in given)
+    if config.getvalue("dist") != "load" or chosen:
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
 
 
 def pytest_configure(config):
