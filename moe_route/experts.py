@@ -100,7 +100,8 @@ class MoEProgram:
             else:
                 args = (x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, tables,
                         plan.configs, self.forward_launches[False])  # fmt: skip
-                _first_compiled_ahead(moe_forward_quant_triton, args)
+                if not args[-1]:  # the sequence's first run
+                    _compiled_ahead(moe_forward_quant_triton, args)
                 out = moe_forward_quant_triton(*args)
             return out, None
         if plan.backend == "torch":
@@ -108,7 +109,8 @@ class MoEProgram:
                                                 act, layout, keep_z=store_z)  # fmt: skip
         args = (x, w1, w2, topk_weights, b1, b2, bias, tables, plan.configs, store_z,
                 self.forward_launches[store_z])  # fmt: skip
-        _first_compiled_ahead(moe_forward_triton, args)
+        if not args[-1]:  # the sequence's first run
+            _compiled_ahead(moe_forward_triton, args)
         return moe_forward_triton(*args)
 
     def backward(self, dout, x, w1, w2, topk_weights, b1, b2, z, tables, need: tuple,
@@ -131,7 +133,8 @@ class MoEProgram:
         else:
             launches = self._backward_for(dout)
             args = (dout, x, w1, w2, topk_weights, b1, b2, z, tables, self.plan.configs, *need)
-            _first_compiled_ahead(moe_backward_triton, args, launches=launches)
+            if not launches:  # the sequence's first run
+                _compiled_ahead(moe_backward_triton, args, launches=launches)
             grads = list(moe_backward_triton(*args, dz_out=z if consume_z else None,
                                              launches=launches))  # fmt: skip
             if consume_z:
@@ -179,12 +182,11 @@ class MoEProgram:
         return _backward_by_op(dout, x, w1, w2, topk_weights, b1, b2, z, tables, config, need)
 
 
-def _first_compiled_ahead(sequence, args: tuple, **kwargs) -> None:
-    """Before a launch sequence's first run with its prepared launches (the last argument, or
-    ``launches=``, still empty) on a GPU: the same sequence once in a compile-ahead pass, so
-    that the variants it needs compile side by side (:func:`compile_ahead`)."""
-    launches = kwargs.get("launches", args[-1])
-    if not launches and args[1].is_cuda:
+def _compiled_ahead(sequence, args: tuple, **kwargs) -> None:
+    """Before a launch sequence's first run with its prepared launches (still empty), on a
+    GPU: the same sequence once in a compile-ahead pass, so that the variants it needs
+    compile side by side (:func:`compile_ahead`)."""
+    if args[1].is_cuda:
         with torch.no_grad():
             compile_ahead(sequence, *args, **kwargs)
 

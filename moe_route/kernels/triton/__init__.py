@@ -226,7 +226,7 @@ class ThinKernel:
 
     def launch(self, key, grid: tuple, args: tuple, constexprs) -> None:
         if _AHEAD:
-            self._compile_ahead(key, grid, args)(**constexprs())
+            self._compile_ahead(key, grid, args, constexprs)
             return
         if key is None or INTERPRETING:
             self.fn[grid](*_for_triton(args), **constexprs())
@@ -255,14 +255,12 @@ class ThinKernel:
         run = _direct_launch(compiled, values, len(args))
         entry[1][(_current_device(), entry[0](args)[1])] = run
 
-    def _compile_ahead(self, key, grid: tuple, args: tuple):
-        """``compile(**constexprs)``: Triton's warm-up of this launch's variant (a compile
-        submitted to the :func:`compiling_ahead` pool), or nothing for a variant launched
-        before."""
+    def _compile_ahead(self, key, grid: tuple, args: tuple, constexprs) -> None:
+        """Triton's warm-up of this launch's variant (its compile handed to the
+        :func:`compiling_ahead` pass), unless the variant was launched before."""
         entry = self._entries.get(key) if key is not None else None
-        if entry is not None and (_current_device(), entry[0](args)[1]) in entry[1]:
-            return _nothing
-        return functools.partial(self.fn.warmup, *_for_triton(args), grid=grid)
+        if entry is None or (_current_device(), entry[0](args)[1]) not in entry[1]:
+            self.fn.warmup(*_for_triton(args), grid=grid, **constexprs())
 
     def variant(self, key, device: int, alignment: tuple):
         """The launch function of a variant launched before (KeyError if none)."""
@@ -296,10 +294,6 @@ class ThinKernel:
                 f"{self.fn.__name__}: launch key {key!r} maps to a variant compiled for other "
                 f"arguments than these (Triton's specialisation: {specialization})"
             )
-
-
-def _nothing(**_) -> None:
-    return None
 
 
 def _packer(args: tuple):
