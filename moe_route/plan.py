@@ -151,4 +151,5 @@ def clear_plans() -> None:
     clear_memos()
     _CALL_PLANS.clear()
     _plan.cache_clear()
+    _quant_plan.cache_clear()
     tuning.gemm_configs.cache_clear()

@@ -186,16 +186,21 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     ``block_k`` is the FP8 scale block (128) and ``block_n`` 128, the activations' group (a
     gated GEMM1's epilogue quantises its output per tile). A block's scaled product needs a
     second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
-    128x128 on 8 warps; a gated GEMM1 holds gate and up, so it takes 64 rows. MXFP4: 16-bit
-    products on weights unpacked in registers, the same tiles, one stage less. Up to 64 rows
-    per expert (decode, small batches): 64x128 on 4 warps.
+    128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
+    takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
+    rows per expert (decode) FP8 takes 16-row tiles, which stream the weights with the least
+    work per step. MXFP4: 16-bit products on weights unpacked in registers, pointer-fed, two
+    accumulators, one stage less. docs/decisions.md, "FP8 grouped GEMM tiles".
     """
-    del cc  # one table for every architecture the FP8 path runs on (SM89+, the interpreter)
-    if rows_per_expert <= 64:
-        return GemmConfig(64, 128, 128, 8, 4, 3)
+    tma = cc is not None and cc >= 90 and not mxfp4
+    if rows_per_expert <= 16 and not mxfp4:
+        return GemmConfig(16, 128, 128, 1, 4, 4)
+    if rows_per_expert <= 64 and (mxfp4 or not gated):
+        return GemmConfig(64, 128, 128, 8, 4, 3, tma)
+    stages = 4 if not mxfp4 else 3
     if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
-        return GemmConfig(64, 128, 128, 8, 8, 4 if not mxfp4 else 3)
-    return GemmConfig(128, 128, 128, 8, 8, 4 if not mxfp4 else 3)
+        return GemmConfig(64, 128, 128, 8, 8, stages, tma)
+    return GemmConfig(128, 128, 128, 8, 8, stages, tma)
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,

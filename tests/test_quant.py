@@ -243,6 +243,61 @@ def test_fused_moe_quant_triton_matches_torch(fmt):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_quant_tma_matches_pointers(monkeypatch, fmt, layout):
+    """The FP8 GEMMs with TMA-fed operands (SM90's configuration) compute each tile as the
+    pointer-fed ones do: the same bits for GEMM1 (gathered tokens, gated, FP8 output codes and
+    scales, a partial last column tile) and GEMM2 (its input through a descriptor too)."""
+    import dataclasses
+
+    from moe_route.kernels.triton import quant as qk
+    from moe_route.kernels.triton.gemm_mainloop import IDENTITY, GemmConfig
+    from moe_route.kernels.triton.quant import QuantGemmLaunch
+    from moe_route.plan import epilogue_for
+
+    spec = Q.as_quant(fmt)
+    x, w1, w2, _tw, ids = _case(T=29, H=144, n_inter=176, E=4, K=2)
+    H = x.shape[1]
+    E, n_inter = w1.shape[0], w2.shape[2]
+    w1q, s1 = moe_route.quantize_experts(w1, fmt)
+    w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
+    M = d2s.numel()
+    sn = spec.block[0] if spec.format == "fp8_block" else 1
+    a, a_s = moe_route.quantize_activations(x, fmt)
+    epi = epilogue_for("swiglu", layout)
+    pointers = GemmConfig(16, 128, 128, 2, 4, 2)
+    seen = []
+    launch = qk._QUANT_GEMM.launch
+
+    def spy(key, grid, args, constexprs):
+        cx = constexprs()
+        seen.append((cx["GATED"], cx["A_DESC"], cx["W_DESC"], cx["SPLIT"]))
+        return launch(key, grid, args, constexprs)
+
+    monkeypatch.setattr(qk._QUANT_GEMM, "launch", spy)
+    outs = []
+    for cfg in (pointers, dataclasses.replace(pointers, use_tma=True)):
+        h = torch.full((M, n_inter), 7.0).to(torch.float8_e4m3fn)
+        hs = torch.full((M, 2), float("nan"))
+        g1 = QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, h.dtype, True, False, sn,
+                             spec.ue8m0)  # fmt: skip
+        g1(a, a_s, w1q, s1, offsets, h, hs, None, d2s, M)
+        y = torch.full((M, H), float("nan"), dtype=x.dtype)
+        g2 = QuantGemmLaunch(h, hs, w2q, s2, n_inter, cfg, IDENTITY, None, False, y.dtype, False,
+                             False, sn, spec.ue8m0)  # fmt: skip
+        g2(h, hs, w2q, s2, offsets, y)
+        outs.append((h.view(torch.uint8), hs, y))
+    (h0, hs0, y0), (h1, hs1, y1) = outs
+    assert torch.equal(h1, h0) and torch.equal(hs1, hs0) and torch.equal(y1, y0)
+    assert not y0.isnan().any()
+    split = 2 if layout == "interleaved" else 1
+    assert seen == [(True, False, False, 1), (False, False, False, 0),
+                    (True, False, True, split), (False, True, True, 0)]  # fmt: skip
+
+
+@pytest.mark.interpreter
 def test_fused_moe_quant_triton_no_tokens():
     x, w1, w2, tw, ids = _case(T=3, H=136, n_inter=72, E=4, K=2)
     w1q, s1 = moe_route.quantize_experts(w1, "fp8")

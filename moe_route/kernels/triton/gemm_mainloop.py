@@ -349,10 +349,10 @@ def _w_descriptor(w, bn, bk, use_tma):
     return None, False
 
 
-def _gate_up_descriptor(w, n_out, bn, bk, interleaved):
+def _gate_up_descriptor(w, n_out, bn, bk, interleaved, dtypes=TMA_DTYPES):
     """``(w_desc, one_dot)`` reading a gated ``W1``'s gate and up rows of an n-tile in one TMA
-    box (``_mainloop``'s ``ONE_DOT``), or ``(None, 0)``."""
-    if w.dtype not in TMA_DTYPES or 2 * bn > 256:  # a TMA box side <= 256
+    box (``_mainloop``'s ``ONE_DOT``), or ``(None, 0)``; ``w`` of one of ``dtypes``."""
+    if w.dtype not in dtypes or 2 * bn > 256:  # a TMA box side <= 256
         return None, 0
     if interleaved:
         return (descriptor(w, (1, 2 * bn, bk)), 2) if tma_ok(w) else (None, 0)

@@ -17,6 +17,11 @@
     byte, scales each 32 values by their ue8m0 exponent and feeds a 16-bit MMA (Hopper has no
     FP4 MMA).
 
+  On FP8 a gated GEMM1 computes gate and up as one product twice as wide (a ``[BLOCK_M,
+  2*BLOCK_N]`` accumulator, split after the loop), and with ``A_DESC`` / ``W_DESC`` (SM90)
+  the weights, and GEMM2's input, come through TMA descriptors: the same bits as the
+  pointer-fed loads.
+
   ``OUT_FP8`` (GEMM1 on FP8): the epilogue quantises ``act(...)`` per row over its
   ``BLOCK_N = 128`` columns (the activations' group) and writes GEMM2's input as e4m3 codes and
   scales, so the intermediate is half the bytes and no separate pass reads it. Dropped rows
@@ -41,11 +46,13 @@ from .gemm_mainloop import (
     GemmEpilogue,
     _a_rows,
     _beyond_tiles,
+    _gate_up_descriptor,
     _gate_up_rows,
     _m_tiles,
     _program_tile,
     _tile_expert,
 )
+from .tma import descriptor, tma_ok
 
 #: The largest finite e4m3 value and the floor of a block's absolute maximum
 #: (:mod:`moe_route.quant`'s constants, restated as kernel literals).
@@ -216,106 +223,163 @@ def _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk
 
 
 @triton.jit
-def _fp8_dot(a, w_ptrs, ws_ptrs, a_s, k_ok, col_ok, acc, UPCAST: tl.constexpr):
-    """``acc + (a @ w) · a_s · w_s`` for one scale block of the reduction."""
-    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
-    if UPCAST:
-        part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+def _fp8_rows(n0, N_OUT, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """The ``W`` rows of an FP8 tile's product (``WN`` = ``2*BLOCK_N`` columns when gated: the
+    gate rows of output columns ``n0 ...`` then their up rows, or with ``SPLIT == 2`` the
+    interleaved rows ``2*n0 ...`` as one box reads them), and which of them exist."""
+    if GATED:
+        j = tl.arange(0, 2 * BLOCK_N)
+        if SPLIT == 2:
+            rows = 2 * n0 + j
+            ok = rows < 2 * N_OUT
+        else:
+            cols = n0 + j % BLOCK_N
+            gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
+            rows = tl.where(j < BLOCK_N, gate_rows, up_rows)
+            ok = cols < N_OUT
     else:
-        part = tl.dot(a, w, out_dtype=tl.float32)
-    return acc + part * a_s[:, None] * w_s[None, :]
+        rows = n0 + tl.arange(0, BLOCK_N)
+        ok = rows < N_OUT
+    return rows, ok
 
 
 @triton.jit
-def _quant_mainloop(a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok,
-                    KD, KP, KS, stride_am, stride_ak, stride_asm, stride_ask, stride_wn,
-                    stride_wk, stride_sn, stride_sk, SN: tl.constexpr, GATED: tl.constexpr,
-                    MXFP4: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
+                  w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask,
+                  stride_wn, stride_wk, stride_sn, stride_sk, SN: tl.constexpr,
+                  A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
+                  UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, WN: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """``Σ_k (A[rows, k] @ W[e][w_rows, k].T) · a_s[rows, k] · w_s[w_rows, k]`` over the
+    ``BLOCK_K = 128`` blocks ``k`` of ``KD``, in float32: each block one FP8 product, scaled and
+    added (the module doc). ``A`` through ``a_desc`` (rows ``first_row ...``, past the expert
+    read but never stored) or gathered rows ``a_rows``; ``W`` through ``w_desc`` (boxes of
+    ``WN`` rows: one ``[1, BLOCK_N, BLOCK_K]`` box, gate and up halves in one
+    ``[1, 2, WN/2, BLOCK_K]`` box (``SPLIT == 1``) or ``WN`` interleaved rows (``SPLIT == 2``))
+    or pointers at ``w_rows``."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    ws_ptrs = ws_base + (w_rows // SN).to(tl.int64) * stride_sn
+    as_ptrs = as_ptr + a_rows * stride_asm
+    acc = tl.zeros([BLOCK_M, WN], dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):
+        k_ok = k0 + ks < KD
+        if A_DESC:
+            a = a_desc.load([first_row.to(tl.int32), k0])
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            if SPLIT == 1:
+                w = tl.reshape(w_desc.load([e, 0, n0, k0]), [WN, BLOCK_K]).T
+            elif SPLIT == 2:
+                w = tl.reshape(w_desc.load([e, 2 * n0, k0]), [WN, BLOCK_K]).T
+            else:
+                w = tl.reshape(w_desc.load([e, n0, k0]), [WN, BLOCK_K]).T
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        w_s = tl.load(ws_ptrs, mask=w_ok, other=0.0)
+        if UPCAST:
+            part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+        else:
+            part = tl.dot(a, w, out_dtype=tl.float32)
+        acc += part * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+        as_ptrs += stride_ask
+        ws_ptrs += stride_sk
+    return acc
+
+
+@triton.jit
+def _mxfp4_mainloop(a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP,
+                    KS, stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
+                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
     """``(A[a_rows] @ W[e][gate_rows].T, A[a_rows] @ W[e][up_rows].T)`` over ``KD`` in float32
-    (the second only when ``GATED``; both from one read of each ``A`` tile). See the module
-    doc for the two products."""
+    on e2m1 weights unpacked in registers (the second only when ``GATED``; both from one read
+    of each ``A`` tile)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MXFP4:
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
-        for k0 in range(0, KD, BLOCK_K):
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + ks < KD)[None, :], other=0.0)
-            w = _mxfp4_tile(w_base, ws_base, gate_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    for k0 in range(0, KD, BLOCK_K):
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + ks < KD)[None, :], other=0.0)
+        w = _mxfp4_tile(w_base, ws_base, gate_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
+                        stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
+        acc = tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
+        if GATED:
+            w = _mxfp4_tile(w_base, ws_base, up_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
                             stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
-            acc = tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
-            if GATED:
-                w = _mxfp4_tile(w_base, ws_base, up_rows, col_ok, k0, KP, KS, stride_wn,
-                                stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
-                acc_up = tl.dot(a, w.to(a.dtype), acc_up, out_dtype=tl.float32)
-            a_ptrs += BLOCK_K * stride_ak
-    else:
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
-        g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-        u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-        gs_ptrs = ws_base + (gate_rows // SN).to(tl.int64) * stride_sn
-        us_ptrs = ws_base + (up_rows // SN).to(tl.int64) * stride_sn
-        as_ptrs = as_ptr + a_rows * stride_asm
-        for k0 in range(0, KD, BLOCK_K):
-            k_ok = k0 + ks < KD
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
-            acc = _fp8_dot(a, g_ptrs, gs_ptrs, a_s, k_ok, col_ok, acc, UPCAST)
-            if GATED:
-                acc_up = _fp8_dot(a, u_ptrs, us_ptrs, a_s, k_ok, col_ok, acc_up, UPCAST)
-            a_ptrs += BLOCK_K * stride_ak
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
-            as_ptrs += stride_ask
-            gs_ptrs += stride_sk
-            us_ptrs += stride_sk
+            acc_up = tl.dot(a, w.to(a.dtype), acc_up, out_dtype=tl.float32)
+        a_ptrs += BLOCK_K * stride_ak
     return acc, acc_up
 
 
-@triton.jit(do_not_specialize=_VARYING)
-def _quant_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr, dest_to_src_ptr,
-    E, M_ROWS, M_TILES, N_OUT, KD, KP, KS, T,
+@triton.jit
+def _quant_zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_on,
+                     stride_osm, OUT_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):  # fmt: skip
+    """A tile of the dropped rows ``[offset[E], M)``: zeros (codes and scales)."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M_ROWS
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, zeros, mask=row_ok[:, None] & (cols < N_OUT)[None, :])
+    if OUT_FP8:
+        tl.store(os_ptr + rows.to(tl.int64) * stride_osm + n_tile,
+                 tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_ok)  # fmt: skip
+
+
+@triton.jit
+def _quant_tile(
+    a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr, dest_to_src_ptr,
+    e, first_row, row_end, n_tile, N_OUT, KD, KP, KS, T,
     stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATHER: tl.constexpr, MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr,
-    UE8M0: tl.constexpr, UPCAST: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+    MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
+    UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``out[d] = act(A[d] @ W[e].T + b[e])`` for each routed row ``d`` of expert ``e``; with
-    ``OUT_FP8`` stored as e4m3 codes plus one scale per row per column tile."""
-    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
-    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
-        return
-    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
+    main loop, bias, activation, store (with ``OUT_FP8`` as e4m3 codes and one scale per row
+    of the tile)."""
     rows = first_row + tl.arange(0, BLOCK_M)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = n_tile * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N_OUT
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    os_ptrs = os_ptr + rows.to(tl.int64) * stride_osm + n_tile
-    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
-        row_ok = rows < M_ROWS
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptrs, zeros, mask=row_ok[:, None] & col_ok[None, :])
-        if OUT_FP8:
-            tl.store(os_ptrs, tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_ok)
-        return
     row_ok = rows < row_end
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, GATED, INTERLEAVED)
     a_rows = _a_rows(dest_to_src_ptr, rows, row_ok, T, GATHER)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = ws_ptr + e.to(tl.int64) * stride_se
-    acc, acc_up = _quant_mainloop(
-        a_ptr, as_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP, KS,
-        stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk, stride_sn,
-        stride_sk, SN, GATED, MXFP4, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    if MXFP4:
+        acc, acc_up = _mxfp4_mainloop(
+            a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP, KS,
+            stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, GATED, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        w_rows, w_ok = _fp8_rows(n0, N_OUT, GATED, INTERLEAVED, SPLIT, BLOCK_N)
+        WN: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+        acc = _fp8_mainloop(
+            a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
+            w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask, stride_wn,
+            stride_wk, stride_sn, stride_sk, SN, A_DESC, W_DESC, SPLIT, UPCAST, BLOCK_M, WN,
+            BLOCK_K,
+        )  # fmt: skip
+        if GATED and SPLIT == 2:  # columns: gate, up, gate, up, ...
+            acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        elif GATED:  # columns: BLOCK_N gate, then BLOCK_N up
+            acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        else:
+            acc_up = acc
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
         acc += tl.load(b_base + gate_rows * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[
@@ -330,12 +394,48 @@ def _quant_gemm_kernel(
     else:
         h = plain_forward(acc, ACT)
     mask = row_ok[:, None] & col_ok[None, :]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     if OUT_FP8:
         s = fp8_scale(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=1), UE8M0)
         tl.store(out_ptrs, fp8_codes(h, s[:, None], UPCAST), mask=mask)
-        tl.store(os_ptrs, s, mask=row_ok)
+        tl.store(os_ptr + rows.to(tl.int64) * stride_osm + n_tile, s, mask=row_ok)
     else:
         tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _quant_gemm_kernel(
+    a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr,
+    dest_to_src_ptr, E, M_ROWS, M_TILES, N_OUT, KD, KP, KS, T,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn,
+    ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr, UP_SOFTCAP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+    MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
+    UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``out[d] = act(A[d] @ W[e].T + b[e])`` for each routed row ``d`` of expert ``e``, one
+    program per tile (:func:`_quant_tile`); with ``OUT_FP8`` stored as e4m3 codes plus one
+    scale per row per column tile."""
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    e, first_row, row_end = _tile_expert(offsets_ptr, m_tile, E, BLOCK_M, E_POW2)
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
+        _quant_zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om,
+                         stride_on, stride_osm, OUT_FP8, BLOCK_M, BLOCK_N)  # fmt: skip
+        return
+    _quant_tile(
+        a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr,
+        dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, KP, KS, T, stride_am,
+        stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_se,
+        stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn, ACT,
+        GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, HAS_BIAS, GATHER,
+        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
 
 _QUANT_GEMM = ThinKernel(_quant_gemm_kernel)
@@ -350,9 +450,13 @@ class QuantGemmLaunch:
     (block ``(sn, 128)``) or ``[E, N]`` (per channel), or packed e2m1 ``[E, N, K/2]`` with
     ue8m0 ``[E, N, K/32]``. ``out_fp8``: the output as e4m3 codes and scales per 128 columns
     (``cfg.block_n`` must be 128). ``kd``: the logical reduction width.
+
+    ``cfg.use_tma`` (FP8): the weights, and ``a`` where it is not gathered, through TMA
+    descriptors where TMA can address them, built per call (they hold addresses).
     """
 
-    __slots__ = ("E", "cfg", "cx", "gather", "kd", "key", "kp", "ks", "n_out", "strides")
+    __slots__ = ("E", "cfg", "cx", "epilogue", "fp8", "gather", "kd", "key", "kp", "ks",
+                 "n_out", "static", "strides")  # fmt: skip
 
     def __init__(self, a, a_scale, w, w_scale, kd: int, cfg: GemmConfig, epilogue: GemmEpilogue,
                  bias, gather: bool, out_dtype: torch.dtype, out_fp8: bool, mxfp4: bool,
@@ -360,6 +464,7 @@ class QuantGemmLaunch:
         E, n_w, kp = w.shape
         n_out = n_w // 2 if epilogue.gated else n_w
         self.E, self.kd, self.n_out, self.cfg, self.gather = E, kd, n_out, cfg, gather
+        self.epilogue, self.fp8 = epilogue, not mxfp4
         self.kp, self.ks = kp, w_scale.shape[-1]
         sa, sw, ss = a.stride(), w.stride(), w_scale.stride()
         # per channel / per token: one scale for every k block (a zero k-stride)
@@ -371,9 +476,9 @@ class QuantGemmLaunch:
         so = (n_out, 1)
         sos = cdiv(n_out, cfg.block_n) if out_fp8 else 0
         self.strides = (*sa, *sa_s, *sw, *s_strides, *so, sos, *sb)
-        self.key = LaunchKey((cfg, epilogue, a.dtype, w.dtype, w_scale.dtype, out_dtype,
-                              bias.dtype if bias is not None else None, self.strides, gather,
-                              out_fp8, mxfp4, block_n_scale, ue8m0, E, n_out, kd))  # fmt: skip
+        self.static = (cfg, epilogue, a.dtype, w.dtype, w_scale.dtype, out_dtype,
+                       bias.dtype if bias is not None else None, self.strides, gather, out_fp8,
+                       mxfp4, block_n_scale, ue8m0, E, n_out, kd)  # fmt: skip
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
             UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
@@ -384,6 +489,31 @@ class QuantGemmLaunch:
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
+        # without TMA nothing depends on the addresses: one key for every call
+        tma = cfg.use_tma and self.fp8
+        self.key = None if tma else LaunchKey((*self.static, False, False, self._split(None)))
+
+    def _split(self, w_desc) -> int:
+        """How a gated tile's weight rows come (:func:`_fp8_rows`): interleaved rows through a
+        descriptor 2, else gate then up 1; 0 not gated."""
+        if not self.epilogue.gated:
+            return 0
+        return 2 if w_desc is not None and self.epilogue.interleaved else 1
+
+    def _descriptors(self, a, w):
+        """``(a_desc, w_desc)`` of this call's FP8 operands where TMA addresses them."""
+        bm, bn, bk = self.cfg.block_m, self.cfg.block_n, self.cfg.block_k
+        fp8 = torch.float8_e4m3fn
+        a_desc = None
+        if not self.gather and a.dtype == fp8 and tma_ok(a) and a.shape[0] < 2**31:
+            a_desc = descriptor(a, (bm, bk))
+        w_desc = None
+        if w.dtype == fp8 and self.epilogue.gated:
+            w_desc, _ = _gate_up_descriptor(w, self.n_out, bn, bk, self.epilogue.interleaved,
+                                            dtypes=(fp8,))  # fmt: skip
+        elif w.dtype == fp8 and tma_ok(w):
+            w_desc = descriptor(w, (1, bn, bk))
+        return a_desc, w_desc
 
     def __call__(self, a, a_scale, w, w_scale, offsets, out, out_scale=None, bias=None,
                  dest_to_src=None, num_rows=None) -> None:  # fmt: skip
@@ -391,6 +521,10 @@ class QuantGemmLaunch:
         if M == 0 or self.n_out == 0:
             return
         cfg = self.cfg
+        key, a_desc, w_desc = self.key, None, None
+        if key is None:
+            a_desc, w_desc = self._descriptors(a, w)
+            key = (*self.static, a_desc is not None, w_desc is not None, self._split(w_desc))
         m_tiles = _m_tiles(M, self.E, cfg.block_m)
         grid = m_tiles * cdiv(self.n_out, cfg.block_n)
         a_s = a_scale if a_scale is not None else a
@@ -400,8 +534,10 @@ class QuantGemmLaunch:
         b = bias if bias is not None else out
         d2s = dest_to_src if self.gather else offsets
         _QUANT_GEMM.launch(
-            self.key, (grid,),
-            (a, a_s, w, w_scale, out, o_s, b, offsets, d2s, self.E, M, m_tiles, self.n_out,
-             self.kd, self.kp, self.ks, a.shape[0], *self.strides),
-            lambda: self.cx,
+            key, (grid,),
+            (a, a if a_desc is None else a_desc, a_s, w, w if w_desc is None else w_desc,
+             w_scale, out, o_s, b, offsets, d2s, self.E, M, m_tiles, self.n_out, self.kd,
+             self.kp, self.ks, a.shape[0], *self.strides),
+            lambda: dict(self.cx, A_DESC=a_desc is not None, W_DESC=w_desc is not None,
+                         SPLIT=self._split(w_desc)),
         )  # fmt: skip
