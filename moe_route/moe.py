@@ -25,7 +25,7 @@ from ._dispatch import (
 from .activations import Activation, as_activation
 from .decode import DECODE, decode_planned
 from .experts import compile_ahead, program_for, quant_program_for, runs_direct
-from .kernels.triton.decode import DecodeLaunch
+from .kernels.triton.decode import DecodeLaunch, QuantDecodeLaunch
 from .kernels.triton.gemm_mainloop import MAX_EXPERTS
 from .maps import MapsCall
 from .plan import moe_plan, quant_plan_for
@@ -255,6 +255,11 @@ class FusedCall:
             self.decode = self._through_op
             if not needs_dispatcher(args):
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
+        elif decode_planned(plan, gradient) and not needs_dispatcher((*args, w1_scale, w2_scale)):
+            cfg = plan.configs  # FP8 experts (the plan has no decode path for MXFP4 ones)
+            self.decode = QuantDecodeLaunch(x, w1, w1_scale, w2, w2_scale, topk_weights, ids, b1,
+                                            b2, bias, cfg.epilogue, plan.decode, cfg.x_group,
+                                            cfg.w_block_rows, cfg.ue8m0)  # fmt: skip
         # The sorted path: the maps' launch prepared, and the route of the experts' program.
         self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
         self.direct = runs_direct(eager, (*args, w1_scale, w2_scale))
@@ -265,7 +270,9 @@ class FusedCall:
             _checks.check_topk_id_values(ids, self.E)
         decode = self.decode  # (None under torch.compile: nothing below traces a capture query)
         if decode is not None and not (self.cuda and torch._C._cuda_isCurrentStreamCapturing()):
-            return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
+            if w1_scale is None:
+                return decode(x, w1, w2, topk_weights, ids, b1, b2, bias)
+            return decode(x, w1, w2, topk_weights, ids, b1, b2, bias, w1_scale, w2_scale)
         return self.program(x, w1, w2, topk_weights, self.maps(ids).tensors(), b1, b2, bias,
                             w1_scale, w2_scale, direct=self.direct)  # fmt: skip
 

@@ -121,6 +121,16 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     return decode_tiles(dtype)
 
 
+def quant_decode_config(bucket: int, top_k: int, num_experts: int,
+                        expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
+    """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
+    (``expert_bytes`` in FP8): GEMM1's columns and both reductions step by the 128-wide scale
+    blocks, the sorted path's 16-row tiles (so the two paths give the same bits)."""
+    if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
+        return None
+    return _DECODE_FP8
+
+
 def decode_tiles(dtype: torch.dtype) -> DecodeConfig:
     """The decode kernels' tiles for ``dtype``, at whatever size (:func:`decode_config` says
     which calls take the path)."""
@@ -134,6 +144,7 @@ _DECODE_SLOTS = 16
 _SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
+_DECODE_FP8 = DecodeConfig(up_n=128, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,

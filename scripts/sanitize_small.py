@@ -10,9 +10,9 @@ by one, each call signature twice (the call memos' prepared launches).
 ``--tiny``: the smallest shape only (racecheck is slow); ``--rows``: the second shape only (75
 rows per expert: the split activation backward's row pass on Hopper); ``--store``: the third
 only (1024 rows per expert in its bucket: the TMA stores and 4-stage GEMM1 on Hopper);
-``--quant``: only the quantised experts (every format, odd sizes with partial scale blocks, a
-dropped slot, an expert without rows; inference twice, then a backward; the activation
-quantiser alone); ``--ep``: only expert parallelism's rank maps, with which every other run
+``--quant``: only the quantised experts (every format, odd sizes with partial scale blocks and
+TMA-fed sizes, a dropped slot, an expert without rows; inference twice, also through the
+decode path, then a backward; the activation quantiser alone); ``--ep``: only expert parallelism's rank maps, with which every other run
 ends."""
 
 import sys
@@ -46,24 +46,28 @@ if "--ep" in sys.argv:
     torch.cuda.synchronize()
     sys.exit(0)
 if "--quant" in sys.argv:
-    T, H, inter, E, K = 37, 200, 136, 8, 2
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    w1 = torch.randn(E, 2 * inter, H, device="cuda") * 0.05
-    w2 = torch.randn(E, H, inter, device="cuda") * 0.05
-    logits = torch.randn(T, E, device="cuda")
-    logits[:, -1] = -1e9
-    tw, ids = logits.softmax(-1).topk(K, dim=-1)
-    ids[1, 0] = -1
-    for fmt in ("fp8", "fp8_ue8m0", "fp8_channel", "mxfp4"):
-        (w1q, s1), (w2q, s2) = (moe_route.quantize_experts(w, fmt) for w in (w1, w2))
-        kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
-        with torch.no_grad():
-            for _ in range(2):
-                moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
-        xx = x.detach().requires_grad_()
-        torch.autograd.grad(moe_route.fused_moe(xx, w1q, w2q, tw, ids, **kw).float().sum(), xx)
-        if fmt != "mxfp4":
-            moe_route.quantize_activations(x[:, :131], fmt)
+    # odd sizes (partial scale blocks, pointer-fed); TMA-fed sizes at 128 rows per expert; the
+    # decode path (3 tokens)
+    for T, H, inter, E, K in ((37, 200, 136, 8, 2), (300, 256, 144, 8, 2)):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        w1 = torch.randn(E, 2 * inter, H, device="cuda") * 0.05
+        w2 = torch.randn(E, H, inter, device="cuda") * 0.05
+        logits = torch.randn(T, E, device="cuda")
+        logits[:, -1] = -1e9
+        tw, ids = logits.softmax(-1).topk(K, dim=-1)
+        ids[1, 0] = -1
+        for fmt in ("fp8", "fp8_ue8m0", "fp8_channel", "mxfp4"):
+            (w1q, s1), (w2q, s2) = (moe_route.quantize_experts(w, fmt) for w in (w1, w2))
+            kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
+            with torch.no_grad():
+                for _ in range(2):
+                    moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+                    moe_route.fused_moe(x[:3], w1q, w2q, tw[:3], ids[:3], **kw)
+            xx = x.detach().requires_grad_()
+            out = moe_route.fused_moe(xx, w1q, w2q, tw, ids, **kw)
+            torch.autograd.grad(out.float().sum(), xx)
+            if fmt != "mxfp4":
+                moe_route.quantize_activations(x[:, :131], fmt)
     torch.cuda.synchronize()
     print("sanitize_small done")
     sys.exit(0)

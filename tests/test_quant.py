@@ -298,6 +298,66 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, layout):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ue8m0", "fp8_channel"])
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout):
+    """Eager inference at decode sizes takes the two-launch decode path on FP8 experts (the
+    tokens quantised in its first kernel): the same bits as the sorted path (maps, quantiser,
+    GEMM1, GEMM2, finalize), biases, a dropped slot and an all-dropped token included."""
+    from moe_route import tuning
+    from moe_route.kernels.triton import decode as dk
+    from moe_route.plan import clear_plans
+
+    calls = []
+    run = dk.QuantDecodeLaunch.__call__
+    monkeypatch.setattr(dk.QuantDecodeLaunch, "__call__",
+                        lambda self, *a: calls.append(1) or run(self, *a))  # fmt: skip
+    x, w1, w2, tw, ids = _case(T=3, H=272, n_inter=200, E=8, K=2)
+    ids[2] = -1
+    g = torch.Generator().manual_seed(1)
+    b1 = torch.randn(w1.shape[:2], generator=g) * 0.1
+    b2 = (torch.randn(w2.shape[:2], generator=g) * 0.1).half()
+    bias = torch.randn(x.shape[1], generator=g).half()
+    w1q, s1 = moe_route.quantize_experts(w1, fmt)
+    w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2, b1=b1, b2=b2, bias=bias, gate_up_layout=layout)
+    with torch.no_grad():
+        out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+        assert calls == [1]
+        monkeypatch.setattr(tuning, "quant_decode_config", lambda *a: None)
+        clear_plans()
+        try:
+            ref = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+        finally:
+            monkeypatch.undo()
+            clear_plans()
+        assert calls == [1]
+        torch_out = moe_route.fused_moe(x, w1q, w2q, tw, ids, backend="torch", **kw)
+    assert torch.equal(out, ref)
+    assert _rel(out, torch_out) < 2e-3
+    assert torch.equal(out[2], bias)
+
+
+def test_quant_decode_plans():
+    """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
+    blocks of 128 along both reductions and GEMM1's columns); MXFP4 experts keep the sorted
+    path; gradients and larger batches keep it too."""
+    from moe_route import tuning
+    from moe_route.plan import quant_plan_for
+
+    x = torch.randn(3, 272).half()
+    for fmt, decode in (("fp8", True), ("fp8_channel", True), ("mxfp4", False)):
+        w1q, _ = moe_route.quantize_experts(torch.randn(8, 400, 272), fmt)
+        w2q, _ = moe_route.quantize_experts(torch.randn(8, 272, 200), fmt)
+        plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
+        assert (plan.decode is not None) == decode
+        if decode:
+            d = plan.decode
+            assert d.up_n == d.up_k == d.down_k == 128
+    assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
+
+
+@pytest.mark.interpreter
 def test_fused_moe_quant_triton_no_tokens():
     x, w1, w2, tw, ids = _case(T=3, H=136, n_inter=72, E=4, K=2)
     w1q, s1 = moe_route.quantize_experts(w1, "fp8")

@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import LaunchKey, ThinKernel, cdiv, launch_key_part
+from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
+from .quant import SCALE_K, _quant_tile
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -132,6 +133,56 @@ def _decode_up_kernel(
              h.to(h_ptr.dtype.element_ty), mask=col_ok)  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["T"])
+def _decode_up_fp8_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, hs_ptr, T, N_OUT, KD, KS, E,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_it, stride_ik, stride_hs, stride_hss,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
+    UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program ``(slot = t*K + k, n-tile)`` on FP8 experts: ``h[slot, cols]`` as e4m3 codes and
+    the tile's scale, by the sorted path's own tile (:func:`.quant._quant_tile`, one routed
+    row): the token row quantised in the main loop, GEMM1's product, its epilogue."""
+    slot = tl.program_id(0)
+    t = slot // TOP_K
+    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    if (e < 0) | (e >= E):  # dropped (or an unchecked id past the experts): h never read
+        return
+    # The tile's rows are `slot ...` (one routed); row `slot` of A is x[t]: A's base shifted
+    # back by `slot - t` rows (the rows past the first are masked, never addressed).
+    a_ptr = x_ptr + (t - slot).to(tl.int64) * stride_xt
+    _quant_tile(
+        a_ptr, x_ptr, x_ptr, w_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, b_ptr, ids_ptr, e, slot,
+        slot + 1, tl.program_id(1), N_OUT, KD, KD, KS, T, stride_xt, stride_xh, 0, 0, stride_we,
+        stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, stride_hss,
+        stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
+        INTERLEAVED, HAS_BIAS, False, False, SN, True, UE8M0, UPCAST, False, False,
+        1 if GATED else 0, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def _row_times_fp8(h_ptrs, hs_ptr, w_ptrs, ws_ptrs, routed, k_ok, col_ok, acc,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """:func:`_row_times` on e4m3 codes: ``acc + ([h; 0; ...] @ w) · h_s · w_s``, one scale
+    block of the reduction, scaled as the sorted path's GEMM2 scales it."""
+    first = tl.arange(0, BLOCK_M)[:, None] == 0
+    a = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
+                mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    a_s = tl.load(hs_ptr, mask=routed, other=0.0)  # (a dropped slot's h is never written)
+    w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
+    if UPCAST:
+        part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+    else:
+        part = tl.dot(a, w, out_dtype=tl.float32)
+    return acc + part * a_s * w_s[None, :]
+
+
 @triton.jit
 def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.constexpr,
                    SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
@@ -148,15 +199,19 @@ def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.co
 
 @triton.jit(do_not_specialize=["T"])
 def _decode_down_kernel(
-    h_ptr, w_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H, KD, E,
-    stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_b2e, stride_b2n, stride_it,
-    stride_ik, stride_wt, stride_wkk, stride_bt, stride_bh, stride_ot, stride_oh,
+    h_ptr, hs_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H,
+    KD, E, stride_hs, stride_hn, stride_hss, stride_we, stride_wn, stride_wk, stride_se,
+    stride_sn, stride_sk, stride_b2e, stride_b2n, stride_it, stride_ik, stride_wt, stride_wkk,
+    stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
+    FP8: tl.constexpr, SN: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
-    ``COUNTS``, program ``(0, 0)`` the slots per expert)."""
+    ``COUNTS``, program ``(0, 0)`` the slots per expert). ``FP8``: ``h`` holds e4m3 codes with
+    one scale per ``BLOCK_K = 128`` columns (``hs``), ``W2`` e4m3 codes with block or channel
+    scales (``ws``; ``SN`` rows per block, a zero k-stride per channel)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
@@ -183,7 +238,15 @@ def _decode_down_kernel(
             + (k0 + ks)[:, None] * stride_wk
         )
         h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + (k0 + ks) * stride_hn
-        acc = _row_times(h_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION, BLOCK_M)
+        if FP8:
+            step = k0 // BLOCK_K
+            ws_ptrs = (ws_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se
+                       + (cols // SN).to(tl.int64) * stride_sn + step * stride_sk)  # fmt: skip
+            hs = hs_ptr + (t * TOP_K + k) * stride_hss + step
+            acc = _row_times_fp8(h_ptrs, hs, w_ptrs, ws_ptrs, routed, k_ok, col_ok, acc, UPCAST,
+                                 BLOCK_M)  # fmt: skip
+        else:
+            acc = _row_times(h_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION, BLOCK_M)
         if k0 + BLOCK_K >= KD:  # the slot's last step: its term of the finalize's sum
             y = _first_row(acc, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
@@ -249,11 +312,12 @@ class DecodeLaunch:
             cfg, x.dtype, w2.dtype, b2_dtype, topk_weights.dtype, bias_dtype, topk_ids.dtype,
             sw2, sb2, sid, stw, sbias, K, H, n_inter, E, b2 is not None, bias is not None, counts,
         ))  # fmt: skip
-        self.down_tail = (H, n_inter, E, *sh, *sw2, *sb2, *sid, *stw, *sbias, *so)
+        self.down_tail = (H, n_inter, E, *sh, 0, *sw2, 0, 0, 0, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            COUNTS=counts, SLOTS=MAX_SLOTS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, SN=1, UPCAST=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
@@ -273,9 +337,94 @@ class DecodeLaunch:
                        self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (T, self.down_tiles),
-            (h, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
+            (h, h, w2, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
              bias if self.has_bias else out, out, counts if self.counts else out, T,
              *self.down_tail),
+            self.down_constexprs,
+        )  # fmt: skip
+        return out
+
+
+class QuantDecodeLaunch:
+    """:class:`DecodeLaunch` on FP8 experts (``w1`` / ``w2`` e4m3 with their scales, as
+    :func:`moe_route.fused_moe` takes them): the first launch quantises each token row as the
+    sorted path's quantiser does and writes ``h`` as e4m3 codes with one scale per 128 columns,
+    the second reads them; tiles and scaling are the sorted path's at 16-row tiles, so the two
+    paths give the same bits. ``x_group``: the tokens' scale group (128, or 0: per token);
+    ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no tensor."""
+
+    def __init__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, bias,
+                 epilogue: GemmEpilogue, cfg: DecodeConfig, x_group: int, w_block_rows: int,
+                 ue8m0: bool):  # fmt: skip
+        H = x.shape[1]
+        K = topk_ids.shape[1]
+        E, n_inter = w1.shape[0], w2.shape[2]
+        self.K, self.H, self.n_inter = K, H, n_inter
+        self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
+        self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
+        self.groups = cdiv(n_inter, SCALE_K)
+        out_acc = tl.float64 if topk_weights.dtype == torch.float64 else tl.float32
+        epi = epilogue
+        sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
+            topk_weights.stride()  # fmt: skip
+        s1, s2 = w1_scale.stride(), w2_scale.stride()
+        # per channel: one scale for every k block (a zero k-stride)
+        s1 = (*s1, 0) if w1_scale.dim() == 2 else s1
+        s2 = (*s2, 0) if w2_scale.dim() == 2 else s2
+        sh, so = (n_inter, 1), (H, 1)  # h, hs and out are new, contiguous
+        sb1 = b1.stride() if b1 is not None else (0, 0)
+        sb2 = b2.stride() if b2 is not None else (0, 0)
+        if bias is None:
+            bias_dtype, sbias = x.dtype, (0, 0)
+        else:
+            bias_dtype = bias.dtype
+            sbias = (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
+        dtypes = tuple(None if t is None else t.dtype
+                       for t in (x, w1, w1_scale, w2, w2_scale, b1, b2, bias, topk_weights,
+                                 topk_ids))  # fmt: skip
+        self.up_key = LaunchKey((cfg, epi, dtypes, sx, sw1, s1, sb1, sid, K, n_inter, H, E,
+                                 x_group, w_block_rows, ue8m0))  # fmt: skip
+        self.up_tail = (n_inter, H, w1_scale.shape[-1], E, *sx, *sw1, *s1, *sb1, *sid, n_inter,
+                        self.groups)  # fmt: skip
+        self.up_constexprs = lambda: dict(
+            TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
+            UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
+            INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, SN=w_block_rows,
+            A_QUANT=1 if x_group else 2, UE8M0=ue8m0, UPCAST=INTERPRETING, BLOCK_M=_ROWS,
+            BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        self.down_key = LaunchKey((cfg, dtypes, sw2, s2, sb2, sid, stw, sbias, bias_dtype, K, H,
+                                   n_inter, E, w_block_rows))  # fmt: skip
+        self.down_tail = (H, n_inter, E, *sh, self.groups, *sw2, *s2, *sb2, *sid, *stw, *sbias,
+                          *so)  # fmt: skip
+        self.down_constexprs = lambda: dict(
+            TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=tl.float32,
+            OUT_ACC=out_acc, DOT_PRECISION="tf32", BLOCK_M=_ROWS, BLOCK_N=cfg.down_n,
+            BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=True, SN=w_block_rows,
+            UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale,
+                 w2_scale) -> torch.Tensor:  # fmt: skip
+        """``fused_moe``'s output ``[T, H]``."""
+        T = x.shape[0]
+        out = x.new_empty(T, self.H)
+        if T == 0 or self.H == 0:
+            return out
+        slots = T * self.K
+        h = torch.empty(slots, self.n_inter, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(slots, self.groups, dtype=torch.float32, device=x.device)
+        if self.n_inter:
+            codes = h.view(torch.uint8) if INTERPRETING else h  # (the codes of _e4m3_bits)
+            _UP_FP8.launch(self.up_key, (slots, self.up_tiles),
+                           (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, codes, hs, T,
+                            *self.up_tail),
+                           self.up_constexprs)  # fmt: skip
+        _DOWN.launch(
+            self.down_key, (T, self.down_tiles),
+            (h, hs, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
+             bias if self.has_bias else out, out, out, T, *self.down_tail),
             self.down_constexprs,
         )  # fmt: skip
         return out
@@ -291,4 +440,5 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue:
 
 
 _UP = ThinKernel(_decode_up_kernel)
+_UP_FP8 = ThinKernel(_decode_up_fp8_kernel)
 _DOWN = ThinKernel(_decode_down_kernel)

@@ -249,20 +249,32 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
                   w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask,
                   stride_wn, stride_wk, stride_sn, stride_sk, SN: tl.constexpr,
                   A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
-                  UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, WN: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
+                  A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, WN: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``Σ_k (A[rows, k] @ W[e][w_rows, k].T) · a_s[rows, k] · w_s[w_rows, k]`` over the
     ``BLOCK_K = 128`` blocks ``k`` of ``KD``, in float32: each block one FP8 product, scaled and
     added (the module doc). ``A`` through ``a_desc`` (rows ``first_row ...``, past the expert
     read but never stored) or gathered rows ``a_rows``; ``W`` through ``w_desc`` (boxes of
     ``WN`` rows: one ``[1, BLOCK_N, BLOCK_K]`` box, gate and up halves in one
     ``[1, 2, WN/2, BLOCK_K]`` box (``SPLIT == 1``) or ``WN`` interleaved rows (``SPLIT == 2``))
-    or pointers at ``w_rows``."""
+    or pointers at ``w_rows``.
+
+    ``A_QUANT``: ``A`` holds 16-bit rows, quantised here as :func:`_quantize_rows_kernel` does
+    (the same codes and scales, so the same products): ``1``, each block on its own scale;
+    ``2``, one scale per row, from a first pass over the row. Else ``A`` holds e4m3 codes and
+    ``as_ptr`` their scales."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
     ws_ptrs = ws_base + (w_rows // SN).to(tl.int64) * stride_sn
     as_ptrs = as_ptr + a_rows * stride_asm
+    if A_QUANT == 2:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, KD, BLOCK_K):
+            ok = row_ok[:, None] & (k0 + ks < KD)[None, :]
+            v = tl.load(a_ptrs + k0 * stride_ak, mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        row_s = fp8_scale(amax, UE8M0)
     acc = tl.zeros([BLOCK_M, WN], dtype=tl.float32)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
@@ -279,7 +291,17 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
                 w = tl.reshape(w_desc.load([e, n0, k0]), [WN, BLOCK_K]).T
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        if A_QUANT:
+            v = a.to(tl.float32)
+            if A_QUANT == 1:  # noqa: SIM108 (constexpr branches; row_s exists in one)
+                a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
+            else:
+                a_s = row_s
+            a = fp8_codes(v, a_s[:, None], UPCAST)
+            if UPCAST:  # (the interpreter's codes come as uint8)
+                a = a.to(tl.float8e4nv, bitcast=True)
+        else:
+            a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
         w_s = tl.load(ws_ptrs, mask=w_ok, other=0.0)
         if UPCAST:
             part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
@@ -345,7 +367,7 @@ def _quant_tile(
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
     MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
     UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
     main loop, bias, activation, store (with ``OUT_FP8`` as e4m3 codes and one scale per row
@@ -371,8 +393,8 @@ def _quant_tile(
         acc = _fp8_mainloop(
             a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
             w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask, stride_wn,
-            stride_wk, stride_sn, stride_sk, SN, A_DESC, W_DESC, SPLIT, UPCAST, BLOCK_M, WN,
-            BLOCK_K,
+            stride_wk, stride_sn, stride_sk, SN, A_DESC, W_DESC, SPLIT, A_QUANT, UE8M0, UPCAST,
+            BLOCK_M, WN, BLOCK_K,
         )  # fmt: skip
         if GATED and SPLIT == 2:  # columns: gate, up, gate, up, ...
             acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
@@ -434,7 +456,7 @@ def _quant_gemm_kernel(
         stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_se,
         stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn, ACT,
         GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, HAS_BIAS, GATHER,
-        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, 0, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
