@@ -12,8 +12,8 @@ rows per expert: the split activation backward's row pass on Hopper); ``--store`
 only (1024 rows per expert in its bucket: the TMA stores and 4-stage GEMM1 on Hopper);
 ``--quant``: only the quantised experts (every format, odd sizes with partial scale blocks and
 TMA-fed sizes, a dropped slot, an expert without rows; inference twice, also through the
-decode path, then a backward; the activation quantiser alone); ``--ep``: only expert parallelism's rank maps, with which every other run
-ends."""
+decode path, then a backward; the activation quantiser alone); ``--ep``: only expert
+parallelism's rank maps, with which every other run ends."""
 
 import sys
 
