@@ -283,14 +283,15 @@ def test_compiled_fused_moe_runs_the_eager_calls_program(monkeypatch):
 
     moe_route.plan.clear_plans()
     H, inter, K = 16, 8, 2
-    w1 = randn(E, 2 * inter, H, seed=1) * 0.2
-    w2 = randn(E, H, inter, seed=2) * 0.2
+    w1 = randn(E, 2 * inter, H, seed=1, device=DEVICE) * 0.2
+    w2 = randn(E, H, inter, seed=2, device=DEVICE) * 0.2
 
     def run(x, ids, weights):
         return moe_route.fused_moe(x, w1, w2, weights, ids, backend="triton", allow_tf32=False)
 
-    cases = [(randn(T, H, seed=T), random_topk_ids(T, K, E, drop_prob=0.2, seed=T),
-              random_weights(T, K, seed=T)) for T in (11, 13, 11)]  # fmt: skip
+    cases = [(randn(T, H, seed=T, device=DEVICE),
+              random_topk_ids(T, K, E, drop_prob=0.2, seed=T).to(DEVICE),
+              random_weights(T, K, seed=T, device=DEVICE)) for T in (11, 13, 11)]  # fmt: skip
     want = [run(*case) for case in cases]  # eager: the programs and their launches
     made = {"plan_for": 0, "GemmLaunch": 0}
 
