@@ -201,7 +201,8 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
     rows per expert (decode) FP8 takes 16-row tiles, which stream the weights with the least
     work per step. MXFP4: 16-bit products on weights unpacked in registers, pointer-fed, two
-    accumulators, one stage less. docs/decisions.md, "FP8 grouped GEMM tiles".
+    accumulators, one stage less. docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill:
+    persistent kernel, TMA, one wide gated product" and "FP8 decode tiles".
     """
     tma = cc is not None and cc >= 90 and not mxfp4
     if rows_per_expert <= 16 and not mxfp4:
