@@ -5,9 +5,10 @@ Rank ``r`` of a ``torch.distributed`` group of ``W`` ranks holds the ``E/W`` exp
 forward on the rank's own tokens ``x [T, H]``:
 
 1. routes them locally (the replicated router);
-2. when the aux losses or the capacity ask for them, gathers the global statistics: one
-   ``all_gather`` of the per-expert slot counts and ``T`` (int64), one of the per-expert sums of
-   router probabilities and of ``logsumexp²`` (float), summed on every rank in rank order;
+2. when the aux losses or the capacity ask for them, gathers the global statistics in one
+   ``all_gather``: the per-expert slot counts and ``T`` (int64), and the per-expert sums of
+   router probabilities and of ``logsumexp²`` (float, as their bits), summed on every rank in
+   rank order;
 3. applies the capacity over the global batch in rank-major token order (a slot's place in its
    expert's queue is the count of that expert's slots on lower ranks plus its place here);
 4. works out which ranks each token goes to (those holding any of its experts) and builds the
@@ -242,6 +243,19 @@ def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     return fc.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
+def _float_bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 / float64 values as int64 carrying their bits (exactly): to travel in one
+    collective with int64 counts."""
+    return t.view(torch.int32).to(torch.int64) if t.dtype == torch.float32 else t.view(torch.int64)
+
+
+def _bits_float(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_float_bits` undone (``bits`` ``[..., n]`` int64)."""
+    if dtype == torch.float32:
+        return bits.to(torch.int32).view(torch.float32)
+    return bits.contiguous().view(torch.float64)
+
+
 def _waited(t: torch.Tensor) -> torch.Tensor:
     """A functional collective's result as a plain tensor (its wait issued: on CUDA a stream
     wait, not the host's). Every op on the wrapper itself dispatches through Python (about
@@ -384,22 +398,26 @@ def forward(layer, x2: torch.Tensor):
     weights, ids = layer.route(logits)
     sdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
 
-    # ---- global statistics (no host sync): per-expert slots and T, then the float sums
+    # ---- global statistics (no host sync): per-expert slots and T, and the float sums, in
+    # one all_gather (the floats travel as their bits)
     lb = z = torch.zeros((), dtype=sdt, device=dev)
     aux_on, z_on = bool(layer.aux_loss_coef), bool(layer.z_loss_coef)
     if aux_on or z_on or layer.capacity_factor is not None:
         local_i = torch.cat([tokens_per_expert(ids, E), torch.full((1,), T, device=dev)])
-        every_i = _waited(all_gather(local_i, 0, group)).view(W, E + 1)
+        if aux_on or z_on:
+            parts = [torch.zeros(E, dtype=sdt, device=dev), torch.zeros(1, dtype=sdt, device=dev)]
+            if aux_on:
+                parts[0] = layer.router_probs(logits).to(sdt).sum(dim=0)
+            if z_on:
+                parts[1] = torch.logsumexp(logits.to(sdt), dim=-1).square().sum().view(1)
+            local_f = torch.cat(parts)
+            local_i = torch.cat([local_i, _float_bits(local_f.detach())])
+        every = _waited(all_gather(local_i, 0, group)).view(W, -1)
+        every_i = every[:, : E + 1]
         total_i = every_i.sum(0)
         denom = total_i[E].clamp(min=1).to(sdt)  # T over all ranks (>= 1, as max(T, 1))
     if aux_on or z_on:
-        parts = [torch.zeros(E, dtype=sdt, device=dev), torch.zeros(1, dtype=sdt, device=dev)]
-        if aux_on:
-            parts[0] = layer.router_probs(logits).to(sdt).sum(dim=0)
-        if z_on:
-            parts[1] = torch.logsumexp(logits.to(sdt), dim=-1).square().sum().view(1)
-        local_f = torch.cat(parts)
-        total_f = _waited(all_gather(local_f.detach(), 0, group)).view(W, E + 1).sum(0)
+        total_f = _bits_float(every[:, E + 1 :], sdt).sum(0)
         # The global value exactly (local - local.detach() is 0), the local part's gradient.
         sums = total_f + (local_f - local_f.detach())
         if aux_on:
