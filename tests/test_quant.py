@@ -306,7 +306,7 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
     """Eager inference at decode sizes takes the two-launch decode path on FP8 experts (the
     tokens quantised in its first kernel): the same bits as the sorted path (maps, quantiser,
     GEMM1, GEMM2, finalize), biases, a dropped slot and an all-dropped token included; tokens
-    as a column-major view with a per-token bias."""
+    as a column-major view with a per-token bias, and k-major weight codes."""
     from moe_route import tuning
     from moe_route.kernels.triton import decode as dk
     from moe_route.plan import clear_plans
@@ -327,6 +327,8 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
         bias = torch.randn(x.shape, generator=g).half()
     w1q, s1 = moe_route.quantize_experts(w1, fmt)
     w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    if strided:  # the codes stored k-major
+        w2q = w2q.transpose(1, 2).contiguous().transpose(1, 2)
     kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2, b1=b1, b2=b2, bias=bias, gate_up_layout=layout)
     with torch.no_grad():
         out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
