@@ -125,7 +125,7 @@ def quant_decode_config(bucket: int, top_k: int, num_experts: int,
                         expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
     """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
     (``expert_bytes`` in FP8): GEMM1's columns and both reductions step by the 128-wide scale
-    blocks, the sorted path's 16-row tiles (so the two paths give the same bits)."""
+    blocks, the sorted path's 16-row tiles."""
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
     return _DECODE_FP8

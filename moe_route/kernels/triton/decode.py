@@ -349,8 +349,9 @@ class QuantDecodeLaunch:
     """:class:`DecodeLaunch` on FP8 experts (``w1`` / ``w2`` e4m3 with their scales, as
     :func:`moe_route.fused_moe` takes them): the first launch quantises each token row as the
     sorted path's quantiser does and writes ``h`` as e4m3 codes with one scale per 128 columns,
-    the second reads them; tiles and scaling are the sorted path's at 16-row tiles, so the two
-    paths give the same bits. ``x_group``: the tokens' scale group (128, or 0: per token);
+    the second reads them; tiles and scaling are the sorted path's at 16-row tiles (the same
+    bits with per-channel scales on an H200; with 128-blocks within the format's error,
+    tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or 0: per token);
     ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no tensor."""
 
     def __init__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, bias,
