@@ -244,16 +244,14 @@ def _exchange(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
 
 
 def _float_bits(t: torch.Tensor) -> torch.Tensor:
-    """float32 / float64 values as int64 carrying their bits (exactly): to travel in one
-    collective with int64 counts."""
-    return t.view(torch.int32).to(torch.int64) if t.dtype == torch.float32 else t.view(torch.int64)
+    """float32 / float64 values as the int64 bits of their float64 (exact both ways): to travel
+    in one collective with int64 counts."""
+    return t.to(torch.float64).view(torch.int64)
 
 
 def _bits_float(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`_float_bits` undone (``bits`` ``[..., n]`` int64)."""
-    if dtype == torch.float32:
-        return bits.to(torch.int32).view(torch.float32)
-    return bits.contiguous().view(torch.float64)
+    return bits.contiguous().view(torch.float64).to(dtype)
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
