@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import capture_cuda_graph
 
 import moe_route
 from moe_route import quant as Q
@@ -196,6 +197,7 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize(
     "shape",
     [(1, 2048, 768, 128, 8), (5, 2048, 768, 128, 8), (3, 264, 200, 16, 4)],
@@ -221,15 +223,9 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
     with torch.no_grad():
         out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
         assert calls == [1]
-        graph_out = torch.empty_like(out)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_out.copy_(moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw))
+        graph, graph_out = capture_cuda_graph(
+            lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=1
+        )
         graph.replay()
         torch.cuda.synchronize()
     assert len(calls) == 2  # (the warm-up on the side stream; not the capture)
@@ -254,6 +250,7 @@ def test_activation_quantiser_bits(group, ue8m0):
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
 
 
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_deterministic_graph_and_compile(fmt):
     x, w1, w2, tw, ids = _case(200, 512, 384, 8, 2)
@@ -263,16 +260,9 @@ def test_quant_deterministic_graph_and_compile(fmt):
         first = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
         for _ in range(20):
             assert torch.equal(moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), first)
-        graph_out = torch.empty_like(first)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_out.copy_(moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw))
+        graph, graph_out = capture_cuda_graph(
+            lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=2
+        )
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(graph_out, first)
