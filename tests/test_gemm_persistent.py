@@ -232,9 +232,11 @@ def _order_kernel(offsets_ptr, out_ptr, E, n_tiles, BLOCK_M: tl.constexpr,
                   GROUP_M: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
     """Row ``tile`` of ``out``: ``(e, first_row, row_end, n_tile)`` of that routed tile."""
     tile = tl.program_id(0)
-    ends = gm._expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
-    e, first_row, row_end, n_tile = gm._expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E,
-                                                            BLOCK_M, GROUP_M, E_POW2)  # fmt: skip
+    ex = tl.arange(0, E_POW2)
+    ends = gm._expert_ends(offsets_ptr, E, ex, BLOCK_M)
+    e, first_row, row_end, n_tile = gm._expert_grouped_tile(
+        offsets_ptr, ends, tile, n_tiles, E, ex, BLOCK_M, GROUP_M, E_POW2
+    )
     tl.store(out_ptr + 4 * tile, e)
     tl.store(out_ptr + 4 * tile + 1, first_row)
     tl.store(out_ptr + 4 * tile + 2, row_end)

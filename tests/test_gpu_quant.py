@@ -27,7 +27,13 @@ pytestmark = [
 CUDA = "cuda"
 FORMATS = ("fp8", "fp8_ue8m0", "fp8_channel", "mxfp4")
 # (T, H, I, E, K): odd sizes with partial scale blocks; a decode size; a prefill size
-SHAPES = [(130, 264, 200, 16, 4), (1, 2048, 768, 128, 8), (1024, 2048, 768, 32, 8)]
+# (odd block counts and a partial column tile on the warp-specialised SM90 kernel)
+SHAPES = [
+    (130, 264, 200, 16, 4),
+    (1, 2048, 768, 128, 8),
+    (1024, 2048, 768, 32, 8),
+    (300, 384, 320, 8, 2),
+]
 
 
 def _case(T, H, n_inter, E, K, seed=0):
@@ -170,7 +176,11 @@ def test_quant_gemm_stages(fmt, shape):
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
 def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
     """The prefill GEMMs, TMA-fed where the layout allows (not at H=264, whose FP8 rows are
-    not 16-byte multiples), against the pointer-fed kernel on the same tiles: the same bits."""
+    not 16-byte multiples), against the pointer-fed kernel on the same tiles. On SM90 the
+    warp-specialised kernel takes them where it serves: it scales a block's product by the
+    row's and the weight's scale in one multiply (per channel, the weight's after the loop),
+    so it agrees within float32 rounding, which can move a code of GEMM2's FP8 input by one
+    step; elsewhere TMA and pointers give the same bits."""
     import dataclasses
 
     from moe_route import tuning
@@ -194,7 +204,10 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
         finally:
             monkeypatch.undo()
             clear_plans()
-    assert torch.equal(out, ref)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert _rel(out, ref) < 5e-3
+    else:
+        assert torch.equal(out, ref)
 
 
 @pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)

@@ -313,9 +313,9 @@ def _packer(args: tuple):
 
 def _for_triton(args: tuple) -> tuple:
     """``args`` with every :class:`.tma.Descriptor` as Triton's own ``TensorDescriptor``."""
-    if not any(type(a) is Descriptor for a in args):
+    if not any(isinstance(a, Descriptor) for a in args):
         return args
-    return tuple(a.triton() if type(a) is Descriptor else a for a in args)
+    return tuple(a.triton() if isinstance(a, Descriptor) else a for a in args)
 
 
 def _direct_launch(compiled, values: tuple, n_args: int):

@@ -134,41 +134,40 @@ def _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _expert_ends(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """The first m-tile after each expert (``E_POW2`` lanes; the lanes past ``E`` hold the
-    number of routed m-tiles): a prefix sum of the experts' tile counts, in registers."""
-    ex = tl.arange(0, E_POW2)
+def _expert_ends(offsets_ptr, E, ex, BLOCK_M: tl.constexpr):
+    """The first m-tile after each expert (lanes ``ex = arange(E_POW2)``; the lanes past ``E``
+    hold the number of routed m-tiles): a prefix sum of the experts' tile counts, in
+    registers. The lanes come from the caller, whose language picks their layout (Gluon)."""
     lo = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     hi = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
     return tl.cumsum(((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32), 0)
 
 
 @triton.jit
-def _expert_at(ends, at, span, E, E_POW2: tl.constexpr):
+def _expert_at(ends, at, span, E, ex, E_POW2: tl.constexpr):
     """``(e, start)``: the expert whose tiles hold flat index ``at`` where each m-tile spans
     ``span`` consecutive indices, and its first m-tile (``ends`` from :func:`_expert_ends`).
 
     The experts whose tiles all come before ``at`` are a prefix (``ends`` never decreases), of
     length ``e``; the last of them ends where ``at``'s expert starts. One reduction finds both:
     the largest ``(end, index + 1)`` pair of that prefix, packed (``index + 1 < E_POW2``)."""
-    ex = tl.arange(0, E_POW2)
     before = (ends * span <= at) & (ex < E)
     key = tl.max(tl.where(before, ends.to(tl.int64) * E_POW2 + ex + 1, 0), axis=0)
     return (key % E_POW2).to(tl.int32), key // E_POW2
 
 
 @triton.jit
-def _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+def _find_expert(offsets_ptr, ends, m_tile, E, ex, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """``(e, first_row, row_end)`` of m-tile ``m_tile`` from :func:`_expert_ends`; ``e == E``
     past the routed tiles (``first_row`` is then the first row of this dropped-row tile)."""
-    e, start = _expert_at(ends, m_tile, 1, E, E_POW2)
+    e, start = _expert_at(ends, m_tile, 1, E, ex, E_POW2)
     first_row = tl.load(offsets_ptr + e) + (m_tile - start) * BLOCK_M
     row_end = tl.load(offsets_ptr + tl.minimum(e + 1, E))
     return e, first_row, row_end
 
 
 @triton.jit
-def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.constexpr,
+def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, ex, BLOCK_M: tl.constexpr,
                          GROUP_M: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
     """``(e, first_row, row_end, n_tile)`` of routed tile ``tile`` in the expert-grouped order:
     expert after expert (tiles ``[start_e * n_tiles, end_e * n_tiles)`` for the m-tiles
@@ -179,7 +178,7 @@ def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.conste
     columns, each once per group. (:func:`_swizzle`'s fixed groups of ``GROUP_M`` consecutive
     m-tiles straddle experts wherever a count of rows is not a multiple of ``BLOCK_M``: the
     straddled experts' columns are then read once per group they are in.)"""
-    e, start = _expert_at(ends, tile, n_tiles, E, E_POW2)
+    e, start = _expert_at(ends, tile, n_tiles, E, ex, E_POW2)
     start = start.to(tl.int32)
     lo = tl.load(offsets_ptr + e)
     row_end = tl.load(offsets_ptr + e + 1)
@@ -200,8 +199,14 @@ def _expert_grouped_tile(offsets_ptr, ends, tile, n_tiles, E, BLOCK_M: tl.conste
 
 @triton.jit
 def _tile_expert(offsets_ptr, m_tile, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
-    return _find_expert(offsets_ptr, ends, m_tile, E, BLOCK_M, E_POW2)
+    return _tile_expert_lanes(offsets_ptr, m_tile, E, tl.arange(0, E_POW2), BLOCK_M, E_POW2)
+
+
+@triton.jit
+def _tile_expert_lanes(offsets_ptr, m_tile, E, ex, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """:func:`_tile_expert` on the caller's lanes ``ex = arange(E_POW2)``."""
+    ends = _expert_ends(offsets_ptr, E, ex, BLOCK_M)
+    return _find_expert(offsets_ptr, ends, m_tile, E, ex, BLOCK_M, E_POW2)
 
 
 @triton.jit

@@ -188,13 +188,14 @@ def _gemm_persistent_kernel(
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    ends = _expert_ends(offsets_ptr, E, BLOCK_M, E_POW2)
+    ex = tl.arange(0, E_POW2)
+    ends = _expert_ends(offsets_ptr, E, ex, BLOCK_M)
     routed_tiles = tl.max(ends, axis=0)
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     for tile in tl.range(pid, routed_tiles * n_tiles, programs, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):  # fmt: skip
         e, first_row, row_end, n_tile = _expert_grouped_tile(
-            offsets_ptr, ends, tile, n_tiles, E, BLOCK_M, GROUP_M, E_POW2
+            offsets_ptr, ends, tile, n_tiles, E, ex, BLOCK_M, GROUP_M, E_POW2
         )
         _gemm_tile(
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, z_ptr, out_desc, z_desc, bias_ptr,

@@ -29,8 +29,8 @@
 
 ``UPCAST`` / ``SOFT_FP8`` (the CPU interpreter only, whose FP8 dot and float-to-e4m3 rounding
 are wrong): the e4m3 operands are widened to fp16 (exactly) before the product, and codes are
-rounded in integer arithmetic (:func:`_e4m3_bits`); the scaling, gathers and epilogue are the
-GPU's.
+rounded in integer arithmetic (:func:`.fp8_codes._e4m3_bits`); the scaling, gathers and
+epilogue are the GPU's.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import triton.language as tl
 
 from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, next_pow2
 from .activation import gated_forward, plain_forward
+from .fp8_codes import fp8_codes, fp8_scale
 from .gemm_mainloop import (
     GemmConfig,
     GemmEpilogue,
@@ -54,10 +55,6 @@ from .gemm_mainloop import (
 )
 from .tma import descriptor, tma_ok
 
-#: The largest finite e4m3 value and the floor of a block's absolute maximum
-#: (:mod:`moe_route.quant`'s constants, restated as kernel literals).
-FP8_MAX = tl.constexpr(448.0)
-FP8_EPS = tl.constexpr(1e-10)
 #: Columns per scale block along the reduction (the FP8 formats' ``k`` block).
 SCALE_K = 128
 #: Values per MXFP4 scale.
@@ -67,53 +64,6 @@ _VARYING = ["M_ROWS", "M_TILES", "T"]
 
 
 # --------------------------------------------------------------------------- FP8 quantiser
-@triton.jit
-def _pow2_ceil(s):
-    """The smallest power of two >= ``s`` (positive normal float32), exactly."""
-    bits = s.to(tl.int32, bitcast=True)
-    exp = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (exp << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def fp8_scale(amax, UE8M0: tl.constexpr):
-    s = tl.math.div_rn(tl.maximum(amax, FP8_EPS), FP8_MAX)
-    if UE8M0:
-        s = _pow2_ceil(s)
-    return s
-
-
-@triton.jit
-def _round_bits(bits):
-    """float32 bits rounded to 3 mantissa bits, nearest even, shifted down: a carry out of
-    the mantissa goes into the exponent, as it must."""
-    return (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
-
-
-@triton.jit
-def _e4m3_bits(v):
-    """The e4m3 codes of finite float32 ``|v| <= 448`` as ``uint8``, rounded to nearest even,
-    in integer arithmetic. The CPU interpreter's own conversion drops the carry of a rounding
-    into the exponent (124.3 became 64), so it runs this; the GPU runs its conversion."""
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    tiny = a < 0.015625  # 2^-6, e4m3's smallest normal: below it, steps of 2^-9
-    # a + 2^-6 is exact and rounds the subnormal steps where a normal 2^-6 + k 2^-9 rounds
-    shifted = tl.where(tiny, a + 0.015625, a).to(tl.int32, bitcast=True)
-    code = _round_bits(shifted) - (120 << 3) - tl.where(tiny, 8, 0)
-    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
-
-
-@triton.jit
-def fp8_codes(v, s, SOFT_FP8: tl.constexpr):
-    """``e4m3(clamp(v / s, -448, 448))``, ``s`` broadcast over ``v`` (as ``uint8`` codes with
-    ``SOFT_FP8``: :func:`_e4m3_bits`)."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)
-    if SOFT_FP8:
-        return _e4m3_bits(q)
-    return q.to(tl.float8e4nv)
-
-
 @triton.jit(do_not_specialize=["R"])
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xc, stride_qr, stride_sr,
                           GROUP: tl.constexpr, ROW_WISE: tl.constexpr, UE8M0: tl.constexpr,
@@ -478,7 +428,7 @@ class QuantGemmLaunch:
     """
 
     __slots__ = ("E", "cfg", "cx", "epilogue", "fp8", "gather", "kd", "key", "kp", "ks",
-                 "n_out", "static", "strides")  # fmt: skip
+                 "n_out", "sm90", "static", "strides")  # fmt: skip
 
     def __init__(self, a, a_scale, w, w_scale, kd: int, cfg: GemmConfig, epilogue: GemmEpilogue,
                  bias, gather: bool, out_dtype: torch.dtype, out_fp8: bool, mxfp4: bool,
@@ -511,6 +461,16 @@ class QuantGemmLaunch:
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
+        # On SM90 the warp-specialised kernel (:mod:`.quant_sm90`), where the layout allows
+        # (docs/decisions.md, "FP8 prefill: a warp-specialised kernel").
+        self.sm90 = None
+        if cfg.use_tma and self.fp8 and not INTERPRETING:
+            from .quant_sm90 import Fp8Sm90Launch
+
+            if Fp8Sm90Launch.serves(w, epilogue, n_out, block_n_scale):
+                self.sm90 = Fp8Sm90Launch(a, a_scale, w, w_scale, kd, epilogue, bias, gather,
+                                          out_dtype, out_fp8, block_n_scale, ue8m0,
+                                          cfg.group_m)  # fmt: skip
         # without TMA nothing depends on the addresses: one key for every call
         tma = cfg.use_tma and self.fp8
         self.key = None if tma else LaunchKey((*self.static, False, False, self._split(None)))
@@ -542,6 +502,12 @@ class QuantGemmLaunch:
         M = a.shape[0] if num_rows is None else num_rows
         if M == 0 or self.n_out == 0:
             return
+        if self.sm90 is not None:
+            descs = self.sm90.descriptors(a, w)
+            if descs is not None:
+                self.sm90(descs, a, a_scale, w_scale, offsets, out, out_scale, bias, dest_to_src,
+                          M)  # fmt: skip
+                return
         cfg = self.cfg
         key, a_desc, w_desc = self.key, None, None
         if key is None:

@@ -64,6 +64,24 @@ class Descriptor:
         return f"Descriptor(shape={self.shape}, strides={self.strides}, box={self.block_shape})"
 
 
+class GluonDescriptor(Descriptor):
+    """A :class:`Descriptor` for a Gluon kernel, which takes Gluon's ``TensorDescriptor``: the
+    same view with the default NVMMA shared layout of its box (the layout the kernel's
+    shared-memory ring is allocated with)."""
+
+    __slots__ = ()
+
+    def triton(self):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
+                 torch.float16: gl.float16}[self.base.dtype]  # fmt: skip
+        layout = gl.NVMMASharedLayout.get_default_for(list(self.block_shape), dtype)
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides),
+                                list(self.block_shape), layout)  # fmt: skip
+
+
 def descriptor(t: torch.Tensor, block) -> Descriptor:
     """A descriptor over the whole of ``t`` (``tma_ok``), boxes of ``block``."""
     return Descriptor(t, t.shape, t.stride(), block)

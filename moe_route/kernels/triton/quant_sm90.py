@@ -1,0 +1,564 @@
+"""The FP8 grouped GEMM on Hopper, warp-specialised (Gluon): GEMM1 and GEMM2 on block-scaled or
+per-channel FP8 experts, with the same contract as :mod:`.quant`'s FP8 kernel.
+
+Why a second kernel: every ``BLOCK_K = 128`` block's tensor-core product must be scaled and
+added to a float32 accumulator on the CUDA cores (Hopper's FP8 MMA accumulates with reduced
+precision). In :mod:`.quant`'s Triton kernel that waits for each block's MMA and then scales it
+while the tensor cores idle, all warps in step (0.76-0.91x the bf16 forward). Here:
+
+* one producer warp streams the operands through TMA into a ring of ``STAGES`` shared-memory
+  slots (``full`` / ``empty`` mbarriers), never waiting on the math;
+* two math warpgroups (4 warps each, partitions of their own, so neither waits for the other)
+  each own a ``[64, 128]`` float32 accumulator (gate and up: two ``[64, 64]``). Each issues the
+  product of block ``k`` asynchronously, then waits only for block ``k - 1``'s, frees its slot
+  and scales it into the accumulator: block ``k``'s MMA runs under block ``k - 1``'s scaling.
+
+Tiles: a gated GEMM1 splits a program's ``2 x 128`` weight rows between the warpgroups (each
+takes the gate and up rows of 64 output columns, over the same 64 token rows); the epilogue's
+FP8 quantisation of GEMM2's input needs each row's maximum over 128 columns, which the two
+warpgroups swap through shared memory. GEMM2 (and a plain GEMM1) splits 128 token rows and
+shares 128 weight rows. ``A`` comes through TMA (permuted rows: GEMM2's input, or the tokens'
+codes expanded) or, with ``GATHER``, gathered from the token rows by the producer with
+``cp.async``. Block scales of the weights are one number per warpgroup and block (the rows of a
+warpgroup lie in one 128-row scale block), per-channel scales a vector.
+
+Products, scaling order and epilogue follow :func:`.quant._fp8_mainloop` and
+:func:`.quant._quant_tile`, so the two kernels agree within float32 rounding (the order of a
+block's products inside the tensor core differs with the instruction's width).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import ThinKernel, cdiv, next_pow2
+from .activation import gated_forward, plain_forward
+from .fp8_codes import fp8_codes, fp8_scale
+from .gemm_mainloop import _beyond_tiles, _m_tiles, _program_tile, _tile_expert_lanes
+from .tma import GluonDescriptor, layout_ok, tma_ok
+
+#: Token rows and weight rows of one warpgroup's product.
+WG_M = gl.constexpr(64)
+WG_N = gl.constexpr(128)
+#: The reduction block (the FP8 scale block).
+BLOCK_K = gl.constexpr(128)
+
+
+@gluon.jit
+def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, row_end, T,
+              w_row0, n_up, n_kb, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """One warp: fills slot ``kb % STAGES`` with block ``kb`` of ``A`` (``A_ROWS`` rows) and
+    ``W`` (``W_ROWS`` rows: gated, four 64-row boxes gate/up/gate/up) once the math has freed
+    it."""
+    A_ROWS: gl.constexpr = WG_M if GATED else 2 * WG_M
+    W_BYTES: gl.constexpr = (2 * WG_N if GATED else WG_N) * BLOCK_K
+    if GATHER:
+        gl.static_assert(GATED)
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
+        r = a_row0 + gl.arange(0, A_ROWS, layout=gl.SliceLayout(1, lay))
+        src = gl.load(d2s_ptr + r, mask=r < row_end, other=0) % T
+        a_ptrs = (
+            a_ptr
+            + src.to(gl.int64)[:, None] * stride_am
+            + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lay))[None, :]
+        )
+    a_row0 = a_row0.to(gl.int32)
+    w_row0 = w_row0.to(gl.int32)
+    for kb in range(n_kb):
+        s = kb % STAGES
+        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
+        bar = full.index(s)
+        k = kb * BLOCK_K
+        if GATHER:
+            # rows of the token codes through cp.async; the slot's barrier counts them
+            async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k)
+            async_copy.mbarrier_arrive(bar)
+            mbarrier.expect(bar, W_BYTES)
+        else:
+            mbarrier.expect(bar, A_ROWS * BLOCK_K + W_BYTES)
+            tma.async_copy_global_to_shared(a_desc, [a_row0, k], bar, a_bufs.index(s))
+        w_buf = w_bufs.index(s)
+        if GATED:
+            for j in gl.static_range(4):  # warpgroup j // 2, gate (j even) or up rows
+                row = w_row0 + (j % 2) * n_up + (j // 2) * (WG_N // 2)
+                tma.async_copy_global_to_shared(
+                    w_desc, [row, k], bar, w_buf.slice(j * (WG_N // 2), WG_N // 2)
+                )
+        else:
+            tma.async_copy_global_to_shared(w_desc, [w_row0, k], bar, w_buf)
+
+
+@gluon.jit
+def _w_scales(ws_base, w_row0, stride_sn, SN: gl.constexpr):
+    """The weight scale of a product whose rows start at ``w_row0``, at block 0 (the rows lie
+    in one 128-row scale block); per channel, the scales of row 0."""
+    return ws_base + (w_row0 // SN).to(gl.int64) * stride_sn
+
+
+@gluon.jit
+def _issue(a_bufs, w_bufs, full, kb, into, into_up, a_off: gl.constexpr, w_off: gl.constexpr,
+           PN: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr,
+           STAGES: gl.constexpr):  # fmt: skip
+    """Once block ``kb`` is in its slot, issue its product(s) asynchronously into the
+    registers of ``into`` (and ``into_up``: the up rows' product), which hold nothing live."""
+    s = kb % STAGES
+    mbarrier.wait(full.index(s), (kb // STAGES) & 1)
+    if GATHER:  # cp.async wrote the token rows through the generic proxy
+        fence_async_shared()
+    a = a_bufs.index(s)
+    if not GATED:
+        a = a.slice(a_off, WG_M)
+    w = w_bufs.index(s)
+    q = warpgroup_mma(a, w.slice(w_off, PN).permute((1, 0)), into, use_acc=False, is_async=True)
+    q_up = into_up  # (plain: untouched; never two names for one product in flight)
+    if GATED:
+        q_up = warpgroup_mma(a, w.slice(w_off + PN, PN).permute((1, 0)), into_up,
+                             use_acc=False, is_async=True)  # fmt: skip
+    return q, q_up
+
+
+@gluon.jit
+def _retire(empty, kb, p, p_up, acc, acc_up, a_s, w_s, w_s_up, NEWER: gl.constexpr,
+            GATED: gl.constexpr, SN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Wait for block ``kb``'s product(s) (``NEWER`` blocks' stay in flight), free its slot,
+    scale it into the accumulators. Returns the accumulators and the spent products."""
+    if GATED:
+        p, p_up = warpgroup_mma_wait(num_outstanding=2 * NEWER, deps=(p, p_up))
+    else:
+        p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(p,))
+    mbarrier.arrive(empty.index(kb % STAGES))
+    acc = _promote(acc, p, a_s, w_s, SN)
+    # The spent products' registers take the next block's product: a wait on nothing new,
+    # through which the accumulators pass, keeps LLVM from moving the scaling below that
+    # product's issue (which would copy registers of a product in flight).
+    if GATED:
+        acc_up = _promote(acc_up, p_up, a_s, w_s_up, SN)
+        acc, acc_up, p, p_up = warpgroup_mma_wait(num_outstanding=2 * NEWER,
+                                                  deps=(acc, acc_up, p, p_up))  # fmt: skip
+    else:
+        acc, p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(acc, p))
+    return acc, acc_up, p, p_up
+
+
+@gluon.jit
+def _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, kb, stride_ask, stride_sk,
+            GATED: gl.constexpr, SN: gl.constexpr):  # fmt: skip
+    """Block ``kb``'s activation scales and the weight scale of the gate (or plain) and up
+    products (one number each: the rows of a product lie in one 128-row block)."""
+    a_s = gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
+    if SN == 1:  # per channel: the same for every block, applied after the loop
+        w_s = 1.0
+        w_s_up = 1.0
+    else:
+        w_s = gl.load(ws_ptrs + kb * stride_sk)
+        w_s_up = w_s
+        if GATED:
+            w_s_up = gl.load(ws_up_ptrs + kb * stride_sk)
+    return a_s, w_s, w_s_up
+
+
+@gluon.jit
+def _promote(acc, part, a_s, w_s, SN: gl.constexpr):
+    """``acc + part · a_s[:, None] · w_s`` (per channel, ``w_s`` comes after the loop)."""
+    if SN == 1:  # noqa: SIM108 (constexpr branches: w_s is a placeholder in one)
+        acc = acc + part * a_s[:, None]
+    else:
+        acc = acc + part * (a_s * w_s)[:, None]
+    return acc
+
+
+@gluon.jit
+def _math(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr,
+          d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm, stride_ask,
+          stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
+          ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+          UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
+          HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr,
+          OUT_FP8: gl.constexpr, UE8M0: gl.constexpr,
+          STAGES: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Math warpgroup ``WG``: its main loop (the module doc) and epilogue."""
+    PN: gl.constexpr = WG_N // 2 if GATED else WG_N  # columns of one product
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, PN, 32])  # fmt: skip
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    a_off: gl.constexpr = 0 if GATED else WG * WG_M
+    rows = first_row + a_off + gl.arange(0, WG_M, layout=row_l)
+    row_ok = rows < row_end
+    if GATHER:
+        a_rows = (gl.load(d2s_ptr + rows, mask=row_ok, other=0) % T).to(gl.int64) * stride_asm
+    else:
+        a_rows = rows.to(gl.int64) * stride_asm
+    # output columns of this warpgroup (gated: its 64 gate and up rows), and their W rows
+    c0 = n0 + WG * PN if GATED else n0
+    cols = c0 + gl.arange(0, PN, layout=col_l)
+    ws_base = ws_ptr + e.to(gl.int64) * stride_se
+    w_off: gl.constexpr = WG * WG_N if GATED else 0  # this warpgroup's rows of the slot's W tile
+    zero = gl.zeros([WG_M, PN], gl.float32, mma)
+    as_ptrs = as_ptr + a_rows
+    ws_ptrs = _w_scales(ws_base, c0, stride_sn, SN)
+    ws_up_ptrs = _w_scales(ws_base, c0 + N_OUT, stride_sn, SN)
+    # Block kb's products are issued into the registers of a product already scaled (the
+    # spare), so that no register of a product in flight is ever copied (ptxas would then
+    # serialise every wgmma): the loop takes the blocks two at a time, the two products'
+    # registers swapping roles.
+    p, p_up = _issue(a_bufs, w_bufs, full, 0, zero, zero, a_off, w_off, PN, GATED, GATHER,
+                     STAGES)  # fmt: skip
+    acc, acc_up = zero, zero
+    a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, 0, stride_ask, stride_sk,
+                               GATED, SN)  # fmt: skip
+    spare, spare_up = zero, zero
+    for kb in range(1, n_kb - 1, 2):
+        q, q_up = _issue(a_bufs, w_bufs, full, kb, spare, spare_up, a_off, w_off, PN, GATED,
+                         GATHER, STAGES)  # fmt: skip
+        acc, acc_up, spare, spare_up = _retire(empty, kb - 1, p, p_up, acc, acc_up, a_s, w_s,
+                                               w_s_up, 1, GATED, SN, STAGES)  # fmt: skip
+        a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, kb, stride_ask,
+                                   stride_sk, GATED, SN)  # fmt: skip
+        p, p_up = _issue(a_bufs, w_bufs, full, kb + 1, spare, spare_up, a_off, w_off, PN,
+                         GATED, GATHER, STAGES)  # fmt: skip
+        acc, acc_up, spare, spare_up = _retire(empty, kb, q, q_up, acc, acc_up, a_s, w_s,
+                                               w_s_up, 1, GATED, SN, STAGES)  # fmt: skip
+        a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, kb + 1, stride_ask,
+                                   stride_sk, GATED, SN)  # fmt: skip
+    last = n_kb - 1
+    if last % 2 == 1:  # blocks 0 ... last - 1 retired but the one in flight, then last
+        q, q_up = _issue(a_bufs, w_bufs, full, last, spare, spare_up, a_off, w_off, PN, GATED,
+                         GATHER, STAGES)  # fmt: skip
+        acc, acc_up, _, _ = _retire(empty, last - 1, p, p_up, acc, acc_up, a_s, w_s, w_s_up, 1,
+                                    GATED, SN, STAGES)  # fmt: skip
+        a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, last, stride_ask,
+                                   stride_sk, GATED, SN)  # fmt: skip
+        acc, acc_up, _, _ = _retire(empty, last, q, q_up, acc, acc_up, a_s, w_s, w_s_up, 0,
+                                    GATED, SN, STAGES)  # fmt: skip
+    else:
+        acc, acc_up, _, _ = _retire(empty, last, p, p_up, acc, acc_up, a_s, w_s, w_s_up, 0,
+                                    GATED, SN, STAGES)  # fmt: skip
+
+    # epilogue: bias, activation, store (FP8: codes and one scale per row per 128 columns)
+    col_ok = cols < N_OUT
+    if SN == 1:
+        col_s = ws_base + cols.to(gl.int64) * stride_sn
+        acc = acc * gl.load(col_s, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * gl.load(col_s + N_OUT * stride_sn, mask=col_ok,
+                                      other=0.0)[None, :]  # fmt: skip
+    if HAS_BIAS:
+        b_base = bias_ptr + e.to(gl.int64) * stride_be
+        acc += gl.load(b_base + cols * stride_bn, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+        if GATED:
+            acc_up += gl.load(b_base + (cols + N_OUT) * stride_bn, mask=col_ok,
+                              other=0.0).to(gl.float32)[None, :]  # fmt: skip
+    if GATED:
+        h = gated_forward(acc, acc_up, ACT, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP)
+    else:
+        h = plain_forward(acc, ACT)
+    mask = row_ok[:, None] & col_ok[None, :]
+    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+    if OUT_FP8:
+        amax = gl.max(gl.where(mask, gl.abs(h), 0.0), axis=1)
+        if GATED:  # the row's other 64 columns are the other warpgroup's
+            amax_smem.slice(WG * WG_M, WG_M).store(amax)
+            gl.thread_barrier()
+            mbarrier.arrive(xbar)
+            mbarrier.wait(xbar, 0)
+            amax = gl.maximum(amax, amax_smem.slice((1 - WG) * WG_M, WG_M).load(row_l))
+        sc = fp8_scale(amax, UE8M0)
+        gl.store(out_ptrs, fp8_codes(h, sc[:, None], False), mask=mask)
+        if WG == 0 or not GATED:
+            gl.store(os_ptr + rows.to(gl.int64) * stride_osm + n_tile, sc, mask=row_ok)
+    else:
+        gl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _math_worker(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
+                 bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
+                 stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
+                 stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr,
+                 ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr,
+                 GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
+                 UE8M0: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The second math warpgroup (a worker partition)."""
+    _math(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
+          bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm,
+          stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
+          stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS,
+          GATHER, SN, OUT_FP8, UE8M0, STAGES, 1)  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["M_ROWS", "M_TILES", "T"])
+def _fp8_sm90_kernel(
+    a_desc, a_ptr, as_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr, d2s_ptr,
+    E, M_ROWS, M_TILES, N_OUT, N_W, KD, T,
+    stride_am, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
+    stride_be, stride_bn,
+    ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+    UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
+    HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
+    UE8M0: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_M, BLOCK_N]`` output tile per program (``128 x 128``, or ``64 x 128``
+    gated) of expert ``e``'s rows, as
+    :func:`.quant._quant_gemm_kernel`; the dropped rows' tiles are left to that kernel's
+    launcher (this kernel is launched only where ``offset[E] == M`` cannot be known, so it
+    writes them too)."""
+    BLOCK_M: gl.constexpr = WG_M if GATED else 2 * WG_M
+    BLOCK_N: gl.constexpr = WG_N
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ex = gl.arange(0, E_POW2, layout=lanes)
+    e, first_row, row_end = _tile_expert_lanes(offsets_ptr, m_tile, E, ex, BLOCK_M, E_POW2)
+    n0 = n_tile * BLOCK_N
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        r = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
+        c = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+        ok = (r < M_ROWS)[:, None] & (c < N_OUT)[None, :]
+        gl.store(
+            out_ptr + r.to(gl.int64)[:, None] * stride_om + c[None, :],
+            gl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty, lay),
+            mask=ok,
+        )
+        if OUT_FP8:
+            c_tiles = gl.cdiv(N_OUT, WG_N)
+            gl.store(os_ptr + r.to(gl.int64)[:, None] * stride_osm + (n0 // WG_N)
+                     + gl.arange(0, BLOCK_N // WG_N, layout=gl.SliceLayout(0, lay))[None, :],
+                     gl.zeros([BLOCK_M, BLOCK_N // WG_N], gl.float32, lay),
+                     mask=(r < M_ROWS)[:, None] & (n0 // WG_N < c_tiles))  # fmt: skip
+        return
+    W_ROWS: gl.constexpr = 2 * WG_N if GATED else WG_N
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
+                                                                  gl.float8e4nv)  # fmt: skip
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([W_ROWS, BLOCK_K],
+                                                                  gl.float8e4nv)  # fmt: skip
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W_ROWS, BLOCK_K], w_layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    amax_smem = gl.allocate_shared_memory(gl.float32, [2 * WG_M],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both math warpgroups
+    mbarrier.init(xbar, count=2)
+    n_kb = gl.cdiv(KD, BLOCK_K)
+    w_row0 = e * N_W + n0
+    gl.warp_specialize(
+        [
+            (
+                _math,
+                (
+                    a_bufs,
+                    w_bufs,
+                    full,
+                    empty,
+                    xbar,
+                    amax_smem,
+                    as_ptr,
+                    ws_ptr,
+                    out_ptr,
+                    os_ptr,
+                    bias_ptr,
+                    d2s_ptr,
+                    e,
+                    first_row,
+                    row_end,
+                    n0,
+                    n_tile,
+                    n_kb,
+                    N_OUT,
+                    T,
+                    stride_asm,
+                    stride_ask,
+                    stride_se,
+                    stride_sn,
+                    stride_sk,
+                    stride_om,
+                    stride_osm,
+                    stride_be,
+                    stride_bn,
+                    ACT,
+                    GATED,
+                    ALPHA,
+                    LIMIT,
+                    UP_OFFSET,
+                    GATE_SOFTCAP,
+                    UP_SOFTCAP,
+                    HAS_BIAS,
+                    GATHER,
+                    SN,
+                    OUT_FP8,
+                    UE8M0,
+                    STAGES,
+                    0,
+                ),
+            ),
+            (
+                _math_worker,
+                (
+                    a_bufs,
+                    w_bufs,
+                    full,
+                    empty,
+                    xbar,
+                    amax_smem,
+                    as_ptr,
+                    ws_ptr,
+                    out_ptr,
+                    os_ptr,
+                    bias_ptr,
+                    d2s_ptr,
+                    e,
+                    first_row,
+                    row_end,
+                    n0,
+                    n_tile,
+                    n_kb,
+                    N_OUT,
+                    T,
+                    stride_asm,
+                    stride_ask,
+                    stride_se,
+                    stride_sn,
+                    stride_sk,
+                    stride_om,
+                    stride_osm,
+                    stride_be,
+                    stride_bn,
+                    ACT,
+                    GATED,
+                    ALPHA,
+                    LIMIT,
+                    UP_OFFSET,
+                    GATE_SOFTCAP,
+                    UP_SOFTCAP,
+                    HAS_BIAS,
+                    GATHER,
+                    SN,
+                    OUT_FP8,
+                    UE8M0,
+                    STAGES,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    a_desc,
+                    a_ptr,
+                    d2s_ptr,
+                    w_desc,
+                    a_bufs,
+                    w_bufs,
+                    full,
+                    empty,
+                    first_row,
+                    row_end,
+                    T,
+                    w_row0,
+                    N_OUT,
+                    n_kb,
+                    stride_am,
+                    GATED,
+                    GATHER,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [232, 56 if GATHER else 40],
+    )
+
+
+_FP8_SM90 = ThinKernel(_fp8_sm90_kernel)
+
+
+# --------------------------------------------------------------------------- launch
+class Fp8Sm90Launch:
+    """:func:`_fp8_sm90_kernel`'s launch for one :class:`.quant.QuantGemmLaunch` (which
+    builds it where :meth:`serves` says the layout allows and falls back to its own kernel
+    for a call whose operands TMA cannot address).
+
+    ``W`` is read as its 2-D view ``[E * N, K]`` (boxes of 64 rows gated, 128 plain), ``A``
+    through a ``[BLOCK_M, 128]`` box or gathered; descriptors are built per call (they hold
+    addresses) and encoded once per address by the thin launch."""
+
+    __slots__ = ("E", "cx", "gather", "kd", "n_out", "n_w", "static", "strides")
+
+    @staticmethod
+    def serves(w, epilogue, n_out: int, block_n_scale: int) -> bool:
+        """Whether the kernel computes this GEMM (the launch's other conditions: FP8, SM90)."""
+        E, n_w, _ = w.shape
+        if block_n_scale not in (1, BLOCK_K.value) or E * n_w >= 2**31:
+            return False
+        # gated: gate and up rows through separate boxes, 64 output columns per warpgroup
+        return not (epilogue.gated and (epilogue.interleaved or n_out % (WG_N.value // 2)))
+
+    def __init__(self, a, a_scale, w, w_scale, kd, epilogue, bias, gather, out_dtype, out_fp8,
+                 block_n_scale, ue8m0, group_m):  # fmt: skip
+        E, n_w, _ = w.shape
+        self.E, self.kd, self.n_w, self.gather = E, kd, n_w, gather
+        self.n_out = n_w // 2 if epilogue.gated else n_w
+        ss = w_scale.stride()
+        s_w = (ss[0], ss[1], 0) if w_scale.dim() == 2 else ss
+        sa_s = (a_scale.stride(0), 0 if a_scale.shape[1] == 1 else a_scale.stride(1))
+        sb = bias.stride() if bias is not None else (0, 0)
+        sos = cdiv(self.n_out, WG_N.value) if out_fp8 else 0
+        self.strides = (a.stride(0), *sa_s, *s_w, self.n_out, sos, *sb)
+        self.static = ("sm90", epilogue, bias.dtype if bias is not None else None, out_dtype,
+                       self.strides, gather, out_fp8, block_n_scale, ue8m0, E, self.n_out,
+                       kd)  # fmt: skip
+        self.cx = dict(
+            ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
+            UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
+            UP_SOFTCAP=epilogue.up_softcap, HAS_BIAS=bias is not None, GATHER=gather,
+            SN=block_n_scale, OUT_FP8=out_fp8, UE8M0=ue8m0, E_POW2=next_pow2(E + 1),
+            STAGES=4, GROUP_M=group_m, num_warps=4,
+        )  # fmt: skip
+
+    def descriptors(self, a, w):
+        """``(a_desc, w_desc)`` of this call, or None where TMA cannot address an operand."""
+        E, n_w, K = w.shape
+        s_e, s_n, s_k = w.stride()
+        if s_k != 1 or (E > 1 and s_e != n_w * s_n) or not layout_ok(w, (s_n, 1)):
+            return None
+        gated = self.cx["GATED"]
+        w_box = (WG_N.value // 2 if gated else WG_N.value, BLOCK_K.value)
+        w_desc = GluonDescriptor(w, (E * n_w, K), (s_n, 1), w_box)
+        if self.gather:
+            return a, w_desc
+        if not tma_ok(a) or a.shape[0] >= 2**31:
+            return None
+        a_box = (WG_M.value if gated else 2 * WG_M.value, BLOCK_K.value)
+        return GluonDescriptor(a, a.shape, a.stride(), a_box), w_desc
+
+    def __call__(self, descs, a, a_scale, w_scale, offsets, out, out_scale, bias, dest_to_src,
+                 M) -> None:  # fmt: skip
+        a_desc, w_desc = descs
+        bm = WG_M.value if self.cx["GATED"] else 2 * WG_M.value
+        m_tiles = _m_tiles(M, self.E, bm)
+        grid = m_tiles * cdiv(self.n_out, WG_N.value)
+        o_s = out_scale if out_scale is not None else out
+        b = bias if bias is not None else out
+        d2s = dest_to_src if self.gather else offsets
+        _FP8_SM90.launch(
+            self.static, (grid,),
+            (a_desc, a, a_scale, w_desc, w_scale, out, o_s, b, offsets, d2s, self.E, M, m_tiles,
+             self.n_out, self.n_w, self.kd, a.shape[0], *self.strides),
+            lambda: self.cx,
+        )  # fmt: skip
