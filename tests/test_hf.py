@@ -894,6 +894,10 @@ def test_describe_lists_blocks_outside_the_interface(family):
     make_config, some = BYPASSING[family]
     model = AutoModelForCausalLM.from_config(make_config(), experts_implementation="eager")
     report = moe_hf.describe(model)
+    if family == "longcat_flash" and not moe_hf.bypassing_experts(model):
+        # newer transformers decorate LongcatFlashExperts: it is then on the interface
+        assert report == {next(iter(some)): "moe_route: swiglu concat"}
+        return
     for name, cls in some.items():
         assert report[name].startswith(f"no-op: {cls} builds its experts without")
     assert all(v.startswith("no-op: ") for v in report.values())

@@ -93,7 +93,7 @@ in a vision tower) does not stop a model whose other layers run on moe_route;
 ``register(fallback="error")`` raises ``NotImplementedError`` instead.
 
 Blocks that ``experts_implementation`` never reaches: some families (DBRX, Llama 4, JetMoE,
-LongCat-Flash, Step-3.7, Doge, VitPose, ...) build their experts without
+LongCat-Flash in older transformers, Step-3.7, Doge, VitPose, ...) build their experts without
 ``@use_experts_implementation``, so whatever the implementation asked for, they run their own
 forward. Asking for a moe_route name on a model that has such blocks
 (``from_pretrained``/``from_config(..., experts_implementation=...)`` or
