@@ -43,8 +43,8 @@ def bypassing_experts(model: nn.Module) -> dict[str, str]:
     :func:`_holds_experts`: Doge's ``DogeCDMoE``, VitPose's ``VitPoseNaiveMoe``), that is not
     decorated with ``@use_experts_implementation`` and has no decorated experts inside,
     always runs its own forward (DBRX, Llama 4, JetMoE, LongCat-Flash in older transformers,
-    Step-3.7, Doge, VitPose, NLLB-MoE, Switch Transformers). A whole model (a ``PreTrainedModel``) is never
-    listed, and submodules of a listed module are not listed.
+    Step-3.7, Doge, VitPose, NLLB-MoE, Switch Transformers). A whole model (a
+    ``PreTrainedModel``) is never listed, and submodules of a listed module are not listed.
 
     Returns:
         ``{module name: class name}``.
