@@ -1,8 +1,9 @@
 """Registers, spills and shared memory of the grouped GEMM kernels' variants, on any machine.
 
-Compiles the three grouped GEMM kernels (forward, activation backward, fused finalize) ahead of
-time for a CUDA target (no GPU or driver needed: the Triton wheel carries ptxas) and prints
-ptxas's resource report for each epilogue and tile configuration. A spill or a register count
+Compiles the three grouped GEMM kernels (forward, activation backward, fused finalize), and on
+SM90 the warp-specialised FP8 GEMM, ahead of time for a CUDA target (no GPU or driver needed:
+the Triton wheel carries ptxas) and prints ptxas's resource report for each epilogue and tile
+configuration. A spill or a register count
 at the 255 ceiling shows before any device time is spent (the reason the ordered fused
 finalize reduces in compacted row groups), and so does ptxas's warning that the wgmma
 instructions are serialised ("WGMMA SERIALIZED"). Arguments are specialised as a launch at the
@@ -186,6 +187,44 @@ def ptxas_report(kernel, arch) -> str:
     return report
 
 
+def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, experts: int):
+    """The warp-specialised FP8 GEMM (Gluon, ``kernels/triton/quant_sm90.py``) as its launch
+    specialises it: gated GEMM1 (gathering the token codes or not) or GEMM2, 128-row block or
+    per-channel weight scales."""
+    from triton.experimental.gluon import _runtime
+    from triton.experimental.gluon import language as gl
+
+    from moe_route.kernels.triton import quant_sm90 as q
+
+    fn = q._fp8_sm90_kernel
+    a_rows, w_rows = (
+        (q.WG_M.value, q.WG_N.value // 2) if gated else (2 * q.WG_M.value, q.WG_N.value)
+    )
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, q.BLOCK_K.value], gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{rows}, {q.BLOCK_K.value}],{layout!r}>"
+
+    const = dict(ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, ALPHA=1.0, LIMIT=0.0,
+                 UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0, HAS_BIAS=False,
+                 GATHER=gather, SN=1 if channel else q.BLOCK_K.value, OUT_FP8=gated,
+                 UE8M0=False, E_POW2=triton.next_power_of_2(experts + 1), STAGES=4,
+                 GROUP_M=8)  # fmt: skip
+    types = dict(a_desc="*fp8e4nv" if gather else desc(a_rows), w_desc=desc(w_rows),
+                 a_ptr="*fp8e4nv", out_ptr="*fp8e4nv" if gated else "*bf16",
+                 bias_ptr="*bf16", offsets_ptr="*i64", d2s_ptr="*i32")  # fmt: skip
+    sig, attrs = {}, {}
+    for i, (name, is_const) in enumerate(_params(fn)):
+        if is_const:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+        if not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = _runtime.GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
@@ -204,6 +243,19 @@ def main(argv=None) -> int:
             except Exception as exc:  # a variant this Triton cannot build for the target
                 report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             print(f"{name:<26} {'/'.join(map(str, cfg)):<18} {report}")
+    if args.arch >= 90:
+        for gated, gather, channel in ((True, True, False), (True, False, False),
+                                       (False, False, False), (True, True, True),
+                                       (False, False, True)):  # fmt: skip
+            name = ("fp8 sm90 gemm1" + (" gather" if gather else "") if gated
+                    else "fp8 sm90 gemm2") + (" channel" if channel else "")  # fmt: skip
+            try:
+                k = compile_fp8_sm90(gated, gather, channel, arch=args.arch,
+                                     experts=args.experts)  # fmt: skip
+                report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
+            except Exception as exc:  # a Triton without this Gluon API
+                report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            print(f"{name:<26} {'ws 2x4+1 warps':<18} {report}")
     return 0
 
 

@@ -3,8 +3,8 @@ per-channel FP8 experts, with the same contract as :mod:`.quant`'s FP8 kernel.
 
 Why a second kernel: every ``BLOCK_K = 128`` block's tensor-core product must be scaled and
 added to a float32 accumulator on the CUDA cores (Hopper's FP8 MMA accumulates with reduced
-precision). In :mod:`.quant`'s Triton kernel that waits for each block's MMA and then scales it
-while the tensor cores idle, all warps in step (0.76-0.91x the bf16 forward). Here:
+precision). :mod:`.quant`'s Triton kernel waits for each block's MMA and then scales it while
+the tensor cores idle, all warps in step at the pipeline's barriers. Here:
 
 * one producer warp streams the operands through TMA into a ring of ``STAGES`` shared-memory
   slots (``full`` / ``empty`` mbarriers), never waiting on the math;
@@ -17,14 +17,15 @@ Tiles: a gated GEMM1 splits a program's ``2 x 128`` weight rows between the warp
 takes the gate and up rows of 64 output columns, over the same 64 token rows); the epilogue's
 FP8 quantisation of GEMM2's input needs each row's maximum over 128 columns, which the two
 warpgroups swap through shared memory. GEMM2 (and a plain GEMM1) splits 128 token rows and
-shares 128 weight rows. ``A`` comes through TMA (permuted rows: GEMM2's input, or the tokens'
-codes expanded) or, with ``GATHER``, gathered from the token rows by the producer with
-``cp.async``. Block scales of the weights are one number per warpgroup and block (the rows of a
-warpgroup lie in one 128-row scale block), per-channel scales a vector.
+shares 128 weight rows. ``A`` comes through TMA (GEMM2's permuted input) or, with ``GATHER``
+(GEMM1), gathered from the token rows by the producer with ``cp.async``. Block scales of the
+weights are one number per product and block (its rows lie in one 128-row scale block: gated
+GEMM1s need ``I % 64 == 0``); per-channel weight scales multiply after the loop.
 
-Products, scaling order and epilogue follow :func:`.quant._fp8_mainloop` and
-:func:`.quant._quant_tile`, so the two kernels agree within float32 rounding (the order of a
-block's products inside the tensor core differs with the instruction's width).
+The products, and the epilogue (:mod:`.activation`, :mod:`.fp8_codes`), are those of
+:func:`.quant._quant_tile`; a block's scaling takes one multiply of the row's and the weight's
+scale (two in :func:`.quant._fp8_mainloop`), so the kernels agree within float32 rounding.
+docs/decisions.md, "FP8 prefill: a warp-specialised kernel".
 """
 
 from __future__ import annotations
@@ -310,11 +311,9 @@ def _fp8_sm90_kernel(
     UE8M0: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    """One ``[BLOCK_M, BLOCK_N]`` output tile per program (``128 x 128``, or ``64 x 128``
-    gated) of expert ``e``'s rows, as
-    :func:`.quant._quant_gemm_kernel`; the dropped rows' tiles are left to that kernel's
-    launcher (this kernel is launched only where ``offset[E] == M`` cannot be known, so it
-    writes them too)."""
+    """One ``[BLOCK_M, BLOCK_N]`` output tile per program (``128 x 128``, gated ``64 x 128``)
+    of expert ``e``'s rows, as :func:`.quant._quant_gemm_kernel` computes it; the dropped
+    rows' tiles are written as zeros (codes and scales)."""
     BLOCK_M: gl.constexpr = WG_M if GATED else 2 * WG_M
     BLOCK_N: gl.constexpr = WG_N
     m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
