@@ -436,3 +436,50 @@ def test_quant_bad_input():
     mq, ms = moe_route.quantize_experts(w1, "mxfp4")
     with pytest.raises(ValueError, match="w1_scale must be"):
         run(quant="mxfp4", w1=mq, w1_scale=ms[..., :-1])
+
+
+@pytest.mark.parametrize(
+    ("gated", "interleaved", "n_out", "block_rows", "served"),
+    [
+        (True, False, 192, 128, True),  # gate/up rows of 64 output columns per warpgroup
+        (True, False, 200, 128, False),  # a warpgroup's 64 rows would straddle a scale block
+        (True, True, 192, 128, False),  # interleaved gate/up rows: one box cannot split them
+        (True, False, 192, 1, True),  # per channel
+        (False, False, 200, 128, True),  # plain: 128-row tiles, one scale block each
+        (False, False, 256, 64, False),  # 64-row scale blocks
+    ],
+)
+def test_fp8_sm90_kernel_serves(gated, interleaved, n_out, block_rows, served):
+    """Which FP8 GEMMs the warp-specialised SM90 kernel takes (the Triton kernel the rest), and
+    the TMA views it reads: ``W`` as ``[E * N, K]`` in 64- (gated) or 128-row boxes, ``A``
+    through a box unless gathered; None where TMA cannot address an operand."""
+    from moe_route.kernels.triton.gemm_mainloop import IDENTITY
+    from moe_route.kernels.triton.quant_sm90 import Fp8Sm90Launch
+    from moe_route.plan import epilogue_for
+
+    epi = epilogue_for("swiglu", "interleaved" if interleaved else "concat") if gated else IDENTITY
+    E, K = 4, 256
+    n_w = 2 * n_out if gated else n_out
+    w = torch.zeros(E, n_w, K, dtype=torch.float8_e4m3fn)
+    assert Fp8Sm90Launch.serves(w, epi, n_out, block_rows) is served
+    if not served:
+        return
+    ws = torch.ones(E, n_w) if block_rows == 1 else torch.ones(E, -(-n_w // 128), K // 128)
+    a = torch.zeros(64, K, dtype=torch.float8_e4m3fn)
+    a_s = torch.ones(64, K // 128)
+    out_dtype = torch.float8_e4m3fn if gated else torch.bfloat16
+    launch = Fp8Sm90Launch(a, a_s, w, ws, K, epi, None, gated, out_dtype, gated, block_rows,
+                           False, 8)  # fmt: skip
+    a_desc, w_desc = launch.descriptors(a, w)
+    assert w_desc.shape == (E * n_w, K) and w_desc.strides == (K, 1)
+    assert w_desc.block_shape == ((64, 128) if gated else (128, 128))
+    if gated:  # gathered: the token codes themselves
+        assert a_desc is a
+    else:
+        assert a_desc.block_shape == (128, 128) and a_desc.shape == (64, K)
+    # an expert stride that is not N rows (a slice of wider weights) has no [E * N, K] view
+    wide = torch.zeros(E, n_w + 64, K, dtype=torch.float8_e4m3fn)[:, :n_w]
+    assert launch.descriptors(a, wide) is None
+    if not gated:  # 200-byte rows: not a TMA layout
+        a_odd = torch.zeros(64, 200, dtype=torch.float8_e4m3fn)
+        assert launch.descriptors(a_odd, w) is None
