@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import ThinKernel, cdiv, next_pow2
+from . import LaunchKey, ThinKernel, cdiv, next_pow2
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_codes, fp8_scale
 from .gemm_mainloop import _beyond_tiles, _m_tiles, _program_tile, _tile_expert_lanes
@@ -392,7 +392,7 @@ class Fp8Sm90Launch:
     through a ``[BLOCK_M, 128]`` box or gathered; descriptors are built per call (they hold
     addresses) and encoded once per address by the thin launch."""
 
-    __slots__ = ("E", "cx", "gather", "kd", "n_out", "n_w", "static", "strides")
+    __slots__ = ("E", "cx", "gather", "kd", "key", "n_out", "n_w", "strides")
 
     @staticmethod
     def serves(w, epilogue, n_out: int, block_n_scale: int) -> bool:
@@ -414,9 +414,9 @@ class Fp8Sm90Launch:
         sb = bias.stride() if bias is not None else (0, 0)
         sos = cdiv(self.n_out, WG_N.value) if out_fp8 else 0
         self.strides = (a.stride(0), *sa_s, *s_w, self.n_out, sos, *sb)
-        self.static = ("sm90", epilogue, bias.dtype if bias is not None else None, out_dtype,
-                       self.strides, gather, out_fp8, block_n_scale, ue8m0, E, self.n_out,
-                       kd)  # fmt: skip
+        self.key = LaunchKey(("sm90", epilogue, bias.dtype if bias is not None else None,
+                              out_dtype, self.strides, gather, out_fp8, block_n_scale, ue8m0, E,
+                              self.n_out, kd))  # fmt: skip
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
             UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
@@ -451,7 +451,7 @@ class Fp8Sm90Launch:
         b = bias if bias is not None else out
         d2s = dest_to_src if self.gather else offsets
         _FP8_SM90.launch(
-            self.static, (grid,),
+            self.key, (grid,),
             (a_desc, a, a_scale, w_desc, w_scale, out, o_s, b, offsets, d2s, self.E, M, m_tiles,
              self.n_out, self.n_w, self.kd, a.shape[0], *self.strides),
             lambda: self.cx,
