@@ -124,8 +124,8 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
 def quant_decode_config(bucket: int, top_k: int, num_experts: int,
                         expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
     """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
-    (``expert_bytes`` in FP8): GEMM1's columns and both reductions step by the 128-wide scale
-    blocks, the sorted path's 16-row tiles."""
+    (``expert_bytes`` in FP8): both reductions step by the 128-wide scale blocks, GEMM1's
+    columns as the sorted path's 16-row tiles take them (:func:`quant_gemm_config`)."""
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
     return _DECODE_FP8
@@ -144,7 +144,7 @@ _DECODE_SLOTS = 16
 _SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
-_DECODE_FP8 = DecodeConfig(up_n=128, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
+_DECODE_FP8 = DecodeConfig(up_n=64, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,
@@ -195,7 +195,9 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     """Tiles of the grouped GEMM on quantised weights (:mod:`moe_route.kernels.triton.quant`).
 
     ``block_k`` is the FP8 scale block (128) and ``block_n`` 128, the activations' group (a
-    gated GEMM1's epilogue quantises its output per tile). A block's scaled product needs a
+    gated GEMM1's epilogue quantises its output per tile), except at decode sizes
+    (:func:`quant_in_loop`), where GEMM1 writes float32 and takes 64 columns, twice the
+    programs to stream the weights with. A block's scaled product needs a
     second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
     128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
     takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
@@ -205,14 +207,23 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     persistent kernel, TMA, one wide gated product" and "FP8 decode tiles".
     """
     tma = cc is not None and cc >= 90 and not mxfp4
-    if rows_per_expert <= 16 and not mxfp4:
-        return GemmConfig(16, 128, 128, 1, 4, 4)
+    if quant_in_loop(rows_per_expert, not mxfp4):
+        return GemmConfig(16, 64 if gated else 128, 128, 1, 4, 4)
     if rows_per_expert <= 64 and (mxfp4 or not gated):
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)
     stages = 4 if not mxfp4 else 3
     if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
         return GemmConfig(64, 128, 128, 8, 8, stages, tma)
     return GemmConfig(128, 128, 128, 8, 8, stages, tma)
+
+
+def quant_in_loop(rows_per_expert: float, fp8: bool) -> bool:
+    """Whether an FP8 call's GEMMs quantise their inputs in their main loops (GEMM1 the
+    gathered tokens, GEMM2 GEMM1's float32 output) rather than read codes that a quantiser
+    launch and GEMM1's epilogue wrote: up to 16 rows per expert (decode), where the weights'
+    bytes dwarf the rows' and one launch less is host time saved. The same codes either way.
+    docs/decisions.md, "FP8 decode: quantising in the main loops"."""
+    return fp8 and rows_per_expert <= 16
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,

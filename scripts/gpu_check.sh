@@ -15,6 +15,10 @@
 #                                       then bench/bench_ep.py under torchrun at W=2 and at
 #                                       W=4 (EP_WORLDS) where the machine has the GPUs; ep_tests.log,
 #                                       bench_ep_w<W>.log
+#   bash scripts/gpu_check.sh quant     the quantised experts: their GPU tests, the sanitizer
+#                                       sweep over them, and the quant bench stage at the floor
+#                                       shapes (mixtral T=4096, qwen3 T=32768, deepseek-v3
+#                                       T=16384, deepseek-v3 decode T=1/8/64); quant_*.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
@@ -85,6 +89,26 @@ if [ "$part" = sanitize ]; then
                 | tee -a "$out/sanitize.log"
             rc=$(( rc || t_rc ))
         done
+    done
+fi
+
+if [ "$part" = quant ]; then
+    python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py tests/test_gpu_decode.py \
+        -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1
+    t_rc=$?
+    echo "quant tests: rc=$t_rc, $(tail -n 1 "$out/quant_tests.log")"
+    grep -E "^(FAILED|ERROR)" "$out/quant_tests.log" | head -n 10
+    rc=$(( rc || t_rc ))
+    SANITIZE_SWEEPS=--quant "$0" sanitize || rc=1
+    for run in "mixtral 4096" "qwen3 32768" "deepseek 1 8 64 16384"; do
+        set -- $run
+        model=$1; shift
+        python3 -m moe_route bench --stages quant --shapes "$model" --tokens "$@" \
+            --out "$out/quant_bench" --name "quant_$model" > "$out/quant_bench_$model.log" 2>&1
+        b_rc=$?
+        echo "== quant bench $model (rc=$b_rc)"
+        grep -v -i warning "$out/quant_bench_$model.log" | tail -n 30
+        rc=$(( rc || b_rc ))
     done
 fi
 

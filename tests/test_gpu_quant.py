@@ -119,7 +119,9 @@ def _per_expert(rows, W, offsets):
 def test_quant_gemm_stages(fmt, shape):
     """Each GEMM against float64 products of the very operands it read: GEMM1's float32
     pre-activation, its quantised output within one e4m3 step of the float64 value, GEMM2 on
-    GEMM1's own codes and scales, each within 2e-3."""
+    GEMM1's own codes and scales, each within 2e-3. At decode sizes the GEMMs quantise their
+    inputs in their main loops (the tokens, GEMM1's float32 output): the reference
+    quantiser's codes of the same rows are the operands there."""
     from moe_route.kernels.triton.gemm_mainloop import IDENTITY
     from moe_route.kernels.triton.quant import QuantGemmLaunch
     from moe_route.plan import epilogue_for
@@ -132,6 +134,8 @@ def test_quant_gemm_stages(fmt, shape):
     _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
     M, n = d2s.numel(), int(offsets[-1])
     cfg = moe_route.tuning.quant_gemm_config(M / E, True, not spec.fp8, 90)
+    in_loop = moe_route.tuning.quant_in_loop(M / E, spec.fp8)
+    a_quant = (1 if spec.act_group else 2) if in_loop else 0
     sn = spec.block[0] if spec.format == "fp8_block" else 1
     if spec.fp8:
         a, a_s = moe_route.quantize_activations(x, fmt)
@@ -145,10 +149,15 @@ def test_quant_gemm_stages(fmt, shape):
     # GEMM1's float32 output (the activation applied), then its quantised output
     epi = epilogue_for("swiglu", "concat")
     h32 = torch.empty(M, n_inter, device=CUDA)
-    QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, h32.dtype, False, not spec.fp8,
-                    sn, spec.ue8m0)(a, a_s, w1q, s1, offsets, h32, None, None, d2s, M)  # fmt: skip
+    a1, a1_s = (x, None) if in_loop else (a, a_s)
+    QuantGemmLaunch(a1, a1_s, w1q, s1, H, cfg, epi, None, True, h32.dtype, False, not spec.fp8,
+                    sn, spec.ue8m0, a_quant)(a1, a1_s, w1q, s1, offsets, h32, None, None, d2s,
+                                             M)  # fmt: skip
     assert _rel(h32[:n], h64) < 2e-3
-    if spec.fp8:
+    if in_loop:
+        hq, hs = Q.quantize_fp8_rows(h32[:n], 128, ue8m0=spec.ue8m0)
+        a2, a2_s, h_in = h32, None, Q.dequantize_fp8_rows(hq, hs, 128).double()
+    elif spec.fp8:
         hq = torch.empty(M, n_inter, device=CUDA, dtype=torch.float8_e4m3fn)
         hs = torch.empty(M, -(-n_inter // 128), device=CUDA)
         QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,
@@ -165,7 +174,8 @@ def test_quant_gemm_stages(fmt, shape):
     cfg2 = moe_route.tuning.quant_gemm_config(M / E, False, not spec.fp8, 90)
     y = torch.empty(M, H, device=CUDA)
     QuantGemmLaunch(a2, a2_s, w2q, s2, n_inter, cfg2, IDENTITY, None, False, y.dtype, False,
-                    not spec.fp8, sn, spec.ue8m0)(a2, a2_s, w2q, s2, offsets, y)  # fmt: skip
+                    not spec.fp8, sn, spec.ue8m0, 1 if in_loop else 0)(a2, a2_s, w2q, s2, offsets,
+                                                                       y)  # fmt: skip
     y64 = _per_expert(h_in, W2, offsets)
     assert _rel(y[:n], y64) < 2e-3
 
@@ -219,7 +229,7 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
     """Eager inference at decode sizes takes the two-launch decode path; a CUDA graph of the
-    same call runs the sorted path (maps, quantiser, GEMM1, GEMM2, finalize): the same bits
+    same call runs the sorted path (maps, GEMM1, GEMM2, finalize): the same bits
     with per-channel scales (and under the interpreter, tests/test_quant.py), within the
     format's end-to-end bound with 128-blocks (the H200 gave other bits there), and each
     within that bound of the float64 product of the quantised operands."""

@@ -298,14 +298,58 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, layout):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ue8m0", "fp8_channel"])
+def test_quant_in_loop_matches_codes(fmt):
+    """Quantised in the main loops (decode sizes: GEMM1 on the 16-bit tokens writing float32,
+    GEMM2 on that) against the codes a quantiser and GEMM1's FP8 epilogue write, on the same
+    tiles: GEMM1's float32 output quantised by the reference quantiser gives the epilogue's
+    codes and scales, and GEMM2 the same bits."""
+    from moe_route.kernels.triton.gemm_mainloop import IDENTITY, GemmConfig
+    from moe_route.kernels.triton.quant import QuantGemmLaunch
+    from moe_route.plan import epilogue_for
+
+    spec = Q.as_quant(fmt)
+    x, w1, w2, _tw, ids = _case(T=7, H=272, n_inter=200, E=4, K=2)
+    H = x.shape[1]
+    E, n_inter = w1.shape[0], w2.shape[2]
+    w1q, s1 = moe_route.quantize_experts(w1, fmt)
+    w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
+    M = d2s.numel()
+    sn = spec.block[0] if spec.format == "fp8_block" else 1
+    a, a_s = moe_route.quantize_activations(x, fmt)
+    epi = epilogue_for("swiglu", "concat")
+    cfg = GemmConfig(16, 128, 128, 1, 4, 2)
+    hq = torch.empty(M, n_inter, dtype=torch.float8_e4m3fn)
+    hs = torch.empty(M, 2)
+    QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,
+                    spec.ue8m0)(a, a_s, w1q, s1, offsets, hq, hs, None, d2s, M)  # fmt: skip
+    h32 = torch.full((M, n_inter), float("nan"))
+    a_quant = 1 if spec.act_group else 2
+    QuantGemmLaunch(x, None, w1q, s1, H, cfg, epi, None, True, h32.dtype, False, False, sn,
+                    spec.ue8m0, a_quant)(x, None, w1q, s1, offsets, h32, None, None, d2s, M)  # fmt: skip
+    n = int(offsets[-1])  # (the dropped rows past it: zeros, and zero scales in hs)
+    rq, rs = Q.quantize_fp8_rows(h32[:n], 128, ue8m0=spec.ue8m0)
+    assert torch.equal(rq.view(torch.uint8), hq[:n].view(torch.uint8))
+    assert torch.equal(rs, hs[:n]) and not h32.isnan().any()
+    ys = []
+    for a2, a2_s, aq in ((hq, hs, 0), (h32, None, 1)):
+        y = torch.full((M, H), float("nan"), dtype=x.dtype)
+        QuantGemmLaunch(a2, a2_s, w2q, s2, n_inter, cfg, IDENTITY, None, False, y.dtype, False,
+                        False, sn, spec.ue8m0, aq)(a2, a2_s, w2q, s2, offsets, y)  # fmt: skip
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1]) and not ys[0].isnan().any()
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("fmt", "layout", "strided"), [
     ("fp8", "concat", False), ("fp8_ue8m0", "interleaved", False),
     ("fp8_channel", "concat", True), ("fp8", "interleaved", True),
 ])  # fmt: skip
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
     """Eager inference at decode sizes takes the two-launch decode path on FP8 experts (the
-    tokens quantised in its first kernel): the same bits as the sorted path (maps, quantiser,
-    GEMM1, GEMM2, finalize), biases, a dropped slot and an all-dropped token included; tokens
+    tokens quantised in its first kernel): the same bits as the sorted path (maps, GEMM1,
+    GEMM2, finalize, each GEMM quantising its input in its main loop), biases, a dropped slot and an all-dropped token included; tokens
     as a column-major view with a per-token bias, and k-major weight codes."""
     from moe_route import tuning
     from moe_route.kernels.triton import decode as dk
@@ -349,8 +393,9 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
 
 def test_quant_decode_plans():
     """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
-    blocks of 128 along both reductions and GEMM1's columns); MXFP4 experts keep the sorted
-    path; gradients and larger batches keep it too."""
+    blocks of 128 along both reductions, GEMM1 64 columns wide) and quantise in the GEMMs'
+    main loops on the sorted path too; MXFP4 experts keep the sorted path; gradients and
+    larger batches keep it too, and the quantiser launch."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
@@ -360,10 +405,14 @@ def test_quant_decode_plans():
         w2q, _ = moe_route.quantize_experts(torch.randn(8, 272, 200), fmt)
         plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
         assert (plan.decode is not None) == decode
+        assert plan.configs.in_loop == decode
         if decode:
             d = plan.decode
-            assert d.up_n == d.up_k == d.down_k == 128
+            assert d.up_k == d.down_k == 128 and d.up_n == plan.configs.gemm1.block_n == 64
     assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
+    x = torch.randn(1024, 272).half()
+    plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")
+    assert plan.decode is None and not plan.configs.in_loop
 
 
 @pytest.mark.interpreter

@@ -37,8 +37,9 @@ import triton.language as tl
 
 from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
+from .fp8_codes import fp8_codes, fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .quant import SCALE_K, _quant_tile
+from .quant import _quant_tile
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -135,18 +136,18 @@ def _decode_up_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _decode_up_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, hs_ptr, T, N_OUT, KD, KS, E,
+    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, KS, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_it, stride_ik, stride_hs, stride_hss,
+    stride_be, stride_bn, stride_it, stride_ik, stride_hs,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
     UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(slot = t*K + k, n-tile)`` on FP8 experts: ``h[slot, cols]`` as e4m3 codes and
-    the tile's scale, by the sorted path's own tile (:func:`.quant._quant_tile`, one routed
-    row): the token row quantised in the main loop, GEMM1's product, its epilogue."""
+    """Program ``(slot = t*K + k, n-tile)`` on FP8 experts: ``h[slot, cols]`` in float32, by
+    the sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row):
+    the token row quantised in the main loop, GEMM1's product, its epilogue."""
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -156,31 +157,34 @@ def _decode_up_fp8_kernel(
     # back by `slot - t` rows (the rows past the first are masked, never addressed).
     a_ptr = x_ptr + (t - slot).to(tl.int64) * stride_xt
     _quant_tile(
-        a_ptr, x_ptr, x_ptr, w_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, b_ptr, ids_ptr, e, slot,
+        a_ptr, x_ptr, x_ptr, w_ptr, w_ptr, ws_ptr, h_ptr, h_ptr, b_ptr, ids_ptr, e, slot,
         slot + 1, tl.program_id(1), N_OUT, KD, KD, KS, T, stride_xt, stride_xh, 0, 0, stride_we,
-        stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, stride_hss,
-        stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
-        INTERLEAVED, HAS_BIAS, False, False, SN, True, UE8M0, UPCAST, False, False,
+        stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
+        stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
+        INTERLEAVED, HAS_BIAS, False, False, SN, False, UE8M0, UPCAST, False, False,
         1 if GATED else 0, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
 @triton.jit
-def _row_times_fp8(h_ptrs, hs_ptr, w_ptrs, ws_ptrs, routed, k_ok, col_ok, acc,
+def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """:func:`_row_times` on e4m3 codes: ``acc + ([h; 0; ...] @ w) · h_s · w_s``, one scale
-    block of the reduction, scaled as the sorted path's GEMM2 scales it."""
+    """:func:`_row_times` on FP8 experts: the float32 row ``h`` (one 128-column scale block)
+    quantised as the sorted path's GEMM2 quantises its rows (:func:`.quant._fp8_mainloop`,
+    ``A_QUANT = 1``), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled as it scales."""
     first = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
+    v = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
                 mask=first & k_ok[None, :], other=0.0)  # fmt: skip
     w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    a_s = tl.load(hs_ptr, mask=routed, other=0.0)  # (a dropped slot's h is never written)
+    a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
+    a = fp8_codes(v, a_s[:, None], UPCAST)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
-    if UPCAST:
-        part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+    if UPCAST:  # (the interpreter's codes come as uint8)
+        part = tl.dot(a.to(tl.float8e4nv, bitcast=True).to(tl.float16), w.to(tl.float16),
+                      out_dtype=tl.float32)  # fmt: skip
     else:
         part = tl.dot(a, w, out_dtype=tl.float32)
-    return acc + part * a_s * w_s[None, :]
+    return acc + part * a_s[:, None] * w_s[None, :]
 
 
 @triton.jit
@@ -199,18 +203,18 @@ def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.co
 
 @triton.jit(do_not_specialize=["T"])
 def _decode_down_kernel(
-    h_ptr, hs_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H,
-    KD, E, stride_hs, stride_hn, stride_hss, stride_we, stride_wn, stride_wk, stride_se,
+    h_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H,
+    KD, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_se,
     stride_sn, stride_sk, stride_b2e, stride_b2n, stride_it, stride_ik, stride_wt, stride_wkk,
     stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
-    FP8: tl.constexpr, SN: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, SN: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
-    ``COUNTS``, program ``(0, 0)`` the slots per expert). ``FP8``: ``h`` holds e4m3 codes with
-    one scale per ``BLOCK_K = 128`` columns (``hs``), ``W2`` e4m3 codes with block or channel
+    ``COUNTS``, program ``(0, 0)`` the slots per expert). ``FP8``: ``h`` holds float32 rows,
+    quantised here per ``BLOCK_K = 128`` columns, ``W2`` e4m3 codes with block or channel
     scales (``ws``; ``SN`` rows per block, a zero k-stride per channel)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -242,8 +246,7 @@ def _decode_down_kernel(
             step = k0 // BLOCK_K
             ws_ptrs = (ws_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se
                        + (cols // SN).to(tl.int64) * stride_sn + step * stride_sk)  # fmt: skip
-            hs = hs_ptr + (t * TOP_K + k) * stride_hss + step
-            acc = _row_times_fp8(h_ptrs, hs, w_ptrs, ws_ptrs, routed, k_ok, col_ok, acc, UPCAST,
+            acc = _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0, UPCAST,
                                  BLOCK_M)  # fmt: skip
         else:
             acc = _row_times(h_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION, BLOCK_M)
@@ -312,11 +315,11 @@ class DecodeLaunch:
             cfg, x.dtype, w2.dtype, b2_dtype, topk_weights.dtype, bias_dtype, topk_ids.dtype,
             sw2, sb2, sid, stw, sbias, K, H, n_inter, E, b2 is not None, bias is not None, counts,
         ))  # fmt: skip
-        self.down_tail = (H, n_inter, E, *sh, 0, *sw2, 0, 0, 0, *sb2, *sid, *stw, *sbias, *so)
+        self.down_tail = (H, n_inter, E, *sh, *sw2, 0, 0, 0, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, SN=1, UPCAST=False,
+            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, SN=1, UE8M0=False, UPCAST=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -337,7 +340,7 @@ class DecodeLaunch:
                        self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (T, self.down_tiles),
-            (h, h, w2, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
+            (h, w2, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
              bias if self.has_bias else out, out, counts if self.counts else out, T,
              *self.down_tail),
             self.down_constexprs,
@@ -347,11 +350,11 @@ class DecodeLaunch:
 
 class QuantDecodeLaunch:
     """:class:`DecodeLaunch` on FP8 experts (``w1`` / ``w2`` e4m3 with their scales, as
-    :func:`moe_route.fused_moe` takes them): the first launch quantises each token row as the
-    sorted path's quantiser does and writes ``h`` as e4m3 codes with one scale per 128 columns,
-    the second reads them; tiles and scaling are the sorted path's at 16-row tiles (the same
-    bits with per-channel scales on an H200; with 128-blocks within the format's error,
-    tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or 0: per token);
+    :func:`moe_route.fused_moe` takes them): the first launch quantises each token row in its
+    main loop and writes ``h`` in float32, the second quantises ``h`` per 128 columns as it
+    reads it, as the sorted path does at decode sizes (its 16-row tiles, the same codes and
+    scaling: the same bits with per-channel scales on an H200; with 128-blocks within the
+    format's error, tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or 0: per token);
     ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no tensor."""
 
     def __init__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, bias,
@@ -363,7 +366,6 @@ class QuantDecodeLaunch:
         self.K, self.H, self.n_inter = K, H, n_inter
         self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
         self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
-        self.groups = cdiv(n_inter, SCALE_K)
         out_acc = tl.float64 if topk_weights.dtype == torch.float64 else tl.float32
         epi = epilogue
         sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
@@ -372,7 +374,7 @@ class QuantDecodeLaunch:
         # per channel: one scale for every k block (a zero k-stride)
         s1 = (*s1, 0) if w1_scale.dim() == 2 else s1
         s2 = (*s2, 0) if w2_scale.dim() == 2 else s2
-        sh, so = (n_inter, 1), (H, 1)  # h, hs and out are new, contiguous
+        sh, so = (n_inter, 1), (H, 1)  # h and out are new, contiguous
         sb1 = b1.stride() if b1 is not None else (0, 0)
         sb2 = b2.stride() if b2 is not None else (0, 0)
         if bias is None:
@@ -385,8 +387,7 @@ class QuantDecodeLaunch:
                                  topk_ids))  # fmt: skip
         self.up_key = LaunchKey((cfg, epi, dtypes, sx, sw1, s1, sb1, sid, K, n_inter, H, E,
                                  x_group, w_block_rows, ue8m0))  # fmt: skip
-        self.up_tail = (n_inter, H, w1_scale.shape[-1], E, *sx, *sw1, *s1, *sb1, *sid, n_inter,
-                        self.groups)  # fmt: skip
+        self.up_tail = (n_inter, H, w1_scale.shape[-1], E, *sx, *sw1, *s1, *sb1, *sid, n_inter)
         self.up_constexprs = lambda: dict(
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
             UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
@@ -397,13 +398,12 @@ class QuantDecodeLaunch:
         )  # fmt: skip
         self.down_key = LaunchKey((cfg, dtypes, sw2, s2, sb2, sid, stw, sbias, bias_dtype, K, H,
                                    n_inter, E, w_block_rows))  # fmt: skip
-        self.down_tail = (H, n_inter, E, *sh, self.groups, *sw2, *s2, *sb2, *sid, *stw, *sbias,
-                          *so)  # fmt: skip
+        self.down_tail = (H, n_inter, E, *sh, *sw2, *s2, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=tl.float32,
             OUT_ACC=out_acc, DOT_PRECISION="tf32", BLOCK_M=_ROWS, BLOCK_N=cfg.down_n,
             BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=True, SN=w_block_rows,
-            UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UE8M0=ue8m0, UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale,
@@ -414,17 +414,15 @@ class QuantDecodeLaunch:
         if T == 0 or self.H == 0:
             return out
         slots = T * self.K
-        h = torch.empty(slots, self.n_inter, dtype=torch.float8_e4m3fn, device=x.device)
-        hs = torch.empty(slots, self.groups, dtype=torch.float32, device=x.device)
+        h = torch.empty(slots, self.n_inter, dtype=torch.float32, device=x.device)
         if self.n_inter:
-            codes = h.view(torch.uint8) if INTERPRETING else h  # (the codes of _e4m3_bits)
             _UP_FP8.launch(self.up_key, (slots, self.up_tiles),
-                           (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, codes, hs, T,
+                           (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, T,
                             *self.up_tail),
                            self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (T, self.down_tiles),
-            (h, hs, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
+            (h, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
              bias if self.has_bias else out, out, out, T, *self.down_tail),
             self.down_constexprs,
         )  # fmt: skip

@@ -209,10 +209,11 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
     ``[1, 2, WN/2, BLOCK_K]`` box (``SPLIT == 1``) or ``WN`` interleaved rows (``SPLIT == 2``))
     or pointers at ``w_rows``.
 
-    ``A_QUANT``: ``A`` holds 16-bit rows, quantised here as :func:`_quantize_rows_kernel` does
-    (the same codes and scales, so the same products): ``1``, each block on its own scale;
-    ``2``, one scale per row, from a first pass over the row. Else ``A`` holds e4m3 codes and
-    ``as_ptr`` their scales."""
+    ``A_QUANT``: ``A`` holds 16-bit or float32 rows, quantised here as
+    :func:`_quantize_rows_kernel` (or :func:`_quant_tile`'s ``OUT_FP8`` epilogue) does: the same
+    codes and scales, so the same products. ``1``, each block on its own scale; ``2``, one
+    scale per row, from a first pass over the row. Else ``A`` holds e4m3 codes and ``as_ptr``
+    their scales."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
@@ -386,12 +387,13 @@ def _quant_gemm_kernel(
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
     MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
     UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
-    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    A_QUANT: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """``out[d] = act(A[d] @ W[e].T + b[e])`` for each routed row ``d`` of expert ``e``, one
     program per tile (:func:`_quant_tile`); with ``OUT_FP8`` stored as e4m3 codes plus one
-    scale per row per column tile."""
+    scale per row per column tile; with ``A_QUANT`` (:func:`_fp8_mainloop`) ``A`` holds
+    16-bit or float32 rows, quantised in the main loop."""
     m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
     if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
         return
@@ -406,7 +408,8 @@ def _quant_gemm_kernel(
         stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_se,
         stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn, ACT,
         GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, HAS_BIAS, GATHER,
-        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, 0, BLOCK_M, BLOCK_N, BLOCK_K,
+        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, A_QUANT, BLOCK_M, BLOCK_N,
+        BLOCK_K,
     )  # fmt: skip
 
 
@@ -421,7 +424,10 @@ class QuantGemmLaunch:
     ``dest_to_src`` when ``gather``. ``w``: e4m3 ``[E, N, K]`` with ``w_scale`` ``[E, nb, kb]``
     (block ``(sn, 128)``) or ``[E, N]`` (per channel), or packed e2m1 ``[E, N, K/2]`` with
     ue8m0 ``[E, N, K/32]``. ``out_fp8``: the output as e4m3 codes and scales per 128 columns
-    (``cfg.block_n`` must be 128). ``kd``: the logical reduction width.
+    (``cfg.block_n`` must be 128). ``a_quant`` (FP8): ``a`` holds 16-bit or float32 rows
+    (no ``a_scale``), quantised in the main loop per 128 columns (1) or per row (2), as the
+    quantiser, or an ``out_fp8`` epilogue, would have written them. ``kd``: the logical
+    reduction width.
 
     ``cfg.use_tma`` (FP8): the weights, and ``a`` where it is not gathered, through TMA
     descriptors where TMA can address them, built per call (they hold addresses).
@@ -432,7 +438,7 @@ class QuantGemmLaunch:
 
     def __init__(self, a, a_scale, w, w_scale, kd: int, cfg: GemmConfig, epilogue: GemmEpilogue,
                  bias, gather: bool, out_dtype: torch.dtype, out_fp8: bool, mxfp4: bool,
-                 block_n_scale: int, ue8m0: bool):  # fmt: skip
+                 block_n_scale: int, ue8m0: bool, a_quant: int = 0):  # fmt: skip
         E, n_w, kp = w.shape
         n_out = n_w // 2 if epilogue.gated else n_w
         self.E, self.kd, self.n_out, self.cfg, self.gather = E, kd, n_out, cfg, gather
@@ -450,13 +456,13 @@ class QuantGemmLaunch:
         self.strides = (*sa, *sa_s, *sw, *s_strides, *so, sos, *sb)
         self.static = (cfg, epilogue, a.dtype, w.dtype, w_scale.dtype, out_dtype,
                        bias.dtype if bias is not None else None, self.strides, gather, out_fp8,
-                       mxfp4, block_n_scale, ue8m0, E, n_out, kd)  # fmt: skip
+                       mxfp4, block_n_scale, ue8m0, a_quant, E, n_out, kd)  # fmt: skip
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
             UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
             UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved,
             HAS_BIAS=bias is not None, GATHER=gather, MXFP4=mxfp4, SN=block_n_scale,
-            OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=INTERPRETING and not mxfp4,
+            OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=INTERPRETING and not mxfp4, A_QUANT=a_quant,
             E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -464,7 +470,7 @@ class QuantGemmLaunch:
         # On SM90 the warp-specialised kernel (:mod:`.quant_sm90`), where the layout allows
         # (docs/decisions.md, "FP8 prefill: a warp-specialised kernel").
         self.sm90 = None
-        if cfg.use_tma and self.fp8 and not INTERPRETING:
+        if cfg.use_tma and self.fp8 and not a_quant and not INTERPRETING:
             from .quant_sm90 import Fp8Sm90Launch
 
             if Fp8Sm90Launch.serves(w, epilogue, n_out, block_n_scale):
