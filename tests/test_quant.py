@@ -490,17 +490,17 @@ def test_quant_bad_input():
 @pytest.mark.parametrize(
     ("gated", "interleaved", "n_out", "block_rows", "served"),
     [
-        (True, False, 192, 128, True),  # gate/up rows of 64 output columns per warpgroup
-        (True, False, 200, 128, False),  # a warpgroup's 64 rows would straddle a scale block
-        (True, True, 192, 128, False),  # interleaved gate/up rows: one box cannot split them
-        (True, False, 192, 1, True),  # per channel
+        (True, False, 256, 128, True),  # the gate, or up, rows of 128 columns per warpgroup
+        (True, False, 192, 128, False),  # the up rows' 128 would straddle two scale blocks
+        (True, True, 256, 128, False),  # interleaved gate/up rows: one box cannot split them
+        (True, False, 200, 1, True),  # per channel: any width
         (False, False, 200, 128, True),  # plain: 128-row tiles, one scale block each
         (False, False, 256, 64, False),  # 64-row scale blocks
     ],
 )
 def test_fp8_sm90_kernel_serves(gated, interleaved, n_out, block_rows, served):
     """Which FP8 GEMMs the warp-specialised SM90 kernel takes (the Triton kernel the rest), and
-    the TMA views it reads: ``W`` as ``[E * N, K]`` in 64- (gated) or 128-row boxes, ``A``
+    the TMA views it reads: ``W`` as ``[E * N, K]`` in 128-row boxes, ``A``
     through a box unless gathered; None where TMA cannot address an operand."""
     from moe_route.kernels.triton.gemm_mainloop import IDENTITY
     from moe_route.kernels.triton.quant_sm90 import Fp8Sm90Launch
@@ -521,9 +521,12 @@ def test_fp8_sm90_kernel_serves(gated, interleaved, n_out, block_rows, served):
                            False, 8)  # fmt: skip
     a_desc, w_desc = launch.descriptors(a, w)
     assert w_desc.shape == (E * n_w, K) and w_desc.strides == (K, 1)
-    assert w_desc.block_shape == ((64, 128) if gated else (128, 128))
-    if gated:  # gathered: the token codes themselves
+    assert w_desc.block_shape == (128, 128)
+    if gated:  # gathered: the token codes themselves, in whole 128-column blocks
         assert a_desc is a
+        short = Fp8Sm90Launch(a, a_s, w, ws, K - 56, epi, None, True, out_dtype, True,
+                              block_rows, False, 8)  # fmt: skip
+        assert short.descriptors(a, w) is None
     else:
         assert a_desc.block_shape == (128, 128) and a_desc.shape == (64, K)
     # an expert stride that is not N rows (a slice of wider weights) has no [E * N, K] view

@@ -9,18 +9,22 @@ the tensor cores idle, all warps in step at the pipeline's barriers. Here:
 * one producer warp streams the operands through TMA into a ring of ``STAGES`` shared-memory
   slots (``full`` / ``empty`` mbarriers), never waiting on the math;
 * two math warpgroups (4 warps each, partitions of their own, so neither waits for the other)
-  each own a ``[64, 128]`` float32 accumulator (gate and up: two ``[64, 64]``). Each issues the
-  product of block ``k`` asynchronously, then waits only for block ``k - 1``'s, frees its slot
-  and scales it into the accumulator: block ``k``'s MMA runs under block ``k - 1``'s scaling.
+  each own a ``[64, 128]`` float32 accumulator, one ``N = 128`` product per block. Each issues
+  the product of block ``k`` asynchronously, then waits only for block ``k - 1``'s, frees its
+  slot and scales it into the accumulator: block ``k``'s MMA runs under block ``k - 1``'s
+  scaling.
 
-Tiles: a gated GEMM1 splits a program's ``2 x 128`` weight rows between the warpgroups (each
-takes the gate and up rows of 64 output columns, over the same 64 token rows); the epilogue's
-FP8 quantisation of GEMM2's input needs each row's maximum over 128 columns, which the two
-warpgroups swap through shared memory. GEMM2 (and a plain GEMM1) splits 128 token rows and
-shares 128 weight rows. ``A`` comes through TMA (GEMM2's permuted input) or, with ``GATHER``
-(GEMM1), gathered from the token rows by the producer with ``cp.async``. Block scales of the
-weights are one number per product and block (its rows lie in one 128-row scale block: gated
-GEMM1s need ``I % 64 == 0``); per-channel weight scales multiply after the loop.
+Tiles: a gated GEMM1 splits a program's ``2 x 128`` weight rows between the warpgroups over the
+same 64 token rows: one takes the gate rows of the tile's 128 output columns, the other their up
+rows (a product 128 wide reads 96 bytes of shared memory per clock at the full FP8 rate, two 64
+wide ones 128, all the shared memory has). After the loop they swap halves through shared memory,
+so that each holds gate and up of 64 columns; the epilogue's FP8 quantisation of GEMM2's input
+needs each row's maximum over the 128, which they swap too. GEMM2 (and a plain GEMM1) splits 128
+token rows and shares 128 weight rows. ``A`` comes through TMA (GEMM2's permuted input) or, with
+``GATHER`` (GEMM1), gathered from the token rows by the producer with ``cp.async``. Block scales
+of the weights are one number per product and block (its rows lie in one 128-row scale block:
+block-scaled gated GEMM1s need ``I % 128 == 0``); per-channel weight scales multiply after the
+loop.
 
 The products, and the epilogue (:mod:`.activation`, :mod:`.fp8_codes`), are those of
 :func:`.quant._quant_tile`; a block's scaling takes one multiply of the row's and the weight's
@@ -59,8 +63,8 @@ def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row
               w_row0, n_up, n_kb, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
               STAGES: gl.constexpr):  # fmt: skip
     """One warp: fills slot ``kb % STAGES`` with block ``kb`` of ``A`` (``A_ROWS`` rows) and
-    ``W`` (``W_ROWS`` rows: gated, four 64-row boxes gate/up/gate/up) once the math has freed
-    it."""
+    ``W`` (``W_ROWS`` rows: gated, the gate rows' box then the up rows') once the math has
+    freed it."""
     A_ROWS: gl.constexpr = WG_M if GATED else 2 * WG_M
     W_BYTES: gl.constexpr = (2 * WG_N if GATED else WG_N) * BLOCK_K
     if GATHER:
@@ -89,29 +93,19 @@ def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row
             mbarrier.expect(bar, A_ROWS * BLOCK_K + W_BYTES)
             tma.async_copy_global_to_shared(a_desc, [a_row0, k], bar, a_bufs.index(s))
         w_buf = w_bufs.index(s)
-        if GATED:
-            for j in gl.static_range(4):  # warpgroup j // 2, gate (j even) or up rows
-                row = w_row0 + (j % 2) * n_up + (j // 2) * (WG_N // 2)
-                tma.async_copy_global_to_shared(
-                    w_desc, [row, k], bar, w_buf.slice(j * (WG_N // 2), WG_N // 2)
-                )
+        if GATED:  # warpgroup 0's gate rows, warpgroup 1's up rows
+            tma.async_copy_global_to_shared(w_desc, [w_row0, k], bar, w_buf.slice(0, WG_N))
+            tma.async_copy_global_to_shared(w_desc, [w_row0 + n_up, k], bar,
+                                            w_buf.slice(WG_N, WG_N))  # fmt: skip
         else:
             tma.async_copy_global_to_shared(w_desc, [w_row0, k], bar, w_buf)
 
 
 @gluon.jit
-def _w_scales(ws_base, w_row0, stride_sn, SN: gl.constexpr):
-    """The weight scale of a product whose rows start at ``w_row0``, at block 0 (the rows lie
-    in one 128-row scale block); per channel, the scales of row 0."""
-    return ws_base + (w_row0 // SN).to(gl.int64) * stride_sn
-
-
-@gluon.jit
-def _issue(a_bufs, w_bufs, full, kb, into, into_up, a_off: gl.constexpr, w_off: gl.constexpr,
-           PN: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr,
-           STAGES: gl.constexpr):  # fmt: skip
-    """Once block ``kb`` is in its slot, issue its product(s) asynchronously into the
-    registers of ``into`` (and ``into_up``: the up rows' product), which hold nothing live."""
+def _issue(a_bufs, w_bufs, full, kb, into, a_off: gl.constexpr, w_off: gl.constexpr,
+           GATED: gl.constexpr, GATHER: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Once block ``kb`` is in its slot, issue its product asynchronously into the registers
+    of ``into``, which hold nothing live."""
     s = kb % STAGES
     mbarrier.wait(full.index(s), (kb // STAGES) & 1)
     if GATHER:  # cp.async wrote the token rows through the generic proxy
@@ -119,53 +113,35 @@ def _issue(a_bufs, w_bufs, full, kb, into, into_up, a_off: gl.constexpr, w_off: 
     a = a_bufs.index(s)
     if not GATED:
         a = a.slice(a_off, WG_M)
-    w = w_bufs.index(s)
-    q = warpgroup_mma(a, w.slice(w_off, PN).permute((1, 0)), into, use_acc=False, is_async=True)
-    q_up = into_up  # (plain: untouched; never two names for one product in flight)
-    if GATED:
-        q_up = warpgroup_mma(a, w.slice(w_off + PN, PN).permute((1, 0)), into_up,
-                             use_acc=False, is_async=True)  # fmt: skip
-    return q, q_up
+    w = w_bufs.index(s).slice(w_off, WG_N).permute((1, 0))
+    return warpgroup_mma(a, w, into, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _retire(empty, kb, p, p_up, acc, acc_up, a_s, w_s, w_s_up, NEWER: gl.constexpr,
-            GATED: gl.constexpr, SN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Wait for block ``kb``'s product(s) (``NEWER`` blocks' stay in flight), free its slot,
-    scale it into the accumulators. Returns the accumulators and the spent products."""
-    if GATED:
-        p, p_up = warpgroup_mma_wait(num_outstanding=2 * NEWER, deps=(p, p_up))
-    else:
-        p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(p,))
+def _retire(empty, kb, p, acc, a_s, w_s, NEWER: gl.constexpr, SN: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
+    """Wait for block ``kb``'s product (``NEWER`` blocks' stay in flight), free its slot,
+    scale it into the accumulator. Returns the accumulator and the spent product."""
+    p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(p,))
     mbarrier.arrive(empty.index(kb % STAGES))
     acc = _promote(acc, p, a_s, w_s, SN)
-    # The spent products' registers take the next block's product: a wait on nothing new,
-    # through which the accumulators pass, keeps LLVM from moving the scaling below that
+    # The spent product's registers take the next block's product: a wait on nothing new,
+    # through which the accumulator passes, keeps LLVM from moving the scaling below that
     # product's issue (which would copy registers of a product in flight).
-    if GATED:
-        acc_up = _promote(acc_up, p_up, a_s, w_s_up, SN)
-        acc, acc_up, p, p_up = warpgroup_mma_wait(num_outstanding=2 * NEWER,
-                                                  deps=(acc, acc_up, p, p_up))  # fmt: skip
-    else:
-        acc, p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(acc, p))
-    return acc, acc_up, p, p_up
+    acc, p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(acc, p))
+    return acc, p
 
 
 @gluon.jit
-def _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, kb, stride_ask, stride_sk,
-            GATED: gl.constexpr, SN: gl.constexpr):  # fmt: skip
-    """Block ``kb``'s activation scales and the weight scale of the gate (or plain) and up
-    products (one number each: the rows of a product lie in one 128-row block)."""
+def _scales(as_ptrs, ws_ptrs, row_ok, kb, stride_ask, stride_sk, SN: gl.constexpr):
+    """Block ``kb``'s activation scales and the weight scale of the product (one number: its
+    rows lie in one 128-row block)."""
     a_s = gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
-    if SN == 1:  # per channel: the same for every block, applied after the loop
+    if SN == 1:  # noqa: SIM108 (per channel: the same for every block, applied after the loop)
         w_s = 1.0
-        w_s_up = 1.0
     else:
         w_s = gl.load(ws_ptrs + kb * stride_sk)
-        w_s_up = w_s
-        if GATED:
-            w_s_up = gl.load(ws_up_ptrs + kb * stride_sk)
-    return a_s, w_s, w_s_up
+    return a_s, w_s
 
 
 @gluon.jit
@@ -179,81 +155,102 @@ def _promote(acc, part, a_s, w_s, SN: gl.constexpr):
 
 
 @gluon.jit
-def _math(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr,
-          d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm, stride_ask,
-          stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
-          ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-          UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
-          HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr,
-          OUT_FP8: gl.constexpr, UE8M0: gl.constexpr,
-          STAGES: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+def _mainloop(a_bufs, w_bufs, full, empty, as_ptrs, ws_ptrs, row_ok, n_kb, stride_ask,
+              stride_sk, a_off: gl.constexpr, w_off: gl.constexpr, GATED: gl.constexpr,
+              GATHER: gl.constexpr, SN: gl.constexpr, STAGES: gl.constexpr,
+              mma: gl.constexpr):  # fmt: skip
+    """``Σ_k (A_k W_k^T) · a_s · w_s`` of this warpgroup's ``[64, 128]`` product in float32.
+
+    Block ``kb``'s product is issued into the registers of a product already scaled (the
+    spare), so that no register of a product in flight is ever copied (ptxas would then
+    serialise every wgmma): the loop takes the blocks two at a time, the two products'
+    registers swapping roles."""
+    zero = gl.zeros([WG_M, WG_N], gl.float32, mma)
+    p = _issue(a_bufs, w_bufs, full, 0, zero, a_off, w_off, GATED, GATHER, STAGES)
+    acc = zero
+    a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, 0, stride_ask, stride_sk, SN)
+    spare = zero
+    for kb in range(1, n_kb - 1, 2):
+        q = _issue(a_bufs, w_bufs, full, kb, spare, a_off, w_off, GATED, GATHER, STAGES)
+        acc, spare = _retire(empty, kb - 1, p, acc, a_s, w_s, 1, SN, STAGES)
+        a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, kb, stride_ask, stride_sk, SN)
+        p = _issue(a_bufs, w_bufs, full, kb + 1, spare, a_off, w_off, GATED, GATHER, STAGES)
+        acc, spare = _retire(empty, kb, q, acc, a_s, w_s, 1, SN, STAGES)
+        a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, kb + 1, stride_ask, stride_sk, SN)
+    last = n_kb - 1
+    if last % 2 == 1:  # blocks 0 ... last - 1 retired but the one in flight, then last
+        q = _issue(a_bufs, w_bufs, full, last, spare, a_off, w_off, GATED, GATHER, STAGES)
+        acc, _ = _retire(empty, last - 1, p, acc, a_s, w_s, 1, SN, STAGES)
+        a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, last, stride_ask, stride_sk, SN)
+        acc, _ = _retire(empty, last, q, acc, a_s, w_s, 0, SN, STAGES)
+    else:
+        acc, _ = _retire(empty, last, p, acc, a_s, w_s, 0, SN, STAGES)
+    return acc
+
+
+@gluon.jit
+def _exchange(acc, x_smem, xbar, WG: gl.constexpr, mma64: gl.constexpr):
+    """Gated: warpgroup 0 holds the gate and warpgroup 1 the up products of 128 columns; each
+    then takes both of 64 of them (its half), through shared memory."""
+    x_smem.slice(WG * WG_M, WG_M).store(acc)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar)
+    mbarrier.wait(xbar, 0)
+    half = x_smem.slice(WG * (WG_N // 2), WG_N // 2, dim=1)
+    gate = half.slice(0, WG_M).load(mma64)
+    up = half.slice(WG_M, WG_M).load(mma64)
+    return gate, up
+
+
+@gluon.jit
+def _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
+          bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm,
+          stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
+          stride_bn, ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr,
+          LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr,
+          UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, GATHER: gl.constexpr,
+          SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, STAGES: gl.constexpr,
+          WG: gl.constexpr):  # fmt: skip
     """Math warpgroup ``WG``: its main loop (the module doc) and epilogue."""
-    PN: gl.constexpr = WG_N // 2 if GATED else WG_N  # columns of one product
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, PN, 32])  # fmt: skip
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+                                                  instr_shape=[16, WG_N, 32])  # fmt: skip
     a_off: gl.constexpr = 0 if GATED else WG * WG_M
-    rows = first_row + a_off + gl.arange(0, WG_M, layout=row_l)
+    rows = first_row + a_off + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma))
     row_ok = rows < row_end
     if GATHER:
         a_rows = (gl.load(d2s_ptr + rows, mask=row_ok, other=0) % T).to(gl.int64) * stride_asm
     else:
         a_rows = rows.to(gl.int64) * stride_asm
-    # output columns of this warpgroup (gated: its 64 gate and up rows), and their W rows
-    c0 = n0 + WG * PN if GATED else n0
-    cols = c0 + gl.arange(0, PN, layout=col_l)
+    # this warpgroup's W rows: gated, the gate (0) or up (1) rows of the tile's 128 columns
+    w_row0 = n0 + WG * N_OUT if GATED else n0
+    w_off: gl.constexpr = WG * WG_N if GATED else 0  # and where they lie in the slot's W tile
     ws_base = ws_ptr + e.to(gl.int64) * stride_se
-    w_off: gl.constexpr = WG * WG_N if GATED else 0  # this warpgroup's rows of the slot's W tile
-    zero = gl.zeros([WG_M, PN], gl.float32, mma)
-    as_ptrs = as_ptr + a_rows
-    ws_ptrs = _w_scales(ws_base, c0, stride_sn, SN)
-    ws_up_ptrs = _w_scales(ws_base, c0 + N_OUT, stride_sn, SN)
-    # Block kb's products are issued into the registers of a product already scaled (the
-    # spare), so that no register of a product in flight is ever copied (ptxas would then
-    # serialise every wgmma): the loop takes the blocks two at a time, the two products'
-    # registers swapping roles.
-    p, p_up = _issue(a_bufs, w_bufs, full, 0, zero, zero, a_off, w_off, PN, GATED, GATHER,
-                     STAGES)  # fmt: skip
-    acc, acc_up = zero, zero
-    a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, 0, stride_ask, stride_sk,
-                               GATED, SN)  # fmt: skip
-    spare, spare_up = zero, zero
-    for kb in range(1, n_kb - 1, 2):
-        q, q_up = _issue(a_bufs, w_bufs, full, kb, spare, spare_up, a_off, w_off, PN, GATED,
-                         GATHER, STAGES)  # fmt: skip
-        acc, acc_up, spare, spare_up = _retire(empty, kb - 1, p, p_up, acc, acc_up, a_s, w_s,
-                                               w_s_up, 1, GATED, SN, STAGES)  # fmt: skip
-        a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, kb, stride_ask,
-                                   stride_sk, GATED, SN)  # fmt: skip
-        p, p_up = _issue(a_bufs, w_bufs, full, kb + 1, spare, spare_up, a_off, w_off, PN,
-                         GATED, GATHER, STAGES)  # fmt: skip
-        acc, acc_up, spare, spare_up = _retire(empty, kb, q, q_up, acc, acc_up, a_s, w_s,
-                                               w_s_up, 1, GATED, SN, STAGES)  # fmt: skip
-        a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, kb + 1, stride_ask,
-                                   stride_sk, GATED, SN)  # fmt: skip
-    last = n_kb - 1
-    if last % 2 == 1:  # blocks 0 ... last - 1 retired but the one in flight, then last
-        q, q_up = _issue(a_bufs, w_bufs, full, last, spare, spare_up, a_off, w_off, PN, GATED,
-                         GATHER, STAGES)  # fmt: skip
-        acc, acc_up, _, _ = _retire(empty, last - 1, p, p_up, acc, acc_up, a_s, w_s, w_s_up, 1,
-                                    GATED, SN, STAGES)  # fmt: skip
-        a_s, w_s, w_s_up = _scales(as_ptrs, ws_ptrs, ws_up_ptrs, row_ok, last, stride_ask,
-                                   stride_sk, GATED, SN)  # fmt: skip
-        acc, acc_up, _, _ = _retire(empty, last, q, q_up, acc, acc_up, a_s, w_s, w_s_up, 0,
-                                    GATED, SN, STAGES)  # fmt: skip
-    else:
-        acc, acc_up, _, _ = _retire(empty, last, p, p_up, acc, acc_up, a_s, w_s, w_s_up, 0,
-                                    GATED, SN, STAGES)  # fmt: skip
+    acc = _mainloop(a_bufs, w_bufs, full, empty, as_ptr + a_rows,
+                    ws_base + (w_row0 // SN).to(gl.int64) * stride_sn, row_ok, n_kb, stride_ask,
+                    stride_sk, a_off, w_off, GATED, GATHER, SN, STAGES, mma)  # fmt: skip
+    if SN == 1:  # per channel: the rows' scales
+        j = gl.arange(0, WG_N, layout=gl.SliceLayout(0, mma))
+        col_s = gl.load(ws_base + (w_row0 + j).to(gl.int64) * stride_sn, mask=n0 + j < N_OUT,
+                        other=0.0)  # fmt: skip
+        acc = acc * col_s[None, :]
 
     # epilogue: bias, activation, store (FP8: codes and one scale per row per 128 columns)
+    if GATED:  # 64 columns per warpgroup from here
+        out_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, WG_N // 2, 32])  # fmt: skip
+        acc, acc_up = _exchange(acc, x_smem, xbar, WG, out_l)
+        c0 = n0 + WG * (WG_N // 2)
+        PN: gl.constexpr = WG_N // 2
+    else:
+        out_l: gl.constexpr = mma
+        acc_up = acc
+        c0 = n0
+        PN: gl.constexpr = WG_N
+    row_l: gl.constexpr = gl.SliceLayout(1, out_l)
+    rows = first_row + a_off + gl.arange(0, WG_M, layout=row_l)
+    row_ok = rows < row_end
+    cols = c0 + gl.arange(0, PN, layout=gl.SliceLayout(0, out_l))
     col_ok = cols < N_OUT
-    if SN == 1:
-        col_s = ws_base + cols.to(gl.int64) * stride_sn
-        acc = acc * gl.load(col_s, mask=col_ok, other=0.0)[None, :]
-        if GATED:
-            acc_up = acc_up * gl.load(col_s + N_OUT * stride_sn, mask=col_ok,
-                                      other=0.0)[None, :]  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e.to(gl.int64) * stride_be
         acc += gl.load(b_base + cols * stride_bn, mask=col_ok, other=0.0).to(gl.float32)[None, :]
@@ -272,7 +269,7 @@ def _math(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr,
             amax_smem.slice(WG * WG_M, WG_M).store(amax)
             gl.thread_barrier()
             mbarrier.arrive(xbar)
-            mbarrier.wait(xbar, 0)
+            mbarrier.wait(xbar, 1)
             amax = gl.maximum(amax, amax_smem.slice((1 - WG) * WG_M, WG_M).load(row_l))
         sc = fp8_scale(amax, UE8M0)
         gl.store(out_ptrs, fp8_codes(h, sc[:, None], False), mask=mask)
@@ -283,8 +280,8 @@ def _math(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr,
 
 
 @gluon.jit
-def _math_worker(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
-                 bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
+def _math_worker(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
+                 os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
                  stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
                  stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr,
                  ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr,
@@ -292,7 +289,7 @@ def _math_worker(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, o
                  GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
                  UE8M0: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The second math warpgroup (a worker partition)."""
-    _math(a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
+    _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
           bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm,
           stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
           stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS,
@@ -352,6 +349,10 @@ def _fp8_sm90_kernel(
     xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     amax_smem = gl.allocate_shared_memory(gl.float32, [2 * WG_M],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
+    # gated: the gate and up products, swapped between the warpgroups after the loop
+    X_ROWS: gl.constexpr = WG_M if GATED else 1
+    x_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [2 * X_ROWS, WG_N], x_layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both math warpgroups
@@ -360,12 +361,12 @@ def _fp8_sm90_kernel(
     w_row0 = e * N_W + n0
     gl.warp_specialize(
         [
-            (_math, (a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
+            (_math, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
                      bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
                      stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
                      stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP,
                      UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES, 0)),
-            (_math_worker, (a_bufs, w_bufs, full, empty, xbar, amax_smem, as_ptr, ws_ptr, out_ptr,
+            (_math_worker, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
                             os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb,
                             N_OUT, T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk,
                             stride_om, stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
@@ -388,7 +389,7 @@ class Fp8Sm90Launch:
     builds it where :meth:`serves` says the layout allows and falls back to its own kernel
     for a call whose operands TMA cannot address).
 
-    ``W`` is read as its 2-D view ``[E * N, K]`` (boxes of 64 rows gated, 128 plain), ``A``
+    ``W`` is read as its 2-D view ``[E * N, K]`` (boxes of 128 rows), ``A``
     through a ``[BLOCK_M, 128]`` box or gathered; descriptors are built per call (they hold
     addresses) and encoded once per address by the thin launch."""
 
@@ -400,8 +401,11 @@ class Fp8Sm90Launch:
         E, n_w, _ = w.shape
         if block_n_scale not in (1, BLOCK_K.value) or E * n_w >= 2**31:
             return False
-        # gated: gate and up rows through separate boxes, 64 output columns per warpgroup
-        return not (epilogue.gated and (epilogue.interleaved or n_out % (WG_N.value // 2)))
+        # gated: gate and up rows through separate boxes, each a warpgroup's product, whose
+        # rows lie in one scale block
+        if not epilogue.gated:
+            return True
+        return not epilogue.interleaved and (block_n_scale == 1 or n_out % WG_N.value == 0)
 
     def __init__(self, a, a_scale, w, w_scale, kd, epilogue, bias, gather, out_dtype, out_fp8,
                  block_n_scale, ue8m0, group_m):  # fmt: skip
@@ -432,10 +436,11 @@ class Fp8Sm90Launch:
         if s_k != 1 or (E > 1 and s_e != n_w * s_n) or not layout_ok(w, (s_n, 1)):
             return None
         gated = self.cx["GATED"]
-        w_box = (WG_N.value // 2 if gated else WG_N.value, BLOCK_K.value)
-        w_desc = GluonDescriptor(w, (E * n_w, K), (s_n, 1), w_box)
-        if self.gather:
-            return a, w_desc
+        w_desc = GluonDescriptor(w, (E * n_w, K), (s_n, 1), (WG_N.value, BLOCK_K.value))
+        if self.gather:  # cp.async copies 16-byte pieces of whole 128-column blocks, unmasked
+            whole = self.kd % BLOCK_K.value == 0 and a.stride(1) == 1
+            aligned = a.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0
+            return (a, w_desc) if whole and aligned else None
         if not tma_ok(a) or a.shape[0] >= 2**31:
             return None
         a_box = (WG_M.value if gated else 2 * WG_M.value, BLOCK_K.value)
