@@ -7,9 +7,10 @@ exactly the contract's permuted order: experts ascending, token then slot inside
 the dropped slots after every routed row sorted by ``(k, t)``, which is source-row order
 ``s = k*T + t``.
 
-Small problems (one tile, the decode sizes) run :func:`_routing_maps_one_tile_kernel` in a
-single launch: sorting the tile's keys *is* the permutation. Larger ones run three launches,
-each fully parallel:
+Small problems (up to :data:`RANK_MAX` slots: decode and small prefill) run
+:func:`_routing_maps_rank_kernel` in a single launch: a slot's row is the number of slots whose
+key is smaller, which each program counts for its own slots against all of them (no sort: one
+compiled variant serves every size). Larger ones run three launches, each fully parallel:
 
 1. :func:`_tile_histogram_kernel` — program ``p`` counts the bins of tile ``p``;
 2. :func:`_bin_scan_kernel` — program ``q`` scans a group of bins over the tiles;
@@ -70,12 +71,12 @@ def check_num_experts_supported(
         )
 
 
-# An in-program sort of n keys costs ~n log² n: one launch covers the decode sizes, larger
-# inputs sort many small tiles (docs/decisions.md, "Routing-maps tiles"). The one launch's
-# tile takes four sizes, not one per token bucket: each size is a variant that compiles for
-# seconds at its first call (docs/decisions.md, "Cold start").
-ONE_TILE_SIZES = (64, 256, 512, 1024)
-ONE_TILE_MAX = ONE_TILE_SIZES[-1]
+# Up to RANK_MAX slots one launch ranks them (T*K comparisons per slot, spread over programs
+# of RANK_ROWS slots); larger inputs sort many small tiles, an in-program sort of n keys costing
+# ~n log² n (docs/decisions.md, "Routing-maps tiles" and "Cold start").
+RANK_MAX = 1024
+RANK_ROWS = 64
+RANK_CHUNK = 128
 TILE = 512
 
 
@@ -94,7 +95,7 @@ def _load_bins(ids_ptr, stride_t, stride_k, tile, T, K, E, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _routing_maps_one_tile_kernel(
+def _routing_maps_rank_kernel(
     ids_ptr,
     src_to_dest_ptr,
     dest_to_src_ptr,
@@ -105,29 +106,35 @@ def _routing_maps_one_tile_kernel(
     E,
     stride_t,
     stride_k,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
     OFFSET_BINS: tl.constexpr,
 ):
-    i, t, k, valid, routed, expert, bins = _load_bins(
-        ids_ptr, stride_t, stride_k, 0, T, K, E, BLOCK
-    )
+    """Program ``p``: the rows of slots ``[p*ROWS, (p+1)*ROWS)``, each the number of slots
+    whose ``(bin, i)`` is smaller (the keys are unique: the ranks are the permutation); program
+    0 also the expert offsets."""
+    p = tl.program_id(0)
+    i, t, k, valid, _, expert, bins = _load_bins(ids_ptr, stride_t, stride_k, p, T, K, E, ROWS)
     tl.store(expert_for_src_ptr + k * T + t, expert, mask=valid)
-
-    # expert_first_token_offset: exclusive scan of the routed histogram.
-    counts = tl.histogram(expert, OFFSET_BINS, mask=valid & routed)
-    e = tl.arange(0, OFFSET_BINS)
-    tl.store(offsets_ptr + e, (tl.cumsum(counts, 0) - counts).to(tl.int64), mask=e <= E)
-
-    # Keys are unique, so the sort is total; padding sorts last.
-    key = tl.where(valid, bins, E + K) * BLOCK + i
-    key = tl.sort(key)
-    dest = tl.arange(0, BLOCK)
-    src_i = key % BLOCK
-    src_t = src_i // K
-    src = (src_i - src_t * K) * T + src_t
-    placed = dest < T * K
-    tl.store(dest_to_src_ptr + dest, src, mask=placed)
-    tl.store(src_to_dest_ptr + src, dest, mask=placed)
+    N = T * K
+    dest = tl.zeros([ROWS], dtype=tl.int32)
+    for c in range(0, tl.cdiv(N, CHUNK)):
+        chunk = _load_bins(ids_ptr, stride_t, stride_k, c, T, K, E, CHUNK)
+        j, valid_j, bins_j = chunk[0], chunk[3], chunk[6]
+        before = (bins_j[None, :] < bins[:, None]) | (
+            (bins_j[None, :] == bins[:, None]) & (j[None, :] < i[:, None])
+        )
+        dest += tl.sum((before & valid_j[None, :]).to(tl.int32), axis=1)
+    src = k * T + t
+    tl.store(dest_to_src_ptr + dest, src, mask=valid)
+    tl.store(src_to_dest_ptr + src, dest, mask=valid)
+    if p == 0:  # expert_first_token_offset: exclusive scan of the routed histogram
+        counts = tl.zeros([OFFSET_BINS], dtype=tl.int32)
+        for c in range(0, tl.cdiv(N, CHUNK)):
+            chunk = _load_bins(ids_ptr, stride_t, stride_k, c, T, K, E, CHUNK)
+            counts += tl.histogram(chunk[5], OFFSET_BINS, mask=chunk[3] & chunk[4])
+        e = tl.arange(0, OFFSET_BINS)
+        tl.store(offsets_ptr + e, (tl.cumsum(counts, 0) - counts).to(tl.int64), mask=e <= E)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -224,26 +231,24 @@ class MapsLaunch:
     """The maps' launches prepared from the ids' layout (dtype, strides, ``K``), ``E`` and the
     token bucket: what a call of :func:`routing_maps_triton` works out before launching, kept
     by :func:`moe_route.build_routing_maps`'s call memo for every later call of that
-    signature. ``tile`` forces the tile size (a power of two; benchmarks sweep it); by
-    default one tile covers up to ``ONE_TILE_MAX`` slots in a single launch, else
-    ``TILE``-slot tiles. Tiles follow the token bucket (``T`` rounded up to a power of two),
-    not ``T``: every ``T`` of a bucket runs the same compiled kernels, and the one tile is the
-    smallest of ``ONE_TILE_SIZES`` that holds the bucket's slots."""
+    signature. ``tile`` forces the tile size of the three launches (a power of two;
+    benchmarks sweep it); by default the one rank launch takes up to ``RANK_MAX`` slots, more
+    take ``TILE``-slot tiles. Which follows the token bucket (``T`` rounded up to a power of
+    two), not ``T``: every ``T`` of a bucket runs the same kernels."""
 
-    __slots__ = ("E", "K", "key", "num_bins", "one_tile_cx", "strides", "tile", "warps")
+    __slots__ = ("E", "K", "key", "num_bins", "rank", "rank_cx", "strides", "tile", "warps")
 
     def __init__(self, topk_ids: torch.Tensor, num_experts: int, bucket: int, *,
                  tile: int | None = None):  # fmt: skip
         K, E = topk_ids.shape[1], num_experts
-        n_bucket = bucket * K
-        if tile is None:
-            tile = next((size for size in ONE_TILE_SIZES if size >= n_bucket), TILE)
-        self.tile = tile = max(tile, 16)
+        self.rank = tile is None and bucket * K <= RANK_MAX
+        self.tile = tile = max(tile or TILE, 16)
         self.K, self.E, self.strides = K, E, topk_ids.stride()
-        self.key = LaunchKey((tile, K, E, topk_ids.dtype, *self.strides))
+        self.key = LaunchKey((self.rank, tile, K, E, topk_ids.dtype, *self.strides))
         self.warps = 4 if tile <= 1024 else 8
         self.num_bins = next_pow2(E + K + 1)  # the padding bin E+K is gathered too
-        self.one_tile_cx = dict(BLOCK=tile, OFFSET_BINS=next_pow2(E + 1), num_warps=self.warps)
+        self.rank_cx = dict(ROWS=RANK_ROWS, CHUNK=RANK_CHUNK, OFFSET_BINS=next_pow2(E + 1),
+                            num_warps=4)  # fmt: skip
 
     def __call__(self, topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets) -> None:
         T = topk_ids.shape[0]
@@ -252,11 +257,11 @@ class MapsLaunch:
         if N == 0:
             offsets.zero_()
             return
-        if tile >= N:
-            _ONE_TILE.launch(
-                self.key, (1,),
+        if self.rank:
+            _RANK.launch(
+                self.key, (cdiv(N, RANK_ROWS),),
                 (topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets, T, K, E, st, sk),
-                self._one_tile_constexprs,
+                self._rank_constexprs,
             )  # fmt: skip
             return
         num_tiles, num_bins, warps = cdiv(N, tile), self.num_bins, self.warps
@@ -287,8 +292,8 @@ class MapsLaunch:
             lambda: dict(BLOCK=tile, NUM_BINS=num_bins, num_warps=warps),
         )  # fmt: skip
 
-    def _one_tile_constexprs(self) -> dict:
-        return dict(self.one_tile_cx)
+    def _rank_constexprs(self) -> dict:
+        return dict(self.rank_cx)
 
 
 def routing_maps_triton(
@@ -307,7 +312,7 @@ def routing_maps_triton(
     launch(topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets)
 
 
-_ONE_TILE = ThinKernel(_routing_maps_one_tile_kernel)
+_RANK = ThinKernel(_routing_maps_rank_kernel)
 _HISTOGRAM = ThinKernel(_tile_histogram_kernel)
 _SCAN = ThinKernel(_bin_scan_kernel)
 _PLACE = ThinKernel(_tile_place_kernel)
