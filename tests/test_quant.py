@@ -391,6 +391,29 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
     assert torch.equal(out[2], bias[2] if strided else bias)  # every slot dropped
 
 
+def test_quant_decode_launch_keys_tell_their_variants_apart():
+    """The decode launches on FP8 experts, prepared for each scale format: where two share a
+    launch key they share every constexpr (a thin launch reuses the variant its key first
+    compiled; on a GPU a missing part runs the wrong kernel)."""
+    from moe_route.kernels.triton import decode as dk
+    from moe_route.plan import epilogue_for
+
+    x, w1, w2, tw, ids = _case(T=3, H=272, n_inter=200, E=8, K=2)
+    cfg = moe_route.tuning.quant_decode_config(4, 2, 8, 3 * 272 * 200)
+    seen = {}
+    for fmt in ("fp8", "fp8_ue8m0", "fp8_channel", "fp8_channel_ue8m0"):
+        spec = Q.as_quant(fmt)
+        w1q, s1 = moe_route.quantize_experts(w1, fmt)
+        w2q, s2 = moe_route.quantize_experts(w2, fmt)
+        sn = spec.block[0] if spec.format == "fp8_block" else 1
+        launch = dk.QuantDecodeLaunch(x, w1q, s1, w2q, s2, tw, ids, None, None, None,
+                                      epilogue_for("swiglu", "concat"), cfg, spec.act_group,
+                                      sn, spec.ue8m0)  # fmt: skip
+        for key, cx in ((launch.up_key, launch.up_constexprs()),
+                        (launch.down_key, launch.down_constexprs())):  # fmt: skip
+            assert seen.setdefault(key, cx) == cx, fmt
+
+
 def test_quant_decode_plans():
     """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
     blocks of 128 along both reductions, GEMM1 64 columns wide) and quantise in the GEMMs'

@@ -397,7 +397,7 @@ class QuantDecodeLaunch:
             num_stages=cfg.num_stages,
         )  # fmt: skip
         self.down_key = LaunchKey((cfg, dtypes, sw2, s2, sb2, sid, stw, sbias, bias_dtype, K, H,
-                                   n_inter, E, w_block_rows))  # fmt: skip
+                                   n_inter, E, w_block_rows, ue8m0))  # fmt: skip
         self.down_tail = (H, n_inter, E, *sh, *sw2, *s2, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=tl.float32,
