@@ -1,6 +1,6 @@
 """Routing maps: contract invariants (hypothesis) on the reference and on the Triton kernels,
-both the single-tile launch and the 3-kernel multi-tile path (forced at small N with ``tile=``),
-and exact agreement of the kernels with the reference."""
+both the one-launch rank kernel and the 3-kernel multi-tile path (forced at small N with
+``tile=``), and exact agreement of the kernels with the reference."""
 
 import importlib
 
@@ -75,7 +75,7 @@ def test_reference_invariants_repeats(case):
 def _check_triton_against_reference(ids, E, tile):
     ref = routing_maps_reference(ids, E)
     check_routing_invariants(ref, ids, E)
-    # Public path (default tile choice: one tile at these sizes).
+    # Public path (the default: one rank launch at these sizes).
     maps = moe_route.build_routing_maps(ids, E, backend="triton")
     check_routing_invariants(maps_tables(maps), ids, E)
     assert_tables_equal(maps_tables(maps), ref, what="build_routing_maps(triton): ")
@@ -124,6 +124,8 @@ EDGE_CASES = {
     "one expert for all": (24, 1, 1, 0.0, True),
     "N = 2 tiles exactly": (16, 2, 8, 0.2, True),
     "N = tile + 1": (17, 1, 8, 0.2, True),
+    "ranks: 16 programs, 8 chunks": (250, 4, 37, 0.2, True),
+    "ranks: N = RANK_MAX, repeats": (256, 4, 8, 0.1, False),
 }
 
 
@@ -135,7 +137,7 @@ def test_triton_maps_edge_cases(case, id_dtype):
     ids = random_topk_ids(T, K, E, drop_prob=p, distinct=distinct, dtype=id_dtype, device=DEVICE)
     ref = routing_maps_reference(ids, E)
     check_routing_invariants(ref, ids, E)
-    for tile in (None, 16, 64):  # default, multi-tile, one tile wider than next_pow2(N)
+    for tile in (None, 16, 64):  # the rank launch, then tiles of 16 and of 64 slots
         got = triton_maps(ids, E, tile=tile)
         check_routing_invariants(got, ids, E)
         assert_tables_equal(got, ref, what=f"[{case}, tile={tile}] ")
