@@ -326,8 +326,9 @@ def test_quant_in_loop_matches_codes(fmt):
                     spec.ue8m0)(a, a_s, w1q, s1, offsets, hq, hs, None, d2s, M)  # fmt: skip
     h32 = torch.full((M, n_inter), float("nan"))
     a_quant = 1 if spec.act_group else 2
-    QuantGemmLaunch(x, None, w1q, s1, H, cfg, epi, None, True, h32.dtype, False, False, sn,
-                    spec.ue8m0, a_quant)(x, None, w1q, s1, offsets, h32, None, None, d2s, M)  # fmt: skip
+    g1 = QuantGemmLaunch(x, None, w1q, s1, H, cfg, epi, None, True, h32.dtype, False, False, sn,
+                         spec.ue8m0, a_quant)  # fmt: skip
+    g1(x, None, w1q, s1, offsets, h32, None, None, d2s, M)
     n = int(offsets[-1])  # (the dropped rows past it: zeros, and zero scales in hs)
     rq, rs = Q.quantize_fp8_rows(h32[:n], 128, ue8m0=spec.ue8m0)
     assert torch.equal(rq.view(torch.uint8), hq[:n].view(torch.uint8))
@@ -349,8 +350,9 @@ def test_quant_in_loop_matches_codes(fmt):
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
     """Eager inference at decode sizes takes the two-launch decode path on FP8 experts (the
     tokens quantised in its first kernel): the same bits as the sorted path (maps, GEMM1,
-    GEMM2, finalize, each GEMM quantising its input in its main loop), biases, a dropped slot and an all-dropped token included; tokens
-    as a column-major view with a per-token bias, and k-major weight codes."""
+    GEMM2, finalize, each GEMM quantising its input in its main loop), biases, a dropped
+    slot and an all-dropped token included; tokens as a column-major view with a per-token
+    bias, and k-major weight codes."""
     from moe_route import tuning
     from moe_route.kernels.triton import decode as dk
     from moe_route.plan import clear_plans

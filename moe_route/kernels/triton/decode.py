@@ -354,8 +354,9 @@ class QuantDecodeLaunch:
     main loop and writes ``h`` in float32, the second quantises ``h`` per 128 columns as it
     reads it, as the sorted path does at decode sizes (its 16-row tiles, the same codes and
     scaling: the same bits with per-channel scales on an H200; with 128-blocks within the
-    format's error, tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or 0: per token);
-    ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no tensor."""
+    format's error, tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or
+    0: per token); ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no
+    tensor."""
 
     def __init__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, bias,
                  epilogue: GemmEpilogue, cfg: DecodeConfig, x_group: int, w_block_rows: int,

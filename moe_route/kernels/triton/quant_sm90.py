@@ -236,8 +236,9 @@ def _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, 
 
     # epilogue: bias, activation, store (FP8: codes and one scale per row per 128 columns)
     if GATED:  # 64 columns per warpgroup from here
-        out_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, WG_N // 2, 32])  # fmt: skip
+        out_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WG_N // 2, 32]
+        )
         acc, acc_up = _exchange(acc, x_smem, xbar, WG, out_l)
         c0 = n0 + WG * (WG_N // 2)
         PN: gl.constexpr = WG_N // 2
@@ -361,17 +362,17 @@ def _fp8_sm90_kernel(
     w_row0 = e * N_W + n0
     gl.warp_specialize(
         [
-            (_math, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
-                     bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
-                     stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
-                     stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP,
-                     UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES, 0)),
-            (_math_worker, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
-                            os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb,
-                            N_OUT, T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
-                            UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8,
-                            UE8M0, STAGES)),
+            (_math, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr,
+                     out_ptr, os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb,
+                     N_OUT, T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
+                     stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
+                     GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES, 0)),
+            (_math_worker, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr,
+                            ws_ptr, out_ptr, os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end,
+                            n0, n_tile, n_kb, N_OUT, T, stride_asm, stride_ask, stride_se,
+                            stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
+                            ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
+                            HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES)),
             (_producer, (a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row,
                          row_end, T, w_row0, N_OUT, n_kb, stride_am, GATED, GATHER, STAGES)),
         ],
