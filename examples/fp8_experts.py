@@ -25,9 +25,7 @@ import copy
 import sys
 
 import torch
-from torch import nn
 
-import moe_route
 from moe_route.integrations import hf as moe_hf
 
 
@@ -48,28 +46,6 @@ def build_model(device, dtype):
     return model.to(device, dtype).eval()
 
 
-def to_fp8_experts(model, quant="fp8"):
-    """Swap each experts module for transformers' FP8Experts holding its weights quantised
-    (what ``from_pretrained`` builds from an FP8 checkpoint)."""
-    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
-    from transformers.integrations.moe import use_experts_implementation
-
-    class Experts(FP8Experts):  # the decorator patches the class it is given
-        pass
-
-    cls = use_experts_implementation(Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
-    for name, module in list(model.named_modules()):
-        if not name.endswith(".experts"):
-            continue
-        new = cls(module.config, block_size=(128, 128))
-        for proj in ("gate_up_proj", "down_proj"):
-            q, scale = moe_route.quantize_experts(getattr(module, proj).detach().float(), quant)
-            setattr(new, proj, nn.Parameter(q, requires_grad=False))
-            setattr(new, f"{proj}_scale_inv", nn.Parameter(scale, requires_grad=False))
-        model.set_submodule(name, new.to(module.gate_up_proj.device))
-    return model
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -79,7 +55,7 @@ def main(argv=None) -> int:
 
     name = moe_hf.register("moe_route_fp8_example", backend=args.backend)
     model = build_model(args.device, torch.bfloat16)
-    fp8 = to_fp8_experts(copy.deepcopy(model))
+    fp8 = moe_hf.to_fp8_experts(copy.deepcopy(model), "fp8")
     print(moe_hf.describe(fp8, name))
     fp8.set_experts_implementation(name)
     g = torch.Generator().manual_seed(0)

@@ -1036,33 +1036,13 @@ def fp8_experts_class():
 
 
 def to_fp8_experts(model, quant="fp8", **kwargs):
-    """Swap every ``.experts`` module of ``model`` for an FP8Experts holding its weights
-    quantised to ``quant`` ("fp8", "fp8_ue8m0" with e8m0 scales, "mxfp4" as expert_dtype
-    "fp4"), in transformers' layout. ``kwargs`` go to FP8Experts (e.g. activation_scheme)."""
-    cls = fp8_experts_class()
-    spec = Q.as_quant(quant)
-    opts = dict(block_size=(128, 128))
-    if spec.ue8m0 or spec.format == "mxfp4":
-        opts["scale_fmt"] = "ue8m0"
-    if spec.format == "mxfp4":
-        if "expert_dtype" not in inspect.signature(FP8Experts.__init__).parameters:
-            pytest.skip("this transformers' FP8Experts has no FP4 experts (expert_dtype)")
-        opts["expert_dtype"] = "fp4"
-    opts |= kwargs
-    for name, module in list(model.named_modules()):
-        if not name.endswith(".experts"):
-            continue
-        new = cls(module.config, **opts)
-        for proj in ("gate_up_proj", "down_proj"):
-            q, s = moe_route.quantize_experts(getattr(module, proj).detach().float(), spec)
-            if spec.format == "mxfp4":
-                q, s = q.view(torch.int8), s.view(torch.float8_e8m0fnu)
-            elif spec.ue8m0:
-                s = s.to(torch.float8_e8m0fnu)  # powers of two: exact
-            setattr(new, proj, nn.Parameter(q, requires_grad=False))
-            setattr(new, f"{proj}_scale_inv", nn.Parameter(s, requires_grad=False))
-        model.set_submodule(name, new.to(module.gate_up_proj.device))
-    return model
+    """:func:`moe_route.integrations.hf.to_fp8_experts` (FP4: skipped on a transformers whose
+    FP8Experts has none)."""
+    if Q.as_quant(quant).format == "mxfp4" and (
+        "expert_dtype" not in inspect.signature(FP8Experts.__init__).parameters
+    ):
+        pytest.skip("this transformers' FP8Experts has no FP4 experts (expert_dtype)")
+    return moe_hf.to_fp8_experts(model, quant, **kwargs)
 
 
 def fp8_weights(module, proj):
@@ -1248,6 +1228,13 @@ def test_fp8_experts_unsupported_fall_back(kwargs, reason):
 def test_fp8_experts_registered_in_transformers_fp8_interface():
     assert ALL_FP8_EXPERTS_FUNCTIONS.get_interface("moe_route", None) is not None
     assert moe_hf.is_quantized_experts(fp8_experts_class()(Qwen3MoeConfig(), block_size=(128, 128)))
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_channel", "fp8[64x128]"])
+def test_to_fp8_experts_rejects_formats_fp8experts_has_not(quant):
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    with pytest.raises(ValueError, match=re.escape(f"quant={quant!r}: transformers' FP8Experts")):
+        moe_hf.to_fp8_experts(model, quant)
 
 
 def test_fp8_experts_example_runs(capsys):

@@ -107,7 +107,8 @@ blocks that bypass the interface included, and says when moe_route is not regist
 
 Modules: :mod:`.plan` (how an experts module maps onto ``fused_moe``: the activation's
 recognition, :class:`ExpertsPlan`, :func:`plan_for`), :mod:`.quantized` (FP8 / FP4 experts:
-their operands and scales), :mod:`.forward` (the experts forward and its fallback),
+their operands and scales; :func:`to_fp8_experts`, a model's experts quantised into transformers'
+``FP8Experts``), :mod:`.forward` (the experts forward and its fallback),
 :mod:`.switch` (the blocks a request does not reach, the hook that warns about them),
 :mod:`.registration` (:func:`register`, :func:`is_registered`), :mod:`.description`
 (:func:`describe`), :mod:`.warmup` (:func:`warmup`: compile the experts' kernels before the
@@ -117,7 +118,7 @@ first request).
 from .description import Description, describe
 from .forward import MoeRouteFallbackWarning, moe_route_experts_forward
 from .plan import PARAMETER_ATTRS, ExpertsPlan, Unsupported, plan_for
-from .quantized import is_quantized_experts
+from .quantized import is_quantized_experts, to_fp8_experts
 from .registration import FALLBACKS, FUSED_MOE_OPTIONS, NAME, is_registered, register
 from .switch import MoeRouteNoOpWarning, bypassing_experts
 from .warmup import WarmedExperts, warmup
@@ -140,5 +141,6 @@ __all__ = [
     "moe_route_experts_forward",
     "plan_for",
     "register",
+    "to_fp8_experts",
     "warmup",
 ]

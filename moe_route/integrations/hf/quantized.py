@@ -143,3 +143,58 @@ def _register_quantized(name: str, fn) -> None:
     except ImportError:  # a transformers without FineGrainedFP8
         return
     FP8ExpertsInterface.register(name, fn)
+
+
+# --------------------------------------------------------------------------- quantising a model
+def to_fp8_experts(model: nn.Module, quant="fp8", **kwargs) -> nn.Module:
+    """Swap every ``.experts`` module of a transformers ``model`` for transformers' own
+    ``FP8Experts`` holding its weights quantised by :func:`moe_route.quantize_experts`, in the
+    layout an FP8 checkpoint loads into (``FineGrainedFP8Config``): what ``from_pretrained``
+    builds from DeepSeek-V3's or Qwen3-MoE FP8's files, made from a model in memory (random
+    or 16-bit weights: benchmarks, tests, trying the FP8 path without a checkpoint).
+
+    ``quant``: ``"fp8"`` (float32 scales per 128x128 block), ``"fp8_ue8m0"`` (``e8m0``
+    scales), ``"mxfp4"`` (``expert_dtype="fp4"``, where this transformers has it). ``kwargs``
+    go to ``FP8Experts`` (e.g. ``activation_scheme``). The new modules take the experts
+    implementation the model asks for, from transformers' FP8 table. Returns ``model``."""
+    import inspect
+
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    from ... import quant as Q
+    from ...quant import quantize_experts
+
+    spec = Q.as_quant(quant)
+    block_fp8 = spec is not None and spec.format == "fp8_block" and spec.block == (128, 128)
+    if not (block_fp8 or (spec is not None and spec.format == "mxfp4")):
+        raise ValueError(f"quant={quant!r}: transformers' FP8Experts holds 128x128-block FP8 "
+                         "('fp8', 'fp8_ue8m0') or FP4 ('mxfp4') experts")  # fmt: skip
+    opts = dict(block_size=(128, 128))
+    if spec.ue8m0 or spec.format == "mxfp4":
+        opts["scale_fmt"] = "ue8m0"
+    if spec.format == "mxfp4":
+        if "expert_dtype" not in inspect.signature(FP8Experts.__init__).parameters:
+            raise ValueError(f"quant={quant!r}: this transformers' FP8Experts has no FP4 "
+                             "experts (no expert_dtype argument)")  # fmt: skip
+        opts["expert_dtype"] = "fp4"
+    opts |= kwargs
+
+    class Experts(FP8Experts):  # (the decorator patches the class it is given)
+        pass
+
+    cls = use_experts_implementation(Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    for name, module in list(model.named_modules()):
+        if not name.endswith(".experts"):
+            continue
+        new = cls(module.config, **opts)
+        for proj in ("gate_up_proj", "down_proj"):
+            q, s = quantize_experts(getattr(module, proj).detach().float(), spec)
+            if spec.format == "mxfp4":
+                q, s = q.view(torch.int8), s.view(_E8M0)
+            elif spec.ue8m0:
+                s = s.to(_E8M0)  # powers of two: exact
+            setattr(new, proj, nn.Parameter(q, requires_grad=False))
+            setattr(new, f"{proj}_scale_inv", nn.Parameter(s, requires_grad=False))
+        model.set_submodule(name, new.to(module.gate_up_proj.device))
+    return model
