@@ -242,6 +242,20 @@ def test_fused_moe_quant_triton_matches_torch(fmt):
     assert torch.equal(out[1], out[1])  # (no NaN from the dropped slot)
 
 
+def _gemm_case(fmt, T, H, n_inter):
+    """The operands of the GEMM tests at ``T`` tokens (4 experts, top 2): ``(spec, rows per
+    weight scale block, x, (w1q, s1, w2q, s2), (dest_to_src, offsets), the tokens' codes and
+    scales)``."""
+    spec = Q.as_quant(fmt)
+    x, w1, w2, _tw, ids = _case(T=T, H=H, n_inter=n_inter, E=4, K=2)
+    w1q, s1 = moe_route.quantize_experts(w1, fmt)
+    w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, 4).tensors()
+    sn = spec.block[0] if spec.format == "fp8_block" else 1
+    return (spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets),
+            moe_route.quantize_activations(x, fmt))  # fmt: skip
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
@@ -256,16 +270,8 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, layout):
     from moe_route.kernels.triton.quant import QuantGemmLaunch
     from moe_route.plan import epilogue_for
 
-    spec = Q.as_quant(fmt)
-    x, w1, w2, _tw, ids = _case(T=29, H=144, n_inter=176, E=4, K=2)
-    H = x.shape[1]
-    E, n_inter = w1.shape[0], w2.shape[2]
-    w1q, s1 = moe_route.quantize_experts(w1, fmt)
-    w2q, s2 = moe_route.quantize_experts(w2, fmt)
-    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
-    M = d2s.numel()
-    sn = spec.block[0] if spec.format == "fp8_block" else 1
-    a, a_s = moe_route.quantize_activations(x, fmt)
+    spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets), (a, a_s) = _gemm_case(fmt, 29, 144, 176)
+    H, n_inter, M = x.shape[1], w2q.shape[2], d2s.numel()
     epi = epilogue_for("swiglu", layout)
     pointers = GemmConfig(16, 128, 128, 2, 4, 2)
     seen = []
@@ -308,16 +314,8 @@ def test_quant_in_loop_matches_codes(fmt):
     from moe_route.kernels.triton.quant import QuantGemmLaunch
     from moe_route.plan import epilogue_for
 
-    spec = Q.as_quant(fmt)
-    x, w1, w2, _tw, ids = _case(T=7, H=272, n_inter=200, E=4, K=2)
-    H = x.shape[1]
-    E, n_inter = w1.shape[0], w2.shape[2]
-    w1q, s1 = moe_route.quantize_experts(w1, fmt)
-    w2q, s2 = moe_route.quantize_experts(w2, fmt)
-    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
-    M = d2s.numel()
-    sn = spec.block[0] if spec.format == "fp8_block" else 1
-    a, a_s = moe_route.quantize_activations(x, fmt)
+    spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets), (a, a_s) = _gemm_case(fmt, 7, 272, 200)
+    H, n_inter, M = x.shape[1], w2q.shape[2], d2s.numel()
     epi = epilogue_for("swiglu", "concat")
     cfg = GemmConfig(16, 128, 128, 1, 4, 2)
     hq = torch.empty(M, n_inter, dtype=torch.float8_e4m3fn)
