@@ -108,11 +108,12 @@ def _routing_maps_rank_kernel(
     stride_k,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
+    ALL: tl.constexpr,
     OFFSET_BINS: tl.constexpr,
 ):
     """Program ``p``: the rows of slots ``[p*ROWS, (p+1)*ROWS)``, each the number of slots
     whose ``(bin, i)`` is smaller (the keys are unique: the ranks are the permutation); program
-    0 also the expert offsets."""
+    0 also the expert offsets, from one histogram of the ``T*K <= ALL`` slots."""
     p = tl.program_id(0)
     i, t, k, valid, _, expert, bins = _load_bins(ids_ptr, stride_t, stride_k, p, T, K, E, ROWS)
     tl.store(expert_for_src_ptr + k * T + t, expert, mask=valid)
@@ -129,10 +130,8 @@ def _routing_maps_rank_kernel(
     tl.store(dest_to_src_ptr + dest, src, mask=valid)
     tl.store(src_to_dest_ptr + src, dest, mask=valid)
     if p == 0:  # expert_first_token_offset: exclusive scan of the routed histogram
-        counts = tl.zeros([OFFSET_BINS], dtype=tl.int32)
-        for c in range(0, tl.cdiv(N, CHUNK)):
-            chunk = _load_bins(ids_ptr, stride_t, stride_k, c, T, K, E, CHUNK)
-            counts += tl.histogram(chunk[5], OFFSET_BINS, mask=chunk[3] & chunk[4])
+        every = _load_bins(ids_ptr, stride_t, stride_k, 0, T, K, E, ALL)
+        counts = tl.histogram(every[5], OFFSET_BINS, mask=every[3] & every[4])
         e = tl.arange(0, OFFSET_BINS)
         tl.store(offsets_ptr + e, (tl.cumsum(counts, 0) - counts).to(tl.int64), mask=e <= E)
 
@@ -247,8 +246,8 @@ class MapsLaunch:
         self.key = LaunchKey((self.rank, tile, K, E, topk_ids.dtype, *self.strides))
         self.warps = 4 if tile <= 1024 else 8
         self.num_bins = next_pow2(E + K + 1)  # the padding bin E+K is gathered too
-        self.rank_cx = dict(ROWS=RANK_ROWS, CHUNK=RANK_CHUNK, OFFSET_BINS=next_pow2(E + 1),
-                            num_warps=4)  # fmt: skip
+        self.rank_cx = dict(ROWS=RANK_ROWS, CHUNK=RANK_CHUNK, ALL=RANK_MAX,
+                            OFFSET_BINS=next_pow2(E + 1), num_warps=4)  # fmt: skip
 
     def __call__(self, topk_ids, src_to_dest, dest_to_src, expert_for_src, offsets) -> None:
         T = topk_ids.shape[0]
