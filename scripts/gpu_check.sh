@@ -15,10 +15,11 @@
 #                                       then bench/bench_ep.py under torchrun at W=2 and at
 #                                       W=4 (EP_WORLDS) where the machine has the GPUs; ep_tests.log,
 #                                       bench_ep_w<W>.log
-#   bash scripts/gpu_check.sh quant     the quantised experts: their GPU tests, the sanitizer
-#                                       sweep over them, and the quant bench stage at the floor
-#                                       shapes (mixtral T=4096, qwen3 T=32768, deepseek-v3
-#                                       T=16384, deepseek-v3 decode T=1/8/64); quant_*.log
+#   bash scripts/gpu_check.sh quant     the quantised experts: their GPU tests and the four
+#                                       sanitizer tools over them side by side, then the quant
+#                                       bench stage at the floor shapes (mixtral T=4096, qwen3
+#                                       T=32768, deepseek-v3 T=16384 and decode T=1/8/64);
+#                                       quant_*.log, sanitize_*_quant.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
@@ -93,18 +94,36 @@ if [ "$part" = sanitize ]; then
 fi
 
 if [ "$part" = quant ]; then
-    python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py tests/test_gpu_decode.py \
-        -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1
+    # The tests and the four sanitizer tools side by side (correctness only), then the
+    # benchmarks alone on the GPU; each bounded, so that the part fits one 10-minute job.
+    timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
+        tests/test_gpu_decode.py -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
+    tests_pid=$!
+    san_pids=()
+    for tool in memcheck racecheck synccheck initcheck; do
+        timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            python3 scripts/sanitize_small.py --quant > "$out/sanitize_${tool}_quant.log" 2>&1 &
+        san_pids+=($!)
+    done
+    wait "$tests_pid"
     t_rc=$?
     echo "quant tests: rc=$t_rc, $(tail -n 1 "$out/quant_tests.log")"
     grep -E "^(FAILED|ERROR)" "$out/quant_tests.log" | head -n 10
     rc=$(( rc || t_rc ))
-    SANITIZE_SWEEPS=--quant "$0" sanitize || rc=1
+    tools=(memcheck racecheck synccheck initcheck)
+    for i in "${!san_pids[@]}"; do
+        wait "${san_pids[$i]}"
+        t_rc=$?
+        log="$out/sanitize_${tools[$i]}_quant.log"
+        echo "${tools[$i]} --quant: rc=$t_rc, $(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 1)"
+        rc=$(( rc || t_rc ))
+    done
     for run in "mixtral 4096" "qwen3 32768" "deepseek 1 8 64 16384"; do
         set -- $run
         model=$1; shift
-        python3 -m moe_route bench --stages quant --shapes "$model" --tokens "$@" \
-            --out "$out/quant_bench" --name "quant_$model" > "$out/quant_bench_$model.log" 2>&1
+        timeout 110 python3 -m moe_route bench --stages quant --shapes "$model" --tokens "$@" \
+            --budget 0.5 --out "$out/quant_bench" --name "quant_$model" \
+            > "$out/quant_bench_$model.log" 2>&1
         b_rc=$?
         echo "== quant bench $model (rc=$b_rc)"
         grep -v -i warning "$out/quant_bench_$model.log" | tail -n 30
