@@ -144,7 +144,7 @@ _DECODE_SLOTS = 16
 _SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
-_DECODE_FP8 = DecodeConfig(up_n=64, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
+_DECODE_FP8 = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,
@@ -196,8 +196,10 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
 
     ``block_k`` is the FP8 scale block (128) and ``block_n`` 128, the activations' group (a
     gated GEMM1's epilogue quantises its output per tile), except at decode sizes
-    (:func:`quant_in_loop`), where GEMM1 writes float32 and takes 64 columns, twice the
-    programs to stream the weights with. A block's scaled product needs a
+    (:func:`quant_in_loop`), where a gated GEMM1 writes float32 and takes 32 columns: four
+    times the programs to stream the weights with, and the widest tile ptxas compiles without
+    spilling (64 columns: 0.6 KB of stack; 128 reading codes: 32 registers and 2-6 KB). A
+    block's scaled product needs a
     second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
     128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
     takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
@@ -208,7 +210,7 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     """
     tma = cc is not None and cc >= 90 and not mxfp4
     if quant_in_loop(rows_per_expert, not mxfp4):
-        return GemmConfig(16, 64 if gated else 128, 128, 1, 4, 4)
+        return GemmConfig(16, 32 if gated else 128, 128, 1, 4, 4)
     if rows_per_expert <= 64 and (mxfp4 or not gated):
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)
     stages = 4 if not mxfp4 else 3

@@ -416,7 +416,7 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
 
 def test_quant_decode_plans():
     """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
-    blocks of 128 along both reductions, GEMM1 64 columns wide) and quantise in the GEMMs'
+    blocks of 128 along both reductions, GEMM1 32 columns wide) and quantise in the GEMMs'
     main loops on the sorted path too; MXFP4 experts keep the sorted path; gradients and
     larger batches keep it too, and the quantiser launch."""
     from moe_route import tuning
@@ -431,7 +431,7 @@ def test_quant_decode_plans():
         assert plan.configs.in_loop == decode
         if decode:
             d = plan.decode
-            assert d.up_k == d.down_k == 128 and d.up_n == plan.configs.gemm1.block_n == 64
+            assert d.up_k == d.down_k == 128 and d.up_n == plan.configs.gemm1.block_n == 32
     assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
     x = torch.randn(1024, 272).half()
     plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")
