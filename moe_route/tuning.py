@@ -198,7 +198,7 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     gated GEMM1's epilogue quantises its output per tile), except at decode sizes
     (:func:`quant_in_loop`), where a gated GEMM1 writes float32 and takes 32 columns: four
     times the programs to stream the weights with, and the widest tile ptxas compiles without
-    spilling (64 columns: 0.6 KB of stack; 128 reading codes: 32 registers and 2-6 KB). A
+    spilling (64 columns: 136-192 B of stack; 128: 32 registers and 4.4 KB). A
     block's scaled product needs a
     second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
     128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it

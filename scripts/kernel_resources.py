@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of the grouped GEMM kernels' variants, on any machine.
 
-Compiles the three grouped GEMM kernels (forward, activation backward, fused finalize), and on
-SM90 the warp-specialised FP8 GEMM, ahead of time for a CUDA target (no GPU or driver needed:
+Compiles the three grouped GEMM kernels (forward, activation backward, fused finalize), the
+FP8 kernels of decode sizes (16-row tiles, the tiles ``moe_route.tuning`` picks), and on SM90
+the warp-specialised FP8 GEMM, ahead of time for a CUDA target (no GPU or driver needed:
 the Triton wheel carries ptxas) and prints ptxas's resource report for each epilogue and tile
 configuration. A spill or a register count
 at the 255 ceiling shows before any device time is spent (the reason the ordered fused
@@ -28,11 +29,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_route import tuning
 from moe_route.activations import KIND_CODES
-from moe_route.kernels.triton import KERNELS, gemm_act_backward, gemm_finalize, grouped_gemm
+from moe_route.kernels.triton import (
+    KERNELS,
+    decode,
+    gemm_act_backward,
+    gemm_finalize,
+    grouped_gemm,
+    quant,
+)
 
 #: The modules of the kernels compiled here: importing one registers its ``ThinKernel``s.
-KERNEL_MODULES = (grouped_gemm, gemm_act_backward, gemm_finalize)
+KERNEL_MODULES = (grouped_gemm, gemm_act_backward, gemm_finalize, quant, decode)
 
 
 def _kernel(name: str):
@@ -187,6 +196,60 @@ def ptxas_report(kernel, arch) -> str:
     return report
 
 
+def compile_fp8_decode(name: str, *, arch: int, experts: int, channel: bool):
+    """One FP8 kernel of decode sizes, as ``moe_route`` launches it (16-row tiles, each GEMM
+    quantising its input in its main loop; the decode path's two kernels), gated SwiGLU, 128-row
+    block or per-channel weight scales."""
+    gemm1 = tuning.quant_gemm_config(8, True, False, arch)
+    gemm2 = tuning.quant_gemm_config(8, False, False, arch)
+    dec = tuning.quant_decode_config(1, 8, experts, 1)
+    sn = 1 if channel else 128
+    act = dict(ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0,
+               INTERLEAVED=False, HAS_BIAS=False, UE8M0=False, UPCAST=False, SN=sn)  # fmt: skip
+    a_quant = 2 if channel else 1
+    fp8 = "*fp8e4nv"
+    if name.startswith("fp8 gemm"):
+        cfg = gemm1 if name == "fp8 gemm1" else gemm2
+        gated = name == "fp8 gemm1"
+        kernel = _kernel("_quant_gemm_kernel")
+        const = dict(act, ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated,
+                     MXFP4=False, OUT_FP8=False, A_DESC=False, W_DESC=False,
+                     SPLIT=1 if gated else 0, A_QUANT=a_quant if gated else 1,
+                     E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
+        a = "*bf16" if gated else "*fp32"
+        types = dict(a_ptr=a, a_desc=a, w_ptr=fp8, w_desc=fp8, bias_ptr="*bf16",
+                     out_ptr="*fp32" if gated else "*bf16", offsets_ptr="*i64",
+                     dest_to_src_ptr="*i32")  # fmt: skip
+        warps, stages = cfg.num_warps, cfg.num_stages
+    elif name == "fp8 decode up":
+        kernel = _kernel("_decode_up_fp8_kernel")
+        const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, A_QUANT=a_quant,
+                     BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
+        types = dict(x_ptr="*bf16", w_ptr=fp8, b_ptr="*bf16", ids_ptr="*i32", h_ptr="*fp32")
+        warps, stages = dec.num_warps, dec.num_stages
+    else:  # the decode path's second kernel
+        kernel = _kernel("_decode_down_kernel")
+        const = dict(TOP_K=8, HAS_B2=False, HAS_BIAS=False, ACC=tl.float32, OUT_ACC=tl.float32,
+                     DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=dec.down_n, BLOCK_K=dec.down_k,
+                     COUNTS=False, SLOTS=64, FP8=True, SN=sn, UE8M0=False,
+                     UPCAST=False)  # fmt: skip
+        types = dict(h_ptr="*fp32", w_ptr=fp8, b2_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32",
+                     bias_ptr="*bf16", out_ptr="*bf16", counts_ptr="*i64")  # fmt: skip
+        warps, stages = dec.num_warps, dec.num_stages
+    sig, attrs = {}, {}
+    for i, (pname, is_const) in enumerate(_params(kernel)):
+        if is_const:
+            sig[pname] = "constexpr"
+            continue
+        sig[pname] = types.get(pname, "*fp32" if pname.endswith("_ptr") else "i32")
+        if pname not in kernel.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+
+
 def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, experts: int):
     """The warp-specialised FP8 GEMM (Gluon, ``kernels/triton/quant_sm90.py``) as its launch
     specialises it: gated GEMM1 (gathering the token codes or not) or GEMM2, 128-row block or
@@ -241,6 +304,17 @@ def main(argv=None) -> int:
             except Exception as exc:  # a variant this Triton cannot build for the target
                 report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             print(f"{name:<26} {'/'.join(map(str, cfg)):<18} {report}")
+    if args.arch >= 89:  # (FP8 products)
+        for name in ("fp8 gemm1", "fp8 gemm2", "fp8 decode up", "fp8 decode down"):
+            for channel in (False, True):
+                try:
+                    k = compile_fp8_decode(name, arch=args.arch, experts=args.experts,
+                                           channel=channel)  # fmt: skip
+                    report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
+                except Exception as exc:  # a variant this Triton cannot build for the target
+                    report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                label = name + (" channel" if channel else "")
+                print(f"{label:<26} {'16 rows':<18} {report}")
     if args.arch >= 90:
         for gated, gather, channel in ((True, True, False), (True, False, False),
                                        (False, False, False), (True, True, True),
