@@ -196,6 +196,21 @@ def ptxas_report(kernel, arch) -> str:
     return report
 
 
+def _launch_signature(fn, types: dict) -> tuple[dict, dict]:
+    """``(signature, attributes)`` of ``fn`` as a launch specialises it: the argument types of
+    ``types`` (other pointers float32, other integers i32), every pointer and integer a
+    multiple of 16 but the descriptors and the ``do_not_specialize`` ones."""
+    sig, attrs = {}, {}
+    for i, (name, is_const) in enumerate(_params(fn)):
+        if is_const:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+        if not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
 def compile_fp8_decode(name: str, *, arch: int, experts: int, channel: bool):
     """One FP8 kernel of decode sizes, as ``moe_route`` launches it (16-row tiles, each GEMM
     quantising its input in its main loop; the decode path's two kernels), gated SwiGLU, 128-row
@@ -237,14 +252,7 @@ def compile_fp8_decode(name: str, *, arch: int, experts: int, channel: bool):
         types = dict(h_ptr="*fp32", w_ptr=fp8, b2_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32",
                      bias_ptr="*bf16", out_ptr="*bf16", counts_ptr="*i64")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
-    sig, attrs = {}, {}
-    for i, (pname, is_const) in enumerate(_params(kernel)):
-        if is_const:
-            sig[pname] = "constexpr"
-            continue
-        sig[pname] = types.get(pname, "*fp32" if pname.endswith("_ptr") else "i32")
-        if pname not in kernel.do_not_specialize:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = _launch_signature(kernel, types)
     src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
@@ -274,14 +282,7 @@ def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, exp
     types = dict(a_desc="*fp8e4nv" if gather else desc(a_rows), w_desc=desc(w_rows),
                  a_ptr="*fp8e4nv", out_ptr="*fp8e4nv" if gated else "*bf16",
                  bias_ptr="*bf16", offsets_ptr="*i64", d2s_ptr="*i32")  # fmt: skip
-    sig, attrs = {}, {}
-    for i, (name, is_const) in enumerate(_params(fn)):
-        if is_const:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
-        if not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = _launch_signature(fn, types)
     src = _runtime.GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 

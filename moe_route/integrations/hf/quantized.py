@@ -163,7 +163,6 @@ def to_fp8_experts(model: nn.Module, quant="fp8", **kwargs) -> nn.Module:
     from transformers.integrations.moe import use_experts_implementation
 
     from ... import quant as Q
-    from ...quant import quantize_experts
 
     spec = Q.as_quant(quant)
     block_fp8 = spec is not None and spec.format == "fp8_block" and spec.block == (128, 128)
@@ -189,7 +188,7 @@ def to_fp8_experts(model: nn.Module, quant="fp8", **kwargs) -> nn.Module:
             continue
         new = cls(module.config, **opts)
         for proj in ("gate_up_proj", "down_proj"):
-            q, s = quantize_experts(getattr(module, proj).detach().float(), spec)
+            q, s = Q.quantize_experts(getattr(module, proj).detach().float(), spec)
             if spec.format == "mxfp4":
                 q, s = q.view(torch.int8), s.view(_E8M0)
             elif spec.ue8m0:
