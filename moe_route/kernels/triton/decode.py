@@ -37,9 +37,9 @@ import triton.language as tl
 
 from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
-from .fp8_codes import fp8_codes, fp8_scale
+from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .quant import _quant_tile
+from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -177,14 +177,8 @@ def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constex
                 mask=first & k_ok[None, :], other=0.0)  # fmt: skip
     w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
-    a = fp8_codes(v, a_s[:, None], UPCAST)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
-    if UPCAST:  # (the interpreter's codes come as uint8)
-        part = tl.dot(a.to(tl.float8e4nv, bitcast=True).to(tl.float16), w.to(tl.float16),
-                      out_dtype=tl.float32)  # fmt: skip
-    else:
-        part = tl.dot(a, w, out_dtype=tl.float32)
-    return acc + part * a_s[:, None] * w_s[None, :]
+    return acc + _scaled_fp8_dot(_fp8_operand(v, a_s, UPCAST), w, a_s, w_s, UPCAST)
 
 
 @triton.jit

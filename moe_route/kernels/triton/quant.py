@@ -195,6 +195,25 @@ def _fp8_rows(n0, N_OUT, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: 
 
 
 @triton.jit
+def _fp8_operand(v, s, UPCAST: tl.constexpr):
+    """float32 rows ``v`` as the e4m3 operand of a product, on the rows' scales ``s``."""
+    a = fp8_codes(v, s[:, None], UPCAST)
+    if UPCAST:  # (the interpreter's codes come as uint8)
+        a = a.to(tl.float8e4nv, bitcast=True)
+    return a
+
+
+@triton.jit
+def _scaled_fp8_dot(a, w, a_s, w_s, UPCAST: tl.constexpr):
+    """One scale block's product in float32: ``(a @ w) · a_s[:, None] · w_s[None, :]``."""
+    if UPCAST:
+        part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+    else:
+        part = tl.dot(a, w, out_dtype=tl.float32)
+    return part * a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
 def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
                   w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask,
                   stride_wn, stride_wk, stride_sn, stride_sk, SN: tl.constexpr,
@@ -248,17 +267,11 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
                 a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
             else:
                 a_s = row_s
-            a = fp8_codes(v, a_s[:, None], UPCAST)
-            if UPCAST:  # (the interpreter's codes come as uint8)
-                a = a.to(tl.float8e4nv, bitcast=True)
+            a = _fp8_operand(v, a_s, UPCAST)
         else:
             a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
         w_s = tl.load(ws_ptrs, mask=w_ok, other=0.0)
-        if UPCAST:
-            part = tl.dot(a.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
-        else:
-            part = tl.dot(a, w, out_dtype=tl.float32)
-        acc += part * a_s[:, None] * w_s[None, :]
+        acc += _scaled_fp8_dot(a, w, a_s, w_s, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
         as_ptrs += stride_ask
