@@ -121,14 +121,14 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     return decode_tiles(dtype)
 
 
-def quant_decode_config(bucket: int, top_k: int, num_experts: int,
-                        expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
-    """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
-    (``expert_bytes`` in FP8): both reductions step by the 128-wide scale blocks, GEMM1's
-    columns as the sorted path's 16-row tiles take them (:func:`quant_gemm_config`)."""
+def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
+                        mxfp4: bool = False) -> DecodeConfig | None:  # fmt: skip
+    """The decode path's tiles on quantised experts where :func:`decode_config` takes the path
+    (``expert_bytes`` as stored): both reductions step by 128 columns (FP8: the scale blocks),
+    GEMM1's columns as the sorted path's 16-row tiles take them (:func:`quant_gemm_config`)."""
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
-    return _DECODE_FP8
+    return _DECODE_MXFP4 if mxfp4 else _DECODE_FP8
 
 
 def decode_tiles(dtype: torch.dtype) -> DecodeConfig:
@@ -145,6 +145,7 @@ _SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 _DECODE_FP8 = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
+_DECODE_MXFP4 = DecodeConfig(up_n=32, up_k=128, down_n=64, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,
@@ -211,6 +212,8 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     tma = cc is not None and cc >= 90 and not mxfp4
     if quant_in_loop(rows_per_expert, not mxfp4):
         return GemmConfig(16, 32 if gated else 128, 128, 1, 4, 4)
+    if mxfp4 and rows_per_expert <= 16:
+        return GemmConfig(16, 32 if gated else 64, 128, 1, 4, 4)
     if rows_per_expert <= 64 and (mxfp4 or not gated):
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)
     stages = 4 if not mxfp4 else 3

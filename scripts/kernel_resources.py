@@ -1,8 +1,9 @@
 """Registers, spills and shared memory of the grouped GEMM kernels' variants, on any machine.
 
 Compiles the three grouped GEMM kernels (forward, activation backward, fused finalize), the
-FP8 kernels of decode sizes (16-row tiles, the tiles ``moe_route.tuning`` picks), and on SM90
-the warp-specialised FP8 GEMM, ahead of time for a CUDA target (no GPU or driver needed:
+quantised kernels of decode sizes (FP8 and MXFP4: 16-row tiles and the decode path, the tiles
+``moe_route.tuning`` picks) and MXFP4's prefill tiles, and on SM90 the warp-specialised FP8
+GEMM, ahead of time for a CUDA target (no GPU or driver needed:
 the Triton wheel carries ptxas) and prints ptxas's resource report for each epilogue and tile
 configuration. A spill or a register count
 at the 255 ceiling shows before any device time is spent (the reason the ordered fused
@@ -17,6 +18,7 @@ Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--experts 2
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import subprocess
@@ -211,51 +213,77 @@ def _launch_signature(fn, types: dict) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def compile_fp8_decode(name: str, *, arch: int, experts: int, channel: bool):
-    """One FP8 kernel of decode sizes, as ``moe_route`` launches it (16-row tiles, each GEMM
-    quantising its input in its main loop; the decode path's two kernels), gated SwiGLU, 128-row
-    block or per-channel weight scales."""
-    gemm1 = tuning.quant_gemm_config(8, True, False, arch)
-    gemm2 = tuning.quant_gemm_config(8, False, False, arch)
-    dec = tuning.quant_decode_config(1, 8, experts, 1)
-    sn = 1 if channel else 128
+def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
+    """One kernel of decode sizes on quantised experts, as ``moe_route`` launches it (16-row
+    tiles of the sorted path's GEMMs, FP8 ones quantising their inputs in their main loops;
+    the decode path's two kernels), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight blocks),
+    ``"fp8_channel"`` or ``"mxfp4"`` (bf16 activations)."""
+    mx = fmt == "mxfp4"
+    gemm1 = tuning.quant_gemm_config(8, True, mx, arch)
+    gemm2 = tuning.quant_gemm_config(8, False, mx, arch)
+    dec = tuning.quant_decode_config(1, 8, experts, 1, mx)
+    sn = 128 if fmt == "fp8" else 1
     act = dict(ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0,
                INTERLEAVED=False, HAS_BIAS=False, UE8M0=False, UPCAST=False, SN=sn)  # fmt: skip
-    a_quant = 2 if channel else 1
-    fp8 = "*fp8e4nv"
-    if name.startswith("fp8 gemm"):
-        cfg = gemm1 if name == "fp8 gemm1" else gemm2
-        gated = name == "fp8 gemm1"
+    a_quant = 0 if mx else 2 if fmt == "fp8_channel" else 1
+    w = "*u8" if mx else "*fp8e4nv"
+    ws = "*u8" if mx else "*fp32"
+    h = "*bf16" if mx else "*fp32"  # GEMM1's output, GEMM2's input
+    if name.startswith("gemm"):
+        gated = name == "gemm1"
+        cfg = gemm1 if gated else gemm2
         kernel = _kernel("_quant_gemm_kernel")
         const = dict(act, ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated,
-                     MXFP4=False, OUT_FP8=False, A_DESC=False, W_DESC=False,
-                     SPLIT=1 if gated else 0, A_QUANT=a_quant if gated else 1,
+                     MXFP4=mx, OUT_FP8=False, A_DESC=False, W_DESC=False,
+                     SPLIT=1 if gated else 0, A_QUANT=a_quant if gated or mx else 1,
                      E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
-        a = "*bf16" if gated else "*fp32"
-        types = dict(a_ptr=a, a_desc=a, w_ptr=fp8, w_desc=fp8, bias_ptr="*bf16",
-                     out_ptr="*fp32" if gated else "*bf16", offsets_ptr="*i64",
+        a = "*bf16" if gated else h
+        types = dict(a_ptr=a, a_desc=a, w_ptr=w, w_desc=w, ws_ptr=ws, bias_ptr="*bf16",
+                     out_ptr=h if gated else "*bf16", offsets_ptr="*i64",
                      dest_to_src_ptr="*i32")  # fmt: skip
         warps, stages = cfg.num_warps, cfg.num_stages
-    elif name == "fp8 decode up":
-        kernel = _kernel("_decode_up_fp8_kernel")
-        const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, A_QUANT=a_quant,
-                     BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
-        types = dict(x_ptr="*bf16", w_ptr=fp8, b_ptr="*bf16", ids_ptr="*i32", h_ptr="*fp32")
+    elif name == "decode up":
+        kernel = _kernel("_decode_up_quant_kernel")
+        const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, MXFP4=mx,
+                     A_QUANT=a_quant, BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
+        types = dict(x_ptr="*bf16", w_ptr=w, ws_ptr=ws, b_ptr="*bf16", ids_ptr="*i32",
+                     h_ptr=h)  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     else:  # the decode path's second kernel
         kernel = _kernel("_decode_down_kernel")
         const = dict(TOP_K=8, HAS_B2=False, HAS_BIAS=False, ACC=tl.float32, OUT_ACC=tl.float32,
                      DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=dec.down_n, BLOCK_K=dec.down_k,
-                     COUNTS=False, SLOTS=64, FP8=True, SN=sn, UE8M0=False,
+                     COUNTS=False, SLOTS=64, FP8=not mx, MXFP4=mx, SN=sn, UE8M0=False,
                      UPCAST=False)  # fmt: skip
-        types = dict(h_ptr="*fp32", w_ptr=fp8, b2_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32",
-                     bias_ptr="*bf16", out_ptr="*bf16", counts_ptr="*i64")  # fmt: skip
+        types = dict(h_ptr=h, w_ptr=w, ws_ptr=ws, b2_ptr="*bf16", ids_ptr="*i32",
+                     tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+                     counts_ptr="*i64")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     sig, attrs = _launch_signature(kernel, types)
     src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+
+
+def compile_mxfp4_prefill(gated: bool, *, arch: int, experts: int):
+    """The MXFP4 grouped GEMM at prefill sizes (the tiles ``moe_route.tuning`` picks at 512
+    rows per expert), gated SwiGLU GEMM1 gathering bf16 tokens, or GEMM2."""
+    cfg = tuning.quant_gemm_config(512, gated, True, arch)
+    const = dict(ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0,
+                 INTERLEAVED=False, HAS_BIAS=False, UE8M0=False, UPCAST=False, SN=1,
+                 ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated, MXFP4=True,
+                 OUT_FP8=False, A_DESC=False, W_DESC=False, SPLIT=0, A_QUANT=0,
+                 E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
+    kernel = _kernel("_quant_gemm_kernel")
+    types = dict(a_ptr="*bf16", a_desc="*bf16", w_ptr="*u8", w_desc="*u8", ws_ptr="*u8",
+                 bias_ptr="*bf16", out_ptr="*bf16", offsets_ptr="*i64",
+                 dest_to_src_ptr="*i32")  # fmt: skip
+    sig, attrs = _launch_signature(kernel, types)
+    src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, experts: int):
@@ -305,17 +333,21 @@ def main(argv=None) -> int:
             except Exception as exc:  # a variant this Triton cannot build for the target
                 report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             print(f"{name:<26} {'/'.join(map(str, cfg)):<18} {report}")
-    if args.arch >= 89:  # (FP8 products)
-        for name in ("fp8 gemm1", "fp8 gemm2", "fp8 decode up", "fp8 decode down"):
-            for channel in (False, True):
-                try:
-                    k = compile_fp8_decode(name, arch=args.arch, experts=args.experts,
-                                           channel=channel)  # fmt: skip
-                    report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
-                except Exception as exc:  # a variant this Triton cannot build for the target
-                    report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                label = name + (" channel" if channel else "")
-                print(f"{label:<26} {'16 rows':<18} {report}")
+    quant = []  # (label, tiles, compile)
+    for fmt in ("fp8", "fp8_channel", "mxfp4") if args.arch >= 89 else ("mxfp4",):
+        for name in ("gemm1", "gemm2", "decode up", "decode down"):
+            quant.append((f"{fmt} {name}", "16 rows", functools.partial(
+                compile_quant_decode, name, arch=args.arch, experts=args.experts, fmt=fmt)))
+    for gated in (True, False):
+        quant.append((f"mxfp4 gemm{1 if gated else 2}", "512 rows", functools.partial(
+            compile_mxfp4_prefill, gated, arch=args.arch, experts=args.experts)))
+    for label, tiles, build in quant:
+        try:
+            k = build()
+            report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
+        except Exception as exc:  # a variant this Triton cannot build for the target
+            report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        print(f"{label:<26} {tiles:<18} {report}")
     if args.arch >= 90:
         for gated, gather, channel in ((True, True, False), (True, False, False),
                                        (False, False, False), (True, True, True),

@@ -13,9 +13,9 @@
     block's scale and added to a float32 accumulator: Hopper's FP8 MMA accumulates with
     reduced precision, so no partial sum runs longer than one scale block (DeepSeek-V3's and
     DeepGEMM's promotion). Per-channel scales (``fp8_channel``) come with a zero k-stride.
-  - ``MXFP4 = True``: 16-bit activations × e2m1 weights: the loader unpacks two codes per
-    byte, scales each 32 values by their ue8m0 exponent and feeds a 16-bit MMA (Hopper has no
-    FP4 MMA).
+  - ``MXFP4 = True``: 16-bit activations × e2m1 weights through ``tl.dot_scaled``, which
+    unpacks two codes per byte, scales each 32 values by their ue8m0 exponent and feeds a
+    16-bit MMA (Hopper has no FP4 MMA).
 
   On FP8 a gated GEMM1 computes gate and up as one product twice as wide (a ``[BLOCK_M,
   2*BLOCK_N]`` accumulator, split after the loop), and with ``A_DESC`` / ``W_DESC`` (SM90)
@@ -27,10 +27,11 @@
   scales, so the intermediate is half the bytes and no separate pass reads it. Dropped rows
   ``[offset[E], M)`` are written as zeros (codes and scales), so every output is defined.
 
-``UPCAST`` / ``SOFT_FP8`` (the CPU interpreter only, whose FP8 dot and float-to-e4m3 rounding
-are wrong): the e4m3 operands are widened to fp16 (exactly) before the product, and codes are
-rounded in integer arithmetic (:func:`.fp8_codes._e4m3_bits`); the scaling, gathers and
-epilogue are the GPU's.
+``UPCAST`` / ``SOFT_FP8`` (the CPU interpreter, whose FP8 dot and float-to-e4m3 rounding are
+wrong, and which has no ``dot_scaled``): the e4m3 operands are widened to fp16 (exactly) before
+the product, codes are rounded in integer arithmetic (:func:`.fp8_codes._e4m3_bits`), and e2m1
+weights are unpacked by the kernel's own code (as on fp16 activations, :func:`_mxfp4_dot`);
+the scaling, gathers and epilogue are the GPU's.
 """
 
 from __future__ import annotations
@@ -280,12 +281,36 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
 
 
 @triton.jit
+def _mxfp4_dot(a, w_base, s_base, w_rows, col_ok, k0, KP, KS, acc, stride_wn, stride_wk,
+               stride_sn, stride_sk, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """``acc + a @ W[w_rows, k0 ...].T`` on e2m1 weights: ``tl.dot_scaled`` (its converter
+    unpacks the codes and scales them in the MMA's register layout, the weights then the
+    product's first operand), or with ``UPCAST`` the weights unpacked here
+    (:func:`_mxfp4_tile`): the interpreter has no ``dot_scaled``, and on fp16 activations it
+    rounds the scales to fp16. The same operands either way (an e2m1 value times a power of
+    two is exact in 16 bits) and float32 accumulation."""
+    if UPCAST:
+        w = _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
+                        stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
+        return tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # (MX_GROUP values per scale)
+    rows = w_rows.to(tl.int64)
+    p = tl.load(w_base + rows[None, :] * stride_wn + kp[:, None] * stride_wk,
+                mask=(kp < KP)[:, None] & col_ok[None, :], other=0)  # fmt: skip
+    e8 = tl.load(s_base + rows[:, None] * stride_sn + kg[None, :] * stride_sk,
+                 mask=col_ok[:, None] & (kg < KS)[None, :], other=127)  # fmt: skip
+    return tl.dot_scaled(a, None, "bf16", p, e8, "e2m1", acc)
+
+
+@triton.jit
 def _mxfp4_mainloop(a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP,
                     KS, stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
-                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+                    GATED: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``(A[a_rows] @ W[e][gate_rows].T, A[a_rows] @ W[e][up_rows].T)`` over ``KD`` in float32
-    on e2m1 weights unpacked in registers (the second only when ``GATED``; both from one read
+    on e2m1 weights (:func:`_mxfp4_dot`; the second only when ``GATED``; both from one read
     of each ``A`` tile)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -293,13 +318,12 @@ def _mxfp4_mainloop(a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, 
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     for k0 in range(0, KD, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + ks < KD)[None, :], other=0.0)
-        w = _mxfp4_tile(w_base, ws_base, gate_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
-                        stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
-        acc = tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
+        acc = _mxfp4_dot(a, w_base, ws_base, gate_rows, col_ok, k0, KP, KS, acc, stride_wn,
+                         stride_wk, stride_sn, stride_sk, UPCAST, BLOCK_K, BLOCK_N)  # fmt: skip
         if GATED:
-            w = _mxfp4_tile(w_base, ws_base, up_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
-                            stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
-            acc_up = tl.dot(a, w.to(a.dtype), acc_up, out_dtype=tl.float32)
+            acc_up = _mxfp4_dot(a, w_base, ws_base, up_rows, col_ok, k0, KP, KS, acc_up,
+                                stride_wn, stride_wk, stride_sn, stride_sk, UPCAST, BLOCK_K,
+                                BLOCK_N)  # fmt: skip
         a_ptrs += BLOCK_K * stride_ak
     return acc, acc_up
 
@@ -348,8 +372,8 @@ def _quant_tile(
     if MXFP4:
         acc, acc_up = _mxfp4_mainloop(
             a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP, KS,
-            stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, GATED, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, GATED, UPCAST,
+            BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     else:
         w_rows, w_ok = _fp8_rows(n0, N_OUT, GATED, INTERLEAVED, SPLIT, BLOCK_N)
@@ -429,6 +453,13 @@ def _quant_gemm_kernel(
 _QUANT_GEMM = ThinKernel(_quant_gemm_kernel)
 
 
+def _upcast(mxfp4: bool, a_dtype: torch.dtype) -> bool:
+    """The kernels' ``UPCAST``: the interpreter's FP8 and FP4 workarounds, and the MXFP4
+    weights unpacked by the kernel's own code on 16-bit activations other than bf16
+    (:func:`_mxfp4_dot`)."""
+    return INTERPRETING or (mxfp4 and a_dtype != torch.bfloat16)
+
+
 class QuantGemmLaunch:
     """GEMM1 / GEMM2 on quantised weights, prepared from the operands' layouts (as
     :class:`.grouped_gemm.GemmLaunch` is for 16-bit weights).
@@ -475,7 +506,7 @@ class QuantGemmLaunch:
             UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
             UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved,
             HAS_BIAS=bias is not None, GATHER=gather, MXFP4=mxfp4, SN=block_n_scale,
-            OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=INTERPRETING and not mxfp4, A_QUANT=a_quant,
+            OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=_upcast(mxfp4, a.dtype), A_QUANT=a_quant,
             E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
