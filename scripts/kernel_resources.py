@@ -283,7 +283,8 @@ def compile_mxfp4_prefill(gated: bool, *, arch: int, experts: int):
     sig, attrs = _launch_signature(kernel, types)
     src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                          options=dict(num_warps=cfg.num_warps,
+                                       num_stages=cfg.num_stages))  # fmt: skip
 
 
 def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, experts: int):
@@ -336,11 +337,13 @@ def main(argv=None) -> int:
     quant = []  # (label, tiles, compile)
     for fmt in ("fp8", "fp8_channel", "mxfp4") if args.arch >= 89 else ("mxfp4",):
         for name in ("gemm1", "gemm2", "decode up", "decode down"):
-            quant.append((f"{fmt} {name}", "16 rows", functools.partial(
-                compile_quant_decode, name, arch=args.arch, experts=args.experts, fmt=fmt)))
+            build = functools.partial(compile_quant_decode, name, arch=args.arch,
+                                      experts=args.experts, fmt=fmt)  # fmt: skip
+            quant.append((f"{fmt} {name}", "16 rows", build))
     for gated in (True, False):
-        quant.append((f"mxfp4 gemm{1 if gated else 2}", "512 rows", functools.partial(
-            compile_mxfp4_prefill, gated, arch=args.arch, experts=args.experts)))
+        build = functools.partial(compile_mxfp4_prefill, gated, arch=args.arch,
+                                  experts=args.experts)  # fmt: skip
+        quant.append((f"mxfp4 gemm{1 if gated else 2}", "512 rows", build))
     for label, tiles, build in quant:
         try:
             k = build()
