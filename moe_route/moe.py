@@ -256,11 +256,10 @@ class FusedCall:
             if not needs_dispatcher(args):
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
         elif decode_planned(plan, gradient) and not needs_dispatcher((*args, w1_scale, w2_scale)):
-            cfg = plan.configs  # quantised experts
+            cfg = plan.configs  # FP8 experts (the plan has no decode path for MXFP4 ones)
             self.decode = QuantDecodeLaunch(x, w1, w1_scale, w2, w2_scale, topk_weights, ids, b1,
                                             b2, bias, cfg.epilogue, plan.decode, cfg.x_group,
-                                            cfg.w_block_rows, cfg.ue8m0,
-                                            not cfg.fp8)  # fmt: skip
+                                            cfg.w_block_rows, cfg.ue8m0)  # fmt: skip
         # The sorted path: the maps' launch prepared, and the route of the experts' program.
         self.maps = MapsCall(ids, self.E, plan.maps_backend, False, eager)
         self.direct = runs_direct(eager, (*args, w1_scale, w2_scale))

@@ -112,9 +112,10 @@ def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, lay
         w_block_rows=spec.block[0] if spec.format == "fp8_block" else 1,
         in_loop=tuning.quant_in_loop(rows, spec.fp8),
     )  # fmt: skip
-    # (bytes: one per FP8 weight, one per two MXFP4 weights, as the packed shapes count them)
-    expert_bytes = math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])
-    decode = tuning.quant_decode_config(bucket, K, E, expert_bytes, mx)
+    decode = None
+    if spec.fp8:  # (bytes: one per FP8 weight)
+        expert_bytes = math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])
+        decode = tuning.quant_decode_config(bucket, K, E, expert_bytes)
     return MoEPlan("triton", maps_chosen, cfg, "standalone", True, decode)
 
 

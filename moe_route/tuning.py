@@ -121,14 +121,14 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     return decode_tiles(dtype)
 
 
-def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
-                        mxfp4: bool = False) -> DecodeConfig | None:  # fmt: skip
-    """The decode path's tiles on quantised experts where :func:`decode_config` takes the path
-    (``expert_bytes`` as stored): both reductions step by 128 columns (FP8: the scale blocks),
-    GEMM1's columns as the sorted path's 16-row tiles take them (:func:`quant_gemm_config`)."""
+def quant_decode_config(bucket: int, top_k: int, num_experts: int,
+                        expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
+    """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
+    (``expert_bytes`` in FP8): both reductions step by the 128-wide scale blocks, GEMM1's
+    columns as the sorted path's 16-row tiles take them (:func:`quant_gemm_config`)."""
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
-    return _DECODE_MXFP4 if mxfp4 else _DECODE_FP8
+    return _DECODE_FP8
 
 
 def decode_tiles(dtype: torch.dtype) -> DecodeConfig:
@@ -145,7 +145,6 @@ _SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
 _DECODE_FP8 = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
-_DECODE_MXFP4 = DecodeConfig(up_n=32, up_k=128, down_n=64, down_k=128, num_warps=4, num_stages=4)
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,
@@ -195,31 +194,35 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
                       cc: int | None) -> GemmConfig:  # fmt: skip
     """Tiles of the grouped GEMM on quantised weights (:mod:`moe_route.kernels.triton.quant`).
 
-    ``block_k`` is the FP8 scale block (128) and ``block_n`` 128, the activations' group (a
+    FP8: ``block_k`` is the scale block (128) and ``block_n`` 128, the activations' group (a
     gated GEMM1's epilogue quantises its output per tile), except at decode sizes
     (:func:`quant_in_loop`), where a gated GEMM1 writes float32 and takes 32 columns: four
     times the programs to stream the weights with, and the widest tile ptxas compiles without
-    spilling (64 columns: 136-192 B of stack; 128: 32 registers and 4.4 KB). A
-    block's scaled product needs a
-    second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
-    128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
-    takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
-    rows per expert (decode) FP8 takes 16-row tiles, which stream the weights with the least
-    work per step. MXFP4: 16-bit products on weights unpacked in registers, pointer-fed, two
-    accumulators, one stage less. docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill:
-    persistent kernel, TMA, one wide gated product" and "FP8 decode tiles".
+    spilling (64 columns: 136-192 B of stack; 128: 32 registers and 4.4 KB). A block's scaled
+    product needs a second float32 tile beside the accumulator, so a thread holds two 64-value
+    tiles at 128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as
+    wide, so it takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through
+    TMA. Up to 16 rows per expert (decode) FP8 takes 16-row tiles, which stream the weights
+    with the least work per step.
+
+    MXFP4 (``tl.dot_scaled``, pointer-fed): 16-row tiles up to 16 rows per expert (gated 64
+    columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps stepping 64 along
+    ``K``, the largest tiles ptxas compiles without spilling (``K`` steps of 128 spill
+    300-460 B). docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill: persistent kernel,
+    TMA, one wide gated product", "FP8 decode tiles" and "MXFP4 through dot_scaled".
     """
-    tma = cc is not None and cc >= 90 and not mxfp4
-    if quant_in_loop(rows_per_expert, not mxfp4):
+    if mxfp4:
+        if rows_per_expert <= 16:
+            return GemmConfig(16, 64 if gated else 128, 128, 1, 4, 4)
+        return GemmConfig(64 if gated else 128, 128, 64, 8, 8, 3)
+    tma = cc is not None and cc >= 90
+    if quant_in_loop(rows_per_expert, True):
         return GemmConfig(16, 32 if gated else 128, 128, 1, 4, 4)
-    if mxfp4 and rows_per_expert <= 16:
-        return GemmConfig(16, 32 if gated else 64, 128, 1, 4, 4)
-    if rows_per_expert <= 64 and (mxfp4 or not gated):
+    if rows_per_expert <= 64 and not gated:
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)
-    stages = 4 if not mxfp4 else 3
     if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
-        return GemmConfig(64, 128, 128, 8, 8, stages, tma)
-    return GemmConfig(128, 128, 128, 8, 8, stages, tma)
+        return GemmConfig(64, 128, 128, 8, 8, 4, tma)
+    return GemmConfig(128, 128, 128, 8, 8, 4, tma)
 
 
 def quant_in_loop(rows_per_expert: float, fp8: bool) -> bool:

@@ -344,14 +344,13 @@ def test_quant_in_loop_matches_codes(fmt):
 @pytest.mark.parametrize(("fmt", "layout", "strided"), [
     ("fp8", "concat", False), ("fp8_ue8m0", "interleaved", False),
     ("fp8_channel", "concat", True), ("fp8", "interleaved", True),
-    ("mxfp4", "concat", False), ("mxfp4", "interleaved", True),
 ])  # fmt: skip
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
-    """Eager inference at decode sizes takes the two-launch decode path on quantised experts
-    (FP8: the tokens quantised in its first kernel): the same bits as the sorted path (maps,
-    GEMM1, GEMM2, finalize; FP8: each GEMM quantising its input in its main loop), biases, a
-    dropped slot and an all-dropped token included; tokens as a column-major view with a
-    per-token bias, and k-major weight codes."""
+    """Eager inference at decode sizes takes the two-launch decode path on FP8 experts (the
+    tokens quantised in its first kernel): the same bits as the sorted path (maps, GEMM1,
+    GEMM2, finalize, each GEMM quantising its input in its main loop), biases, a dropped
+    slot and an all-dropped token included; tokens as a column-major view with a per-token
+    bias, and k-major weight codes."""
     from moe_route import tuning
     from moe_route.kernels.triton import decode as dk
     from moe_route.plan import clear_plans
@@ -393,7 +392,7 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
 
 
 def test_quant_decode_launch_keys_tell_their_variants_apart():
-    """The decode launches on quantised experts, prepared for each format: where two share a
+    """The decode launches on FP8 experts, prepared for each scale format: where two share a
     launch key they share every constexpr (a thin launch reuses the variant its key first
     compiled; on a GPU a missing part runs the wrong kernel)."""
     from moe_route.kernels.triton import decode as dk
@@ -402,35 +401,34 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
     x, w1, w2, tw, ids = _case(T=3, H=272, n_inter=200, E=8, K=2)
     cfg = moe_route.tuning.quant_decode_config(4, 2, 8, 3 * 272 * 200)
     seen = {}
-    for fmt in ("fp8", "fp8_ue8m0", "fp8_channel", "fp8_channel_ue8m0", "mxfp4"):
+    for fmt in ("fp8", "fp8_ue8m0", "fp8_channel", "fp8_channel_ue8m0"):
         spec = Q.as_quant(fmt)
         w1q, s1 = moe_route.quantize_experts(w1, fmt)
         w2q, s2 = moe_route.quantize_experts(w2, fmt)
         sn = spec.block[0] if spec.format == "fp8_block" else 1
         launch = dk.QuantDecodeLaunch(x, w1q, s1, w2q, s2, tw, ids, None, None, None,
-                                      epilogue_for("swiglu", "concat"), cfg,
-                                      max(spec.act_group, 0), sn, spec.ue8m0,
-                                      not spec.fp8)  # fmt: skip
+                                      epilogue_for("swiglu", "concat"), cfg, spec.act_group,
+                                      sn, spec.ue8m0)  # fmt: skip
         for key, cx in ((launch.up_key, launch.up_constexprs()),
                         (launch.down_key, launch.down_constexprs())):  # fmt: skip
             assert seen.setdefault(key, cx) == cx, fmt
 
 
 def test_quant_decode_plans():
-    """Quantised experts get the decode path's tiles where bf16 ones would take the path
-    (steps of 128 along both reductions, GEMM1 32 columns wide); FP8 ones quantise in the
-    GEMMs' main loops on the sorted path too; gradients and larger batches keep the sorted
-    path, and FP8 the quantiser launch."""
+    """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
+    blocks of 128 along both reductions, GEMM1 32 columns wide) and quantise in the GEMMs'
+    main loops on the sorted path too; MXFP4 experts keep the sorted path; gradients and
+    larger batches keep it too, and the quantiser launch."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
     x = torch.randn(3, 272).half()
-    for fmt, decode in (("fp8", True), ("fp8_channel", True), ("mxfp4", True)):
+    for fmt, decode in (("fp8", True), ("fp8_channel", True), ("mxfp4", False)):
         w1q, _ = moe_route.quantize_experts(torch.randn(8, 400, 272), fmt)
         w2q, _ = moe_route.quantize_experts(torch.randn(8, 272, 200), fmt)
         plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
         assert (plan.decode is not None) == decode
-        assert plan.configs.in_loop == (decode and fmt != "mxfp4")
+        assert plan.configs.in_loop == decode
         if decode:
             d = plan.decode
             assert d.up_k == d.down_k == 128 and d.up_n == plan.configs.gemm1.block_n == 32

@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import LaunchKey, ThinKernel, cdiv, launch_key_part
+from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .quant import _fp8_operand, _mxfp4_dot, _quant_tile, _scaled_fp8_dot, _upcast
+from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -135,20 +135,19 @@ def _decode_up_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _decode_up_quant_kernel(
+def _decode_up_fp8_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, KS, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_it, stride_ik, stride_hs,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
     UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MXFP4: tl.constexpr, SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(slot = t*K + k, n-tile)`` on quantised experts: ``h[slot, cols]``, by the
-    sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row). FP8:
-    the token row quantised in the main loop, GEMM1's product, its epilogue, ``h`` in float32;
-    MXFP4: the 16-bit row times the unpacked weights, ``h`` in the tokens' dtype."""
+    """Program ``(slot = t*K + k, n-tile)`` on FP8 experts: ``h[slot, cols]`` in float32, by
+    the sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row):
+    the token row quantised in the main loop, GEMM1's product, its epilogue."""
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -159,10 +158,10 @@ def _decode_up_quant_kernel(
     a_ptr = x_ptr + (t - slot).to(tl.int64) * stride_xt
     _quant_tile(
         a_ptr, x_ptr, x_ptr, w_ptr, w_ptr, ws_ptr, h_ptr, h_ptr, b_ptr, ids_ptr, e, slot,
-        slot + 1, tl.program_id(1), N_OUT, KD, (KD + 1) // 2, KS, T, stride_xt, stride_xh, 0,
-        0, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0,
-        stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
-        INTERLEAVED, HAS_BIAS, False, MXFP4, SN, False, UE8M0, UPCAST, False, False,
+        slot + 1, tl.program_id(1), N_OUT, KD, KD, KS, T, stride_xt, stride_xh, 0, 0, stride_we,
+        stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
+        stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
+        INTERLEAVED, HAS_BIAS, False, False, SN, False, UE8M0, UPCAST, False, False,
         1 if GATED else 0, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
@@ -205,15 +204,12 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
-    FP8: tl.constexpr, MXFP4: tl.constexpr, SN: tl.constexpr, UE8M0: tl.constexpr,
-    UPCAST: tl.constexpr,
+    FP8: tl.constexpr, SN: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
     ``COUNTS``, program ``(0, 0)`` the slots per expert). ``FP8``: ``h`` holds float32 rows,
     quantised here per ``BLOCK_K = 128`` columns, ``W2`` e4m3 codes with block or channel
-    scales (``ws``; ``SN`` rows per block, a zero k-stride per channel). ``MXFP4``: ``W2``
-    packed e2m1 codes with ue8m0 scales per 32 values (``ws``), as the sorted path's GEMM2
-    reads them (:func:`.quant._mxfp4_dot`)."""
+    scales (``ws``; ``SN`` rows per block, a zero k-stride per channel)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
@@ -240,16 +236,7 @@ def _decode_down_kernel(
             + (k0 + ks)[:, None] * stride_wk
         )
         h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + (k0 + ks) * stride_hn
-        if MXFP4:
-            first = tl.arange(0, BLOCK_M)[:, None] == 0
-            v = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
-                        mask=first & k_ok[None, :], other=0.0)  # fmt: skip
-            w_base = w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we
-            ws_base = ws_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se
-            acc = _mxfp4_dot(v, w_base, ws_base, cols, col_ok & routed, k0, (KD + 1) // 2,
-                             (KD + 31) // 32, acc, stride_wn, stride_wk, stride_sn, stride_sk,
-                             UPCAST, BLOCK_K, BLOCK_N)  # fmt: skip
-        elif FP8:
+        if FP8:
             step = k0 // BLOCK_K
             ws_ptrs = (ws_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se
                        + (cols // SN).to(tl.int64) * stride_sn + step * stride_sk)  # fmt: skip
@@ -326,7 +313,7 @@ class DecodeLaunch:
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, MXFP4=False, SN=1, UE8M0=False, UPCAST=False,
+            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, SN=1, UE8M0=False, UPCAST=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -356,28 +343,25 @@ class DecodeLaunch:
 
 
 class QuantDecodeLaunch:
-    """:class:`DecodeLaunch` on quantised experts (``w1`` / ``w2`` with their scales, as
-    :func:`moe_route.fused_moe` takes them), as the sorted path computes them at decode sizes
-    (its 16-row tiles, the same operands and scaling). FP8: the first launch quantises each
-    token row in its main loop and writes ``h`` in float32, the second quantises ``h`` per
-    128 columns as it reads it (the same bits as the sorted path with per-channel scales on an
-    H200; with 128-blocks within the format's error, tests/test_gpu_quant.py). MXFP4
-    (``mxfp4``): 16-bit rows times the unpacked weights, ``h`` in the tokens' dtype.
-    ``x_group``: the tokens' scale group (128, or 0: per token); ``w_block_rows``: rows per
-    weight scale block (1: per channel). Keeps no tensor."""
+    """:class:`DecodeLaunch` on FP8 experts (``w1`` / ``w2`` e4m3 with their scales, as
+    :func:`moe_route.fused_moe` takes them): the first launch quantises each token row in its
+    main loop and writes ``h`` in float32, the second quantises ``h`` per 128 columns as it
+    reads it, as the sorted path does at decode sizes (its 16-row tiles, the same codes and
+    scaling: the same bits with per-channel scales on an H200; with 128-blocks within the
+    format's error, tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or
+    0: per token); ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no
+    tensor."""
 
     def __init__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, bias,
                  epilogue: GemmEpilogue, cfg: DecodeConfig, x_group: int, w_block_rows: int,
-                 ue8m0: bool, mxfp4: bool = False):  # fmt: skip
+                 ue8m0: bool):  # fmt: skip
         H = x.shape[1]
         K = topk_ids.shape[1]
-        E, n_inter = w1.shape[0], w1.shape[1] // (2 if epilogue.gated else 1)
+        E, n_inter = w1.shape[0], w2.shape[2]
         self.K, self.H, self.n_inter = K, H, n_inter
-        self.h_dtype = x.dtype if mxfp4 else torch.float32
         self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
         self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
         out_acc = tl.float64 if topk_weights.dtype == torch.float64 else tl.float32
-        upcast = _upcast(mxfp4, x.dtype)
         epi = epilogue
         sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
             topk_weights.stride()  # fmt: skip
@@ -397,25 +381,24 @@ class QuantDecodeLaunch:
                        for t in (x, w1, w1_scale, w2, w2_scale, b1, b2, bias, topk_weights,
                                  topk_ids))  # fmt: skip
         self.up_key = LaunchKey((cfg, epi, dtypes, sx, sw1, s1, sb1, sid, K, n_inter, H, E,
-                                 x_group, w_block_rows, ue8m0, mxfp4))  # fmt: skip
+                                 x_group, w_block_rows, ue8m0))  # fmt: skip
         self.up_tail = (n_inter, H, w1_scale.shape[-1], E, *sx, *sw1, *s1, *sb1, *sid, n_inter)
-        a_quant = 0 if mxfp4 else 1 if x_group else 2
         self.up_constexprs = lambda: dict(
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
             UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
-            INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, MXFP4=mxfp4, SN=w_block_rows,
-            A_QUANT=a_quant, UE8M0=ue8m0, UPCAST=upcast, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n,
-            BLOCK_K=cfg.up_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, SN=w_block_rows,
+            A_QUANT=1 if x_group else 2, UE8M0=ue8m0, UPCAST=INTERPRETING, BLOCK_M=_ROWS,
+            BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
         self.down_key = LaunchKey((cfg, dtypes, sw2, s2, sb2, sid, stw, sbias, bias_dtype, K, H,
-                                   n_inter, E, w_block_rows, ue8m0, mxfp4))  # fmt: skip
+                                   n_inter, E, w_block_rows, ue8m0))  # fmt: skip
         self.down_tail = (H, n_inter, E, *sh, *sw2, *s2, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=tl.float32,
             OUT_ACC=out_acc, DOT_PRECISION="tf32", BLOCK_M=_ROWS, BLOCK_N=cfg.down_n,
-            BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=not mxfp4, MXFP4=mxfp4,
-            SN=w_block_rows, UE8M0=ue8m0, UPCAST=upcast, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=True, SN=w_block_rows,
+            UE8M0=ue8m0, UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale,
@@ -426,12 +409,12 @@ class QuantDecodeLaunch:
         if T == 0 or self.H == 0:
             return out
         slots = T * self.K
-        h = torch.empty(slots, self.n_inter, dtype=self.h_dtype, device=x.device)
+        h = torch.empty(slots, self.n_inter, dtype=torch.float32, device=x.device)
         if self.n_inter:
-            _UP_QUANT.launch(self.up_key, (slots, self.up_tiles),
-                             (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, T,
-                              *self.up_tail),
-                             self.up_constexprs)  # fmt: skip
+            _UP_FP8.launch(self.up_key, (slots, self.up_tiles),
+                           (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, T,
+                            *self.up_tail),
+                           self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (T, self.down_tiles),
             (h, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
@@ -451,5 +434,5 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue:
 
 
 _UP = ThinKernel(_decode_up_kernel)
-_UP_QUANT = ThinKernel(_decode_up_quant_kernel)
+_UP_FP8 = ThinKernel(_decode_up_fp8_kernel)
 _DOWN = ThinKernel(_decode_down_kernel)
