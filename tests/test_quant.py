@@ -303,6 +303,19 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, layout):
                     (True, False, True, split), (False, True, True, 0)]  # fmt: skip
 
 
+def test_mxfp4_products_through_dot_scaled_on_bf16_only(monkeypatch):
+    """Compiled, MXFP4 products go through ``tl.dot_scaled`` on bf16 tokens only: on fp16 ones
+    it would round the scales to fp16, so the kernel unpacks the weights itself (as always
+    under the interpreter, which has no ``dot_scaled``); FP8 products never unpack."""
+    from moe_route.kernels.triton import quant as kq
+
+    assert kq._upcast(True, torch.bfloat16) == kq.INTERPRETING
+    monkeypatch.setattr(kq, "INTERPRETING", False)
+    assert not kq._upcast(True, torch.bfloat16)
+    assert kq._upcast(True, torch.float16)
+    assert not kq._upcast(False, torch.bfloat16) and not kq._upcast(False, torch.float16)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ue8m0", "fp8_channel"])
 def test_quant_in_loop_matches_codes(fmt):
