@@ -195,15 +195,14 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     """Tiles of the grouped GEMM on quantised weights (:mod:`moe_route.kernels.triton.quant`).
 
     FP8: ``block_k`` is the scale block (128) and ``block_n`` 128, the activations' group (a
-    gated GEMM1's epilogue quantises its output per tile), except at decode sizes
-    (:func:`quant_in_loop`), where a gated GEMM1 writes float32 and takes 32 columns: four
-    times the programs to stream the weights with, and the widest tile ptxas compiles without
-    spilling (64 columns: 136-192 B of stack; 128: 32 registers and 4.4 KB). A block's scaled
-    product needs a second float32 tile beside the accumulator, so a thread holds two 64-value
-    tiles at 128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as
-    wide, so it takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through
-    TMA. Up to 16 rows per expert (decode) FP8 takes 16-row tiles, which stream the weights
-    with the least work per step.
+    gated GEMM1's epilogue quantises its output per tile). A block's scaled product needs a
+    second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
+    128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
+    takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
+    rows per expert (decode, :func:`quant_in_loop`) FP8 takes 16-row tiles, which stream the
+    weights with the least work per step, and a gated GEMM1 writes float32 and takes 32
+    columns: four times the programs to stream the weights with, and the widest tile ptxas
+    compiles without spilling (64 columns: 136-192 B of stack; 128: 32 registers and 4.4 KB).
 
     MXFP4 (``tl.dot_scaled``, pointer-fed): 16-row tiles up to 16 rows per expert (gated 64
     columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps stepping 64 along
