@@ -198,19 +198,43 @@ def ptxas_report(kernel, arch) -> str:
     return report
 
 
-def _launch_signature(fn, types: dict) -> tuple[dict, dict]:
-    """``(signature, attributes)`` of ``fn`` as a launch specialises it: the argument types of
-    ``types`` (other pointers float32, other integers i32), every pointer and integer a
-    multiple of 16 but the descriptors and the ``do_not_specialize`` ones."""
-    sig, attrs = {}, {}
+#: The quantised kernels' strides that are 1 at a launch on contiguous operands (the
+#: innermost dimension of the tokens, weights, scales, biases, routing tables and outputs).
+UNIT_STRIDES = frozenset({
+    "stride_ak", "stride_ask", "stride_wk", "stride_sk", "stride_on", "stride_bn", "stride_xh",
+    "stride_ik", "stride_hn", "stride_b2n", "stride_wkk", "stride_bh", "stride_oh",
+})  # fmt: skip
+
+
+def _odd(fmt: str) -> frozenset:
+    """The integers not a multiple of 16 at the standard shapes: the routing tables' row
+    stride ``K`` (8), and on 128-block FP8 the scale rows' lengths (``ceil(H / 128)``: 56 at
+    DeepSeek-V3's H = 7168; 6 at Qwen3's I = 768)."""
+    odd = {"stride_it", "stride_wt"}
+    if fmt == "fp8":
+        odd |= {"stride_asm", "stride_osm", "stride_sn", "KS"}
+    return frozenset(odd)
+
+
+def _launch_signature(fn, types: dict, unit=(), odd=()) -> tuple[dict, dict, dict]:
+    """``(signature, attributes, constants)`` of ``fn`` as a launch specialises it: the
+    argument types of ``types`` (other pointers float32, other integers i32); the integers
+    named in ``unit`` (the unit strides) the constant 1, as Triton specialises an argument of
+    1; every other pointer and integer a multiple of 16 but those named in ``odd``, the
+    descriptors and the ``do_not_specialize`` ones."""
+    sig, attrs, ones = {}, {}, {}
     for i, (name, is_const) in enumerate(_params(fn)):
         if is_const:
             sig[name] = "constexpr"
             continue
+        if name in unit:
+            sig[name], ones[name] = "constexpr", 1
+            continue
         sig[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
-        if not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize:
+        if (not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize
+                and name not in odd):  # fmt: skip
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, attrs
+    return sig, attrs, ones
 
 
 def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
@@ -260,8 +284,8 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
                      tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
                      counts_ptr="*i64")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
-    sig, attrs = _launch_signature(kernel, types)
-    src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
+    sig, attrs, ones = _launch_signature(kernel, types, UNIT_STRIDES, _odd(fmt))
+    src = ASTSource(kernel, sig, constexprs=const | ones, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
 
@@ -280,8 +304,8 @@ def compile_mxfp4_prefill(gated: bool, *, arch: int, experts: int):
     types = dict(a_ptr="*bf16", a_desc="*bf16", w_ptr="*u8", w_desc="*u8", ws_ptr="*u8",
                  bias_ptr="*bf16", out_ptr="*bf16", offsets_ptr="*i64",
                  dest_to_src_ptr="*i32")  # fmt: skip
-    sig, attrs = _launch_signature(kernel, types)
-    src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
+    sig, attrs, ones = _launch_signature(kernel, types, UNIT_STRIDES, _odd("mxfp4"))
+    src = ASTSource(kernel, sig, constexprs=const | ones, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=cfg.num_warps,
                                        num_stages=cfg.num_stages))  # fmt: skip
@@ -311,8 +335,8 @@ def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, exp
     types = dict(a_desc="*fp8e4nv" if gather else desc(a_rows), w_desc=desc(w_rows),
                  a_ptr="*fp8e4nv", out_ptr="*fp8e4nv" if gated else "*bf16",
                  bias_ptr="*bf16", offsets_ptr="*i64", d2s_ptr="*i32")  # fmt: skip
-    sig, attrs = _launch_signature(fn, types)
-    src = _runtime.GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    sig, attrs, ones = _launch_signature(fn, types, UNIT_STRIDES, _odd("fp8"))
+    src = _runtime.GluonASTSource(fn, sig, constexprs=const | ones, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
