@@ -201,13 +201,11 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
     rows per expert (decode, :func:`quant_in_loop`) FP8 takes 16-row tiles, which stream the
     weights with the least work per step, and a gated GEMM1 writes float32 and takes 32
-    columns: four times the programs to stream the weights with, and the widest tile ptxas
-    compiles without spilling (64 columns: 136-192 B of stack; 128: 32 registers and 4.4 KB).
+    columns: four times the programs of 128-column tiles to stream the weights with.
 
     MXFP4 (``tl.dot_scaled``, pointer-fed): 16-row tiles up to 16 rows per expert (gated 64
     columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps stepping 64 along
-    ``K``, the largest tiles ptxas compiles without spilling (``K`` steps of 128 spill
-    300-460 B). docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill: persistent kernel,
+    ``K`` (steps of 128 serialise the wgmma). docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill: persistent kernel,
     TMA, one wide gated product", "FP8 decode tiles" and "MXFP4 through dot_scaled".
     """
     if mxfp4:
