@@ -205,8 +205,9 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
 
     MXFP4 (``tl.dot_scaled``, pointer-fed): 16-row tiles up to 16 rows per expert (gated 64
     columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps stepping 64 along
-    ``K`` (steps of 128 serialise the wgmma). docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill: persistent kernel,
-    TMA, one wide gated product", "FP8 decode tiles" and "MXFP4 through dot_scaled".
+    ``K`` (steps of 128 serialise the wgmma). docs/decisions.md, "FP8 grouped GEMM tiles",
+    "FP8 prefill: persistent kernel, TMA, one wide gated product", "FP8 decode tiles" and "MXFP4
+    through dot_scaled"; ``python -m moe_route bench --sweep quant`` times the 16-row tiles.
     """
     if mxfp4:
         if rows_per_expert <= 16:

@@ -792,7 +792,14 @@ def test_quant_tables_render_gpu_rows():
 # (tests/test_cli.py: the names, --list and the options each takes)
 
 # each sweep's tiny case at one token count: a few seconds of interpreted kernels each
-SWEEP_TOKENS = {"gemm": "24", "wgrad": "24", "act": "24", "decode": "1", "bwd_decode": "1"}
+SWEEP_TOKENS = {
+    "gemm": "24",
+    "wgrad": "24",
+    "act": "24",
+    "decode": "1",
+    "bwd_decode": "1",
+    "quant": "1",
+}
 
 
 @needs_interpreter
@@ -827,6 +834,11 @@ def test_sweep_runs_its_tiny_case_on_the_cpu(tmp_path, capsys, name):
         assert [r["status"] for r in rows][:2] == ["baseline", "current"]
     elif name == "bwd_decode":
         assert {r["gemm"] for r in rows} == {"dX", "act_bwd"}
+    elif name == "quant":
+        assert {r["format"] for r in rows} == {"fp8", "mxfp4"}
+        for fmt in ("fp8", "mxfp4"):  # the tables' tiles first, then the tiny grid's
+            statuses = [r["status"] for r in rows if r["format"] == fmt]
+            assert statuses[0] == "current" and statuses[1:] and set(statuses[1:]) == {"ok"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what runs without a GPU")

@@ -35,7 +35,7 @@ def test_demo_help_explains_its_options(capsys):
 
 
 # ----------------------------------------------------------------------------- bench --sweep
-SWEEP_NAMES = ("gemm", "wgrad", "act", "decode", "bwd_decode")
+SWEEP_NAMES = ("gemm", "wgrad", "act", "decode", "bwd_decode", "quant")
 
 
 def test_sweep_names_are_the_bench_sweeps():

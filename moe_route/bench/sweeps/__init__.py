@@ -19,7 +19,10 @@ prints a table per shape and writes every row to ``<NAME>_sweep.csv`` under ``--
   in a CUDA graph (the sorted path), 16 routings per graph (``--near``: the tiles near the
   best; ``--layouts``: k- and n-contiguous weights; ``--slots``: more slots than the path takes);
 * ``bwd_decode`` — the backward's dX and activation-backward GEMMs at decode sizes, weights
-  read transposed, against a k-contiguous copy; GB/s of the touched experts' weights.
+  read transposed, against a k-contiguous copy; GB/s of the touched experts' weights;
+* ``quant`` — the 16-row tiles of the GEMMs on FP8 (128-block) and MXFP4 experts at decode
+  sizes, the experts step in a CUDA graph of 16 routings, against the tables' tiles and the
+  touched weights' read time at the copy rate (``--quick``: a small grid).
 
 On a GPU the kernels run in bf16, each variant timed by ``triton.testing.do_bench`` (median,
 L2 flushed). Without one (or with ``--device cpu``), under ``TRITON_INTERPRET=1``, each sweep
@@ -27,8 +30,9 @@ runs its tiny float16 case (the interpreter's bf16 ``tl.dot`` is wrong), one cal
 a check that the sweep and its kernels run and agree, not a timing.
 
 One module per sweep (:mod:`.gemm`, :mod:`.wgrad`, :mod:`.act`, :mod:`.decode`,
-:mod:`.bwd_decode`), each a subclass of :class:`.common.Sweep`; this one holds their registry,
-the options and :func:`run`, which ``python -m moe_route bench`` calls for ``--sweep``.
+:mod:`.bwd_decode`, :mod:`.quant`), each a subclass of :class:`.common.Sweep`; this one holds
+their registry, the options and :func:`run`, which ``python -m moe_route bench`` calls for
+``--sweep``.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ from .bwd_decode import BwdDecodeSweep
 from .common import Sweep
 from .decode import DecodeSweep
 from .gemm import GemmSweep
+from .quant import QuantSweep
 from .wgrad import WgradSweep
 
 SWEEPS: dict[str, type[Sweep]] = {
-    cls.name: cls for cls in (GemmSweep, WgradSweep, ActSweep, DecodeSweep, BwdDecodeSweep)
+    cls.name: cls
+    for cls in (GemmSweep, WgradSweep, ActSweep, DecodeSweep, BwdDecodeSweep, QuantSweep)
 }
 
 #: The options only sweeps read: (flags, argparse keywords).
@@ -89,8 +95,8 @@ ALWAYS = ("sweep", "device", "out", "name", "seed", "list")
 GROUP_HELP = """\
 --sweep NAME runs one tuning sweep instead of the suite (NAME: {names}); '--sweep NAME
 --list' shows what it would run. --shapes keeps the shapes whose 'model T=...' contains a
-word, --tokens sets their T; --quick: gemm two shapes, wgrad the plan's tiles only, decode a
-small grid. Without a GPU (or with --device cpu) a tiny float16 case runs through the Triton
+word, --tokens sets their T; --quick: gemm two shapes, wgrad the plan's tiles only, decode and
+quant a small grid. Without a GPU (or with --device cpu) a tiny float16 case runs through the Triton
 interpreter (TRITON_INTERPRET=1 in the environment). The options below belong to the sweeps
 they name."""
 

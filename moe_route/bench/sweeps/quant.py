@@ -1,0 +1,185 @@
+"""``bench --sweep quant``: the 16-row tiles of the grouped GEMMs on quantised experts (FP8
+128-block and MXFP4 weights, up to 16 rows per expert: decode) per configuration, the experts
+step of ``fused_moe`` (maps given) in a CUDA graph of 16 routings, against the tables' tiles
+(``tuning.quant_gemm_config``) and the touched weights' read time at the copy rate."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import ClassVar
+
+import torch
+
+import moe_route
+from moe_route import tuning
+from moe_route.kernels.triton.gemm_mainloop import GemmConfig
+from moe_route.kernels.triton.moe import moe_forward_quant_triton
+from moe_route.plan import quant_plan_for
+from moe_route.quant import as_quant
+
+from ..shapes import model_shape
+from ..timing import time_cuda
+from .common import Sweep, rel_err, short_error, tiny_shapes
+
+
+def random_experts(fmt: str, E: int, N: int, K: int, device, g) -> tuple:
+    """``(w, scale)`` of ``E`` random ``[N, K]`` experts as ``fmt`` stores them, made from codes
+    (no quantiser pass over gigabytes of 16-bit weights): e4m3 codes of either sign below
+    the NaN code with float32 scales per 128x128 block, or any e2m1 byte with ue8m0
+    exponents near 2^-6."""
+    if fmt == "mxfp4":
+        w = torch.randint(0, 256, (E, N, K // 2), device=device, dtype=torch.uint8, generator=g)
+        s = torch.randint(118, 124, (E, N, K // 32), device=device, dtype=torch.uint8,
+                          generator=g)  # fmt: skip
+        return w, s
+    codes = torch.randint(0, 0x7E, (E, N, K), device=device, dtype=torch.uint8, generator=g)
+    codes |= torch.randint(0, 2, (E, N, K), device=device, dtype=torch.uint8, generator=g) << 7
+    s = torch.rand(E, -(-N // 128), -(-K // 128), device=device, generator=g) * 1e-3 + 1e-4
+    return codes.view(torch.float8_e4m3fn), s
+
+
+class QuantSweep(Sweep):
+    name = "quant"
+    help = (
+        "the 16-row tiles of the GEMMs on FP8 and MXFP4 experts against the tables' tiles and "
+        "the weight-read time, CUDA graphs of 16 routings"
+    )
+    takes = ("quick", "shapes", "tokens")
+    FORMATS = ("fp8", "mxfp4")
+    #: (model, T) of the default run; --tokens puts each of these models at those T
+    DEFAULT = (("deepseek-v3", 1), ("deepseek-v3", 8), ("deepseek-v3", 64),
+               ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64))  # fmt: skip
+    #: GEMM1's (gated) and GEMM2's columns, the ``K`` step (FP8: the 128-column scale block
+    #: only) and the stages of 16-row tiles on 4 warps
+    GRIDS: ClassVar[dict] = {
+        "full": {"gemm1_n": [32, 64, 128], "gemm2_n": [64, 128], "block_k": [128, 256],
+                 "num_stages": [3, 4]},
+        "quick": {"gemm1_n": [32, 64], "gemm2_n": [64, 128], "block_k": [128],
+                  "num_stages": [4]},
+        "tiny": {"gemm1_n": [16, 32], "gemm2_n": [16, 32], "block_k": [128],
+                 "num_stages": [2]},
+    }  # fmt: skip
+
+    def __init__(self, args, device):
+        super().__init__(args, device)
+        self.grid = self.GRIDS["tiny" if self.cpu else "quick" if args.quick else "full"]
+        self.calls = 2 if self.cpu else 16
+
+    def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig]]:
+        """``(gemm1, gemm2)`` tiles: the tables' first, then the grid's, each pair once."""
+        mx = fmt == "mxfp4"
+        pairs = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
+                  tuning.quant_gemm_config(rows, False, mx, self.cc))]  # fmt: skip
+        for n1, n2, bk, stages in itertools.product(*self.grid.values()):
+            if bk != 128 and not mx:
+                continue
+            pair = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages))
+            if pair not in pairs:
+                pairs.append(pair)
+        return pairs
+
+    def candidate_shapes(self):
+        tokens = self.args.tokens
+        if self.cpu:
+            shapes = tiny_shapes(tokens or (1,))
+        elif tokens:
+            models = dict.fromkeys(m for m, _ in self.DEFAULT)
+            shapes = [model_shape(m, T) for m in models for T in tokens]
+        else:
+            shapes = [model_shape(m, T) for m, T in self.DEFAULT]
+        wide = [s.label for s in shapes if s.T * s.K / s.E > 16]
+        if wide:
+            raise ValueError(f"the sweep covers up to 16 rows per expert (T*K/E <= 16); "
+                             f"{', '.join(wide)} have more")  # fmt: skip
+        return shapes
+
+    def describe(self):
+        grid = "tiny" if self.cpu else "quick" if self.args.quick else "full"
+        counts = ", ".join(f"{fmt} {len(self.configs(fmt, 1.0))}" for fmt in self.FORMATS)
+        return [f"tile pairs per format ({grid} grid; the first is the tables'): {counts}; "
+                f"{self.calls} routings per figure"]  # fmt: skip
+
+    def start(self):
+        print(f"{self.device_name()}, {self.dtype} tokens; each figure per call, over "
+              f"{self.calls} routings{'' if self.cpu else ' in a CUDA graph'}")  # fmt: skip
+
+    def time_calls_us(self, fns) -> float:
+        """Per call: a CUDA graph of the calls (median of 20 replays); on the CPU, once."""
+        if self.cpu:
+            start = time.perf_counter()
+            for f in fns:
+                f()
+            return (time.perf_counter() - start) * 1e6 / len(fns)
+
+        def all_calls():
+            for f in fns:
+                f()
+
+        return time_cuda(all_calls, use_graph=True, inner=1, outer=20, warmup=1).median_s * 1e6 \
+            / len(fns)  # fmt: skip
+
+    def run_shape(self, shape):
+        for fmt in self.FORMATS:
+            self.run_format(shape, fmt)
+            self.release()
+
+    def run_format(self, shape, fmt: str):
+        T, H, inter, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
+        g = torch.Generator(device=self.device).manual_seed(self.args.seed)
+        x = self.rand(T, H, generator=g)
+        w1, s1 = random_experts(fmt, E, 2 * inter, H, self.device, g)
+        w2, s2 = random_experts(fmt, E, H, inter, self.device, g)
+        per_expert = sum(t[0].numel() * t.element_size() for t in (w1, s1, w2, s2))
+        routings, touched = [], 0
+        for _ in range(self.calls):
+            logits = torch.randn(T, E, device=self.device, generator=g)
+            tw, ids = torch.softmax(logits, -1).topk(K, -1)
+            ids = ids.to(torch.int32)
+            routings.append((tw.to(self.dtype), moe_route.build_routing_maps(ids, E)))
+            touched += ids.unique().numel()
+        read_s = touched / self.calls * per_expert / self.ceilings.copy_bytes_per_s
+        base = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), "auto").configs
+        label = f"{shape.label} {fmt}"
+        print(f"== {label}: touched weights {touched / self.calls * per_expert / 1e6:.0f} MB per "
+              f"call, {read_s * 1e6:.1f} us at the copy rate")  # fmt: skip
+        want, measured = None, []
+        # a change of tiles reorders float32 sums: a few roundings of the 16-bit outputs
+        tol = 4 * torch.finfo(self.dtype).eps
+        for i, (gemm1, gemm2) in enumerate(self.configs(fmt, T * K / E)):
+            cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2)
+            name = (f"gemm1 {gemm1.block_n}x{gemm1.block_k} gemm2 {gemm2.block_n}x"
+                    f"{gemm2.block_k} s{gemm1.num_stages}")  # fmt: skip
+
+            def call(r, cfg=cfg):
+                tw, maps = r
+                tables = (maps.expanded_source_row_to_expanded_dest_row,
+                          maps.expanded_dest_row_to_expanded_source_row,
+                          maps.expert_for_source_row, maps.expert_first_token_offset)  # fmt: skip
+                return moe_forward_quant_triton(x, w1, s1, w2, s2, tw, None, None, None, tables,
+                                                cfg)  # fmt: skip
+
+            current = i == 0
+            try:
+                with torch.no_grad():
+                    out = call(routings[0])
+                    err = 0.0 if want is None else rel_err(out, want)
+                    want = out if want is None else want
+                    us = self.time_calls_us([lambda r=r, c=call: c(r) for r in routings])
+            except Exception as exc:  # a config that does not compile
+                print(f"   {name}: {short_error(exc, 80)}")
+                failed = f"FAILED {short_error(exc, 80)}"
+                self.record(shape, format=fmt, config=name, us=math.nan, rel_err=math.nan,
+                            over_read=math.nan, status=failed)  # fmt: skip
+                continue
+            status = "current" if current else "ok" if err < tol else "MISMATCH"
+            self.record(shape, format=fmt, config=name, us=us, rel_err=err,
+                        over_read=us / (read_s * 1e6), status=status)  # fmt: skip
+            measured.append((us, err, name, current))
+        measured.sort(key=lambda r: r[0])
+        now = next((r[0] for r in measured if r[3]), float("nan"))
+        print(f"   tables' tiles {now:.1f} us ({now / (read_s * 1e6):.2f}x the read time)")
+        for us, err, name, _ in measured[:6]:
+            print(f"   {us:7.1f} us  {us / (read_s * 1e6):5.2f}x  err {err:.1e}  {name}")
