@@ -22,7 +22,8 @@ prints a table per shape and writes every row to ``<NAME>_sweep.csv`` under ``--
   read transposed, against a k-contiguous copy; GB/s of the touched experts' weights;
 * ``quant`` — the 16-row tiles of the GEMMs on FP8 (128-block) and MXFP4 experts at decode
   sizes, the experts step in a CUDA graph of 16 routings, against the tables' tiles and the
-  touched weights' read time at the copy rate (``--quick``: a small grid).
+  touched weights' read time at the copy rate; on FP8 also the tokens quantised by a launch
+  of their own rather than in the GEMMs' main loops (``--quick``: a small grid).
 
 On a GPU the kernels run in bf16, each variant timed by ``triton.testing.do_bench`` (median,
 L2 flushed). Without one (or with ``--device cpu``), under ``TRITON_INTERPRET=1``, each sweep

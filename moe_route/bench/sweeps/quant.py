@@ -68,18 +68,25 @@ class QuantSweep(Sweep):
         self.grid = self.GRIDS["tiny" if self.cpu else "quick" if args.quick else "full"]
         self.calls = 2 if self.cpu else 16
 
-    def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig]]:
-        """``(gemm1, gemm2)`` tiles: the tables' first, then the grid's, each pair once."""
+    def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
+        """``(gemm1, gemm2, in_loop)``: the tables' first, then the grid's tiles, each once;
+        on FP8 also the tokens quantised by a launch of their own and GEMM1 writing GEMM2's
+        codes (``in_loop`` off: GEMM1's tiles as wide as the 128-column group)."""
         mx = fmt == "mxfp4"
-        pairs = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
-                  tuning.quant_gemm_config(rows, False, mx, self.cc))]  # fmt: skip
+        in_loop = tuning.quant_in_loop(rows, not mx)
+        out = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
+                tuning.quant_gemm_config(rows, False, mx, self.cc), in_loop)]  # fmt: skip
         for n1, n2, bk, stages in itertools.product(*self.grid.values()):
             if bk != 128 and not mx:
                 continue
-            pair = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages))
-            if pair not in pairs:
-                pairs.append(pair)
-        return pairs
+            tiles = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages),
+                     in_loop)  # fmt: skip
+            if tiles not in out:
+                out.append(tiles)
+        if not mx:
+            out.append((GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4),
+                        False))  # fmt: skip
+        return out
 
     def candidate_shapes(self):
         tokens = self.args.tokens
@@ -148,10 +155,12 @@ class QuantSweep(Sweep):
         want, measured = None, []
         # a change of tiles reorders float32 sums: a few roundings of the 16-bit outputs
         tol = 4 * torch.finfo(self.dtype).eps
-        for i, (gemm1, gemm2) in enumerate(self.configs(fmt, T * K / E)):
-            cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2)
+        for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E)):
+            cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
             name = (f"gemm1 {gemm1.block_n}x{gemm1.block_k} gemm2 {gemm2.block_n}x"
                     f"{gemm2.block_k} s{gemm1.num_stages}")  # fmt: skip
+            if fmt != "mxfp4" and not in_loop:
+                name += ", quantiser launch"
 
             def call(r, cfg=cfg):
                 tw, maps = r
