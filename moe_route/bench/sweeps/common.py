@@ -16,6 +16,7 @@ from moe_route.reference import topk_routing_reference
 
 from ..harness import Ceilings
 from ..shapes import Shape
+from ..timing import time_cuda
 
 #: The tiny shape of the CPU runs (interpreted kernels, float16).
 TINY = {"H": 32, "I": 32, "E": 4, "K": 2}
@@ -112,6 +113,22 @@ class Sweep:
 
         rep = rep_ms or self.args.rep_ms or self.rep_ms
         return triton.testing.do_bench(fn, warmup=self.warmup, rep=rep, return_mode="median")
+
+    def time_calls_us(self, fns) -> float:
+        """Microseconds per call of the calls ``fns`` (e.g. one per routing): a CUDA graph of
+        them all (median of 20 replays); on the CPU (the interpreter) one wall-clock pass."""
+        if self.cpu:
+            start = time.perf_counter()
+            for f in fns:
+                f()
+            return (time.perf_counter() - start) * 1e6 / len(fns)
+
+        def all_calls():
+            for f in fns:
+                f()
+
+        median_s = time_cuda(all_calls, use_graph=True, inner=1, outer=20, warmup=1).median_s
+        return median_s * 1e6 / len(fns)
 
     def rand(self, *shape, scale: float = 1.0, generator=None) -> torch.Tensor:
         t = torch.randn(*shape, device=self.device, dtype=self.dtype, generator=generator)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from typing import ClassVar
 
 import torch
@@ -19,7 +18,6 @@ from moe_route.kernels.triton.decode import moe_decode_triton
 from moe_route.plan import epilogue_for
 
 from ..shapes import MODELS, model_shape
-from ..timing import time_cuda
 from .common import Sweep, rel_err, short_error, tiny_shapes
 
 
@@ -85,21 +83,6 @@ class DecodeSweep(Sweep):
     def start(self):
         print(f"{self.device_name()}, {self.dtype}; each figure per call, over {self.calls} "
               f"routings{'' if self.cpu else ' in a CUDA graph'}")  # fmt: skip
-
-    def time_calls_us(self, fns) -> float:
-        """Per call: a CUDA graph of the calls (median of 20 replays); on the CPU, once."""
-        if self.cpu:
-            start = time.perf_counter()
-            for f in fns:
-                f()
-            return (time.perf_counter() - start) * 1e6 / len(fns)
-
-        def all_calls():
-            for f in fns:
-                f()
-
-        return time_cuda(all_calls, use_graph=True, inner=1, outer=20, warmup=1).median_s * 1e6 \
-            / len(fns)  # fmt: skip
 
     def run_shape(self, shape):
         layouts = ("k-contiguous", "n-contiguous") if self.mode == "layouts" else ("k-contiguous",)

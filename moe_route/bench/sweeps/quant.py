@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from typing import ClassVar
 
 import torch
@@ -21,7 +20,6 @@ from moe_route.plan import quant_plan_for
 from moe_route.quant import as_quant
 
 from ..shapes import model_shape
-from ..timing import time_cuda
 from .common import Sweep, rel_err, short_error, tiny_shapes
 
 
@@ -112,21 +110,6 @@ class QuantSweep(Sweep):
     def start(self):
         print(f"{self.device_name()}, {self.dtype} tokens; each figure per call, over "
               f"{self.calls} routings{'' if self.cpu else ' in a CUDA graph'}")  # fmt: skip
-
-    def time_calls_us(self, fns) -> float:
-        """Per call: a CUDA graph of the calls (median of 20 replays); on the CPU, once."""
-        if self.cpu:
-            start = time.perf_counter()
-            for f in fns:
-                f()
-            return (time.perf_counter() - start) * 1e6 / len(fns)
-
-        def all_calls():
-            for f in fns:
-                f()
-
-        return time_cuda(all_calls, use_graph=True, inner=1, outer=20, warmup=1).median_s * 1e6 \
-            / len(fns)  # fmt: skip
 
     def run_shape(self, shape):
         for fmt in self.FORMATS:
