@@ -841,6 +841,24 @@ def test_sweep_runs_its_tiny_case_on_the_cpu(tmp_path, capsys, name):
             assert statuses[0] == "current" and statuses[1:] and set(statuses[1:]) == {"ok"}
 
 
+@needs_interpreter
+def test_quant_sweep_prefill_tiles_on_the_cpu(tmp_path, capsys):
+    """``--sweep quant --prefill``: MXFP4 only, GEMM1's tiles beside the tables' GEMM2, then
+    GEMM2's beside the tables' GEMM1, all agreeing; decode sizes are refused there."""
+    rc = cli_main(["bench", "--sweep", "quant", "--prefill", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    with open(tmp_path / "quant_sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["format"] for r in rows} == {"mxfp4"} and {r["T"] for r in rows} == {"64"}
+    assert [r["status"] for r in rows] == ["current"] + ["ok"] * (len(rows) - 1)
+    pairs = [r["config"].split(" gemm2 ") for r in rows]
+    g1, g2 = pairs[0]
+    assert any(a == g1 and b != g2 for a, b in pairs) and any(a != g1 and b == g2 for a, b in pairs)
+    assert cli_main(["bench", "--sweep", "quant", "--prefill", "--tokens", "1"]) == 2
+    assert "more than 16 rows per expert" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what runs without a GPU")
 @pytest.mark.parametrize("name", list(SWEEP_TOKENS))
 def test_sweep_without_gpu_or_interpreter_refuses(monkeypatch, capsys, name):

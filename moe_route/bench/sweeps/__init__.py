@@ -23,7 +23,8 @@ prints a table per shape and writes every row to ``<NAME>_sweep.csv`` under ``--
 * ``quant`` — the 16-row tiles of the GEMMs on FP8 (128-block) and MXFP4 experts at decode
   sizes, the experts step in a CUDA graph of 16 routings, against the tables' tiles and the
   touched weights' read time at the copy rate; on FP8 also the tokens quantised by a launch
-  of their own rather than in the GEMMs' main loops (``--quick``: a small grid).
+  of their own rather than in the GEMMs' main loops (``--quick``: a small grid;
+  ``--prefill``: the MXFP4 tiles of prefill sizes against the dense bf16 rate).
 
 On a GPU the kernels run in bf16, each variant timed by ``triton.testing.do_bench`` (median,
 L2 flushed). Without one (or with ``--device cpu``), under ``TRITON_INTERPRET=1``, each sweep
@@ -88,6 +89,9 @@ OPTIONS = (
                       "help": "decode: the tables' tiles on k- and n-contiguous weights"}),
     (("--slots",), {"action": "store_true",
                     "help": "decode: the tables' tiles at up to 256 slots (T*K)"}),
+    (("--prefill",), {"action": "store_true",
+                      "help": "quant: the MXFP4 tiles of prefill sizes (mixtral-8x7b and "
+                              "qwen3-30b-a3b at T=4096) against the dense bf16 rate"}),
 )  # fmt: skip
 
 #: The suite's options a sweep reads whatever its name (the others: its ``takes``).

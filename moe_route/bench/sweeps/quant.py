@@ -1,7 +1,10 @@
-"""``bench --sweep quant``: the 16-row tiles of the grouped GEMMs on quantised experts (FP8
-128-block and MXFP4 weights, up to 16 rows per expert: decode) per configuration, the experts
-step of ``fused_moe`` (maps given) in a CUDA graph of 16 routings, against the tables' tiles
-(``tuning.quant_gemm_config``) and the touched weights' read time at the copy rate."""
+"""``bench --sweep quant``: the tiles of the grouped GEMMs on quantised experts per
+configuration, the experts step of ``fused_moe`` (maps given) in CUDA graphs, against the
+tables' tiles (``tuning.quant_gemm_config``). By default the 16-row tiles (up to 16 rows per
+expert: decode) on FP8 (128-block) and MXFP4 weights, 16 routings per graph, against the
+touched weights' read time at the copy rate; ``--prefill`` the MXFP4 tiles of prefill sizes
+(the FP8 ones run the SM90 kernel's fixed tiles there), GEMM1's tiles then GEMM2's, against
+the same FLOPs at the dense bf16 matmul rate."""
 
 from __future__ import annotations
 
@@ -42,14 +45,25 @@ def random_experts(fmt: str, E: int, N: int, K: int, device, g) -> tuple:
 class QuantSweep(Sweep):
     name = "quant"
     help = (
-        "the 16-row tiles of the GEMMs on FP8 and MXFP4 experts against the tables' tiles and "
-        "the weight-read time, CUDA graphs of 16 routings"
+        "the tiles of the GEMMs on FP8 and MXFP4 experts against the tables' tiles: decode "
+        "sizes against the weight-read time (--prefill: MXFP4 at prefill sizes), CUDA graphs"
     )
-    takes = ("quick", "shapes", "tokens")
-    FORMATS = ("fp8", "mxfp4")
+    takes = ("quick", "shapes", "tokens", "prefill")
     #: (model, T) of the default run; --tokens puts each of these models at those T
     DEFAULT = (("deepseek-v3", 1), ("deepseek-v3", 8), ("deepseek-v3", 64),
                ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64))  # fmt: skip
+    PREFILL = (("mixtral-8x7b", 4096), ("qwen3-30b-a3b", 4096))
+    #: MXFP4 prefill tiles ``(block_m, block_n, block_k, num_warps, num_stages)``: GEMM1's
+    #: (gated), timed beside the tables' GEMM2, then GEMM2's beside the tables' GEMM1
+    PREFILL_TILES: ClassVar[dict] = {
+        "gemm1": [(64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+                  (64, 64, 128, 4, 3), (128, 64, 32, 8, 4), (64, 128, 64, 4, 3),
+                  (256, 64, 64, 8, 3), (64, 128, 64, 8, 4)],
+        "gemm2": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3),
+                  (256, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3),
+                  (128, 128, 64, 8, 4)],
+        "tiny": [(32, 16, 32, 4, 2), (16, 32, 32, 4, 2)],
+    }  # fmt: skip
     #: GEMM1's (gated) and GEMM2's columns, the ``K`` step (FP8: the 128-column scale block
     #: only) and the stages of 16-row tiles on 4 warps
     GRIDS: ClassVar[dict] = {
@@ -63,8 +77,12 @@ class QuantSweep(Sweep):
 
     def __init__(self, args, device):
         super().__init__(args, device)
+        self.prefill = bool(getattr(args, "prefill", False))
+        if self.prefill and args.quick:
+            raise ValueError("--sweep quant takes one of --quick, --prefill")
         self.grid = self.GRIDS["tiny" if self.cpu else "quick" if args.quick else "full"]
-        self.calls = 2 if self.cpu else 16
+        self.formats = ("mxfp4",) if self.prefill else ("fp8", "mxfp4")
+        self.calls = 1 if self.prefill else 2 if self.cpu else 16
 
     def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
         """``(gemm1, gemm2, in_loop)``: the tables' first, then the grid's tiles, each once;
@@ -74,6 +92,16 @@ class QuantSweep(Sweep):
         in_loop = tuning.quant_in_loop(rows, not mx)
         out = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
                 tuning.quant_gemm_config(rows, False, mx, self.cc), in_loop)]  # fmt: skip
+        if self.prefill:
+            gemm1, gemm2 = out[0][:2]
+            tiles = self.PREFILL_TILES
+            for which in ("gemm1", "gemm2"):
+                for bm, bn, bk, warps, stages in tiles["tiny" if self.cpu else which]:
+                    cfg = GemmConfig(bm, bn, bk, 8, warps, stages)
+                    pair = (cfg, gemm2, False) if which == "gemm1" else (gemm1, cfg, False)
+                    if pair not in out:
+                        out.append(pair)
+            return out
         for n1, n2, bk, stages in itertools.product(*self.grid.values()):
             if bk != 128 and not mx:
                 continue
@@ -88,31 +116,37 @@ class QuantSweep(Sweep):
 
     def candidate_shapes(self):
         tokens = self.args.tokens
+        default = self.PREFILL if self.prefill else self.DEFAULT
         if self.cpu:
-            shapes = tiny_shapes(tokens or (1,))
+            shapes = tiny_shapes(tokens or ((64,) if self.prefill else (1,)))
         elif tokens:
-            models = dict.fromkeys(m for m, _ in self.DEFAULT)
+            models = dict.fromkeys(m for m, _ in default)
             shapes = [model_shape(m, T) for m in models for T in tokens]
         else:
-            shapes = [model_shape(m, T) for m, T in self.DEFAULT]
-        wide = [s.label for s in shapes if s.T * s.K / s.E > 16]
-        if wide:
-            raise ValueError(f"the sweep covers up to 16 rows per expert (T*K/E <= 16); "
-                             f"{', '.join(wide)} have more")  # fmt: skip
+            shapes = [model_shape(m, T) for m, T in default]
+        wrong = [s.label for s in shapes if (s.T * s.K / s.E > 16) != self.prefill]
+        if wrong:
+            what = "more than 16 rows per expert (T*K/E > 16)" if self.prefill else (
+                "up to 16 rows per expert (T*K/E <= 16; --prefill: more)")  # fmt: skip
+            raise ValueError(f"the sweep covers {what}; {', '.join(wrong)} do not")
         return shapes
 
     def describe(self):
-        grid = "tiny" if self.cpu else "quick" if self.args.quick else "full"
-        counts = ", ".join(f"{fmt} {len(self.configs(fmt, 1.0))}" for fmt in self.FORMATS)
+        if self.prefill:
+            grid = "tiny" if self.cpu else "prefill"
+            counts = f"mxfp4 {len(self.configs('mxfp4', 64.0))}"
+        else:
+            grid = "tiny" if self.cpu else "quick" if self.args.quick else "full"
+            counts = ", ".join(f"{fmt} {len(self.configs(fmt, 1.0))}" for fmt in self.formats)
         return [f"tile pairs per format ({grid} grid; the first is the tables'): {counts}; "
-                f"{self.calls} routings per figure"]  # fmt: skip
+                f"{self.calls} routing(s) per figure"]  # fmt: skip
 
     def start(self):
         print(f"{self.device_name()}, {self.dtype} tokens; each figure per call, over "
               f"{self.calls} routings{'' if self.cpu else ' in a CUDA graph'}")  # fmt: skip
 
     def run_shape(self, shape):
-        for fmt in self.FORMATS:
+        for fmt in self.formats:
             self.run_format(shape, fmt)
             self.release()
 
@@ -130,18 +164,26 @@ class QuantSweep(Sweep):
             ids = ids.to(torch.int32)
             routings.append((tw.to(self.dtype), moe_route.build_routing_maps(ids, E)))
             touched += ids.unique().numel()
-        read_s = touched / self.calls * per_expert / self.ceilings.copy_bytes_per_s
         base = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), "auto").configs
         label = f"{shape.label} {fmt}"
-        print(f"== {label}: touched weights {touched / self.calls * per_expert / 1e6:.0f} MB per "
-              f"call, {read_s * 1e6:.1f} us at the copy rate")  # fmt: skip
+        if self.prefill:  # the floor: the same FLOPs at the dense bf16 matmul rate
+            flops = 2 * T * K * 3 * H * inter
+            floor_us = flops / self.ceilings.mm_flops_per_s * 1e6
+            what = "the dense bf16 time"
+            print(f"== {label}: {flops / 1e12:.2f} TFLOP per call, {floor_us:.1f} us at the "
+                  f"dense bf16 rate")  # fmt: skip
+        else:  # the floor: the touched experts' bytes at the copy rate
+            touched_bytes = touched / self.calls * per_expert
+            floor_us = touched_bytes / self.ceilings.copy_bytes_per_s * 1e6
+            what = "the read time"
+            print(f"== {label}: touched weights {touched_bytes / 1e6:.0f} MB per call, "
+                  f"{floor_us:.1f} us at the copy rate")  # fmt: skip
         want, measured = None, []
         # a change of tiles reorders float32 sums: a few roundings of the 16-bit outputs
         tol = 4 * torch.finfo(self.dtype).eps
         for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E)):
             cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
-            name = (f"gemm1 {gemm1.block_n}x{gemm1.block_k} gemm2 {gemm2.block_n}x"
-                    f"{gemm2.block_k} s{gemm1.num_stages}")  # fmt: skip
+            name = f"gemm1 {_tile(gemm1)} gemm2 {_tile(gemm2)}"
             if fmt != "mxfp4" and not in_loop:
                 name += ", quantiser launch"
 
@@ -164,14 +206,20 @@ class QuantSweep(Sweep):
                 print(f"   {name}: {short_error(exc, 80)}")
                 failed = f"FAILED {short_error(exc, 80)}"
                 self.record(shape, format=fmt, config=name, us=math.nan, rel_err=math.nan,
-                            over_read=math.nan, status=failed)  # fmt: skip
+                            over_floor=math.nan, status=failed)  # fmt: skip
                 continue
             status = "current" if current else "ok" if err < tol else "MISMATCH"
             self.record(shape, format=fmt, config=name, us=us, rel_err=err,
-                        over_read=us / (read_s * 1e6), status=status)  # fmt: skip
+                        over_floor=us / floor_us, status=status)  # fmt: skip
             measured.append((us, err, name, current))
         measured.sort(key=lambda r: r[0])
         now = next((r[0] for r in measured if r[3]), float("nan"))
-        print(f"   tables' tiles {now:.1f} us ({now / (read_s * 1e6):.2f}x the read time)")
+        print(f"   tables' tiles {now:.1f} us ({now / floor_us:.2f}x {what})")
         for us, err, name, _ in measured[:6]:
-            print(f"   {us:7.1f} us  {us / (read_s * 1e6):5.2f}x  err {err:.1e}  {name}")
+            print(f"   {us:7.1f} us  {us / floor_us:5.2f}x  err {err:.1e}  {name}")
+
+
+def _tile(cfg: GemmConfig) -> str:
+    """``16x32x128 w4 s4``: rows, columns, ``K`` step, warps, stages."""
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+            f"s{cfg.num_stages}")  # fmt: skip
