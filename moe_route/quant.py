@@ -220,7 +220,7 @@ def quantize_fp8_rows(
     """The activations' quantiser: ``(q [R, C] e4m3, scale [R, ceil(C/group)] float32)`` of
     ``x [R, C]``, one scale per row per ``group`` columns (``group=0``: per row, ``scale
     [R, 1]``). Values are not checked (see the module doc). The reference of the Triton
-    kernel :func:`moe_route.kernels.triton.quant.quantize_rows_triton`."""
+    kernel :func:`moe_route.kernels.triton.quantize_rows.quantize_rows_triton`."""
     x = _checks.check_tensor("x", x, ndim=2, dtypes=_checks.FLOAT_DTYPES)
     R, C = x.shape
     g = C if group == 0 else group
@@ -412,7 +412,7 @@ def _quantize_rows_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return quantize_fp8_rows(x, group, ue8m0=ue8m0)
-    from .kernels.triton.quant import quantize_rows_triton
+    from .kernels.triton.quantize_rows import quantize_rows_triton
 
     return quantize_rows_triton(x, group, ue8m0)
 

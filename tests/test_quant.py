@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import moe_route
 from moe_route import quant as Q
-from moe_route.kernels.triton.quant import quantize_rows_triton
+from moe_route.kernels.triton.quantize_rows import quantize_rows_triton
 
 FORMATS = ("fp8", "fp8_ue8m0", "fp8_channel", "mxfp4")
 

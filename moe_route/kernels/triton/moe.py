@@ -47,7 +47,8 @@ from .gemm_act_backward import ActBackwardLaunch
 from .gemm_finalize import grouped_gemm_finalize_triton
 from .gemm_mainloop import IDENTITY, GemmConfig, GemmEpilogue
 from .grouped_gemm import GemmLaunch, grouped_gemm_triton
-from .quant import SCALE_K, QuantGemmLaunch, QuantizeRowsLaunch
+from .quant import SCALE_K, QuantGemmLaunch
+from .quantize_rows import QuantizeRowsLaunch
 from .router_grad import RouterGradLaunch
 from .tma import TMA_DTYPES
 from .weight_grad import (

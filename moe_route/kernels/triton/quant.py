@@ -1,31 +1,28 @@
-"""Quantised experts: the activations' FP8 quantiser and the grouped GEMM on quantised weights.
+"""Quantised experts: the grouped GEMM on quantised weights.
 
-* :func:`_quantize_rows_kernel` — ``x [R, C]`` to e4m3 codes and one float32 scale per row per
-  ``GROUP`` columns (or per row): :func:`moe_route.quant.quantize_fp8_rows`'s bits. ``fused_moe``
-  quantises the tokens ``[T, H]`` once (a token goes to ``K`` experts; GEMM1 gathers its
-  codes and scales through the maps).
-* :func:`_quant_gemm_kernel` — GEMM1 / GEMM2 over expert-grouped rows (the tile order, expert
-  lookup and epilogue of :mod:`.gemm_mainloop`, shared through its ``@triton.jit`` helpers), in
-  one of two products:
+:func:`_quant_gemm_kernel` — GEMM1 / GEMM2 over expert-grouped rows (the tile order, expert
+lookup and epilogue of :mod:`.gemm_mainloop`, shared through its ``@triton.jit`` helpers), in
+one of two products (the tokens' FP8 codes come from :mod:`.quantize_rows`, or from the main
+loop itself):
 
-  - ``MXFP4 = False``: FP8 × FP8. Each ``BLOCK_K = 128`` step is one tensor-core product of
-    e4m3 codes whose float32 result is scaled by the row's activation scale and the weight
-    block's scale and added to a float32 accumulator: Hopper's FP8 MMA accumulates with
-    reduced precision, so no partial sum runs longer than one scale block (DeepSeek-V3's and
-    DeepGEMM's promotion). Per-channel scales (``fp8_channel``) come with a zero k-stride.
-  - ``MXFP4 = True``: 16-bit activations × e2m1 weights through ``tl.dot_scaled``, which
-    unpacks two codes per byte, scales each 32 values by their ue8m0 exponent and feeds a
-    16-bit MMA (Hopper has no FP4 MMA).
+- ``MXFP4 = False``: FP8 × FP8. Each ``BLOCK_K = 128`` step is one tensor-core product of
+  e4m3 codes whose float32 result is scaled by the row's activation scale and the weight
+  block's scale and added to a float32 accumulator: Hopper's FP8 MMA accumulates with
+  reduced precision, so no partial sum runs longer than one scale block (DeepSeek-V3's and
+  DeepGEMM's promotion). Per-channel scales (``fp8_channel``) come with a zero k-stride.
+- ``MXFP4 = True``: 16-bit activations × e2m1 weights through ``tl.dot_scaled``, which
+  unpacks two codes per byte, scales each 32 values by their ue8m0 exponent and feeds a
+  16-bit MMA (Hopper has no FP4 MMA).
 
-  On FP8 a gated GEMM1 computes gate and up as one product twice as wide (a ``[BLOCK_M,
-  2*BLOCK_N]`` accumulator, split after the loop), and with ``A_DESC`` / ``W_DESC`` (SM90)
-  the weights, and GEMM2's input, come through TMA descriptors: the same bits as the
-  pointer-fed loads.
+On FP8 a gated GEMM1 computes gate and up as one product twice as wide (a ``[BLOCK_M,
+2*BLOCK_N]`` accumulator, split after the loop), and with ``A_DESC`` / ``W_DESC`` (SM90)
+the weights, and GEMM2's input, come through TMA descriptors: the same bits as the
+pointer-fed loads.
 
-  ``OUT_FP8`` (GEMM1 on FP8): the epilogue quantises ``act(...)`` per row over its
-  ``BLOCK_N = 128`` columns (the activations' group) and writes GEMM2's input as e4m3 codes and
-  scales, so the intermediate is half the bytes and no separate pass reads it. Dropped rows
-  ``[offset[E], M)`` are written as zeros (codes and scales), so every output is defined.
+``OUT_FP8`` (GEMM1 on FP8): the epilogue quantises ``act(...)`` per row over its
+``BLOCK_N = 128`` columns (the activations' group) and writes GEMM2's input as e4m3 codes and
+scales, so the intermediate is half the bytes and no separate pass reads it. Dropped rows
+``[offset[E], M)`` are written as zeros (codes and scales), so every output is defined.
 
 ``UPCAST`` / ``SOFT_FP8`` (the CPU interpreter, whose FP8 dot and float-to-e4m3 rounding are
 wrong, and which has no ``dot_scaled``): the e4m3 operands are widened to fp16 (exactly) before
@@ -62,84 +59,6 @@ SCALE_K = 128
 MX_GROUP = 32
 
 _VARYING = ["M_ROWS", "M_TILES", "T"]
-
-
-# --------------------------------------------------------------------------- FP8 quantiser
-@triton.jit(do_not_specialize=["R"])
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xc, stride_qr, stride_sr,
-                          GROUP: tl.constexpr, ROW_WISE: tl.constexpr, UE8M0: tl.constexpr,
-                          SOFT_FP8: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr):  # fmt: skip
-    """Program ``(i, g)``: rows ``[i*BLOCK_R, ...)``, column group ``g`` (``GROUP = BLOCK_C``
-    columns); with ``ROW_WISE`` one scale per row over all ``C`` columns (two passes)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xr
-    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_qr
-    if ROW_WISE:
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            ok = row_ok[:, None] & (cols < C)[None, :]
-            v = tl.load(x_rows + cols[None, :] * stride_xc, mask=ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        s = fp8_scale(amax, UE8M0)
-        for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            ok = row_ok[:, None] & (cols < C)[None, :]
-            v = tl.load(x_rows + cols[None, :] * stride_xc, mask=ok, other=0.0).to(tl.float32)
-            tl.store(q_rows + cols[None, :], fp8_codes(v, s[:, None], SOFT_FP8), mask=ok)
-        tl.store(s_ptr + rows.to(tl.int64) * stride_sr, s, mask=row_ok)
-    else:
-        g = tl.program_id(1)
-        cols = g * GROUP + tl.arange(0, BLOCK_C)
-        ok = row_ok[:, None] & (cols < C)[None, :]
-        v = tl.load(x_rows + cols[None, :] * stride_xc, mask=ok, other=0.0).to(tl.float32)
-        s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
-        tl.store(q_rows + cols[None, :], fp8_codes(v, s[:, None], SOFT_FP8), mask=ok)
-        tl.store(s_ptr + rows.to(tl.int64) * stride_sr + g, s, mask=row_ok)
-
-
-_QUANTIZE_ROWS = ThinKernel(_quantize_rows_kernel)
-
-
-class QuantizeRowsLaunch:
-    """:func:`_quantize_rows_kernel`'s launch prepared from ``x``'s layout and the group
-    (``group=0``: one scale per row). Writes ``q [R, C]`` (contiguous e4m3) and ``s [R, G]``
-    (contiguous float32)."""
-
-    __slots__ = ("block_r", "cx", "groups", "key", "strides")
-
-    def __init__(self, x: torch.Tensor, group: int, ue8m0: bool):
-        C = x.shape[1]
-        row_wise = group == 0
-        block_c = 128 if row_wise else next_pow2(group)
-        self.block_r = 16
-        self.groups = 1 if row_wise else cdiv(C, group)
-        sx = x.stride()
-        self.strides = (C, *sx, C, self.groups)
-        self.key = LaunchKey((x.dtype, sx, C, group, ue8m0))
-        self.cx = dict(GROUP=max(group, 1), ROW_WISE=row_wise, UE8M0=ue8m0,
-                       SOFT_FP8=INTERPRETING, BLOCK_R=self.block_r, BLOCK_C=block_c,
-                       num_warps=4)  # fmt: skip
-
-    def __call__(self, x, q, s) -> None:
-        R = x.shape[0]
-        if R == 0 or x.shape[1] == 0:
-            return
-        C, sxr, sxc, sqr, ssr = self.strides
-        q = q.view(torch.uint8) if INTERPRETING else q
-        _QUANTIZE_ROWS.launch(self.key, (cdiv(R, self.block_r), self.groups),
-                              (x, q, s, R, C, sxr, sxc, sqr, ssr), lambda: self.cx)  # fmt: skip
-
-
-def quantize_rows_triton(x: torch.Tensor, group: int = 128, ue8m0: bool = False):
-    """``(q, s)`` of ``x [R, C]``: see :func:`moe_route.quant.quantize_fp8_rows`."""
-    R, C = x.shape
-    q = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(R, 1 if group == 0 else cdiv(C, group), dtype=torch.float32, device=x.device)
-    QuantizeRowsLaunch(x, group, ue8m0)(x, q, s)
-    return q, s
 
 
 # --------------------------------------------------------------------------- grouped GEMM
@@ -230,10 +149,10 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
     or pointers at ``w_rows``.
 
     ``A_QUANT``: ``A`` holds 16-bit or float32 rows, quantised here as
-    :func:`_quantize_rows_kernel` (or :func:`_quant_tile`'s ``OUT_FP8`` epilogue) does: the same
-    codes and scales, so the same products. ``1``, each block on its own scale; ``2``, one
-    scale per row, from a first pass over the row. Else ``A`` holds e4m3 codes and ``as_ptr``
-    their scales."""
+    :func:`.quantize_rows._quantize_rows_kernel` (or :func:`_quant_tile`'s ``OUT_FP8``
+    epilogue) does: the same codes and scales, so the same products. ``1``, each block on its
+    own scale; ``2``, one scale per row, from a first pass over the row. Else ``A`` holds e4m3
+    codes and ``as_ptr`` their scales."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
