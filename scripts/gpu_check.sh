@@ -20,6 +20,11 @@
 #                                       bench stage at the floor shapes (mixtral T=4096, qwen3
 #                                       T=32768, deepseek-v3 T=16384 and decode T=1/8/64);
 #                                       quant_*.log, sanitize_*_quant.log
+#   bash scripts/gpu_check.sh tune      the quantised GEMMs' tile sweeps (bench --sweep quant:
+#                                       16-row tiles at decode sizes, --quick; MXFP4 prefill
+#                                       tiles, --prefill), then the cold start of a new token
+#                                       bucket (bench/bench_cold_start.py); quant_sweep_*.csv,
+#                                       tune_*.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
@@ -129,6 +134,25 @@ if [ "$part" = quant ]; then
         grep -v -i warning "$out/quant_bench_$model.log" | tail -n 30
         rc=$(( rc || b_rc ))
     done
+fi
+
+if [ "$part" = tune ]; then
+    # Each bounded, so that the part fits one 10-minute job.
+    for run in "decode|--quick|220" "prefill|--prefill|200"; do
+        IFS='|' read -r name flags bound <<< "$run"
+        timeout "$bound" python3 -m moe_route bench --sweep quant $flags --out "$out" \
+            --name "quant_sweep_$name" > "$out/tune_$name.log" 2>&1
+        b_rc=$?
+        echo "== sweep quant $name (rc=$b_rc)"
+        grep -E "^(==|   )" "$out/tune_$name.log" | tail -n 60
+        rc=$(( rc || b_rc ))
+    done
+    timeout 120 python3 bench/bench_cold_start.py --tokens 100,700,1300 --out "$out" \
+        > "$out/tune_cold_start.log" 2>&1
+    b_rc=$?
+    echo "== cold start (rc=$b_rc)"
+    tail -n 20 "$out/tune_cold_start.log"
+    rc=$(( rc || b_rc ))
 fi
 
 if [ "$part" = ep ]; then
