@@ -11,16 +11,22 @@ finalize reduces in compacted row groups), and so does ptxas's warning that the 
 instructions are serialised ("WGMMA SERIALIZED"). Arguments are specialised as a launch at the
 standard shapes specialises them (unit strides constant, the rest multiples of 16).
 
+``--loops`` adds, for the quantised kernels, the SASS of each one's longest loop (the main
+loop): its instruction count per iteration and the most frequent opcodes, which shows what a
+change to a main loop costs before any device time is spent.
+
 Usage: ``python scripts/kernel_resources.py [--arch 90] [--top-k 8] [--experts 256]
-[--dtype bf16]``.
+[--dtype bf16] [--loops]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -198,6 +204,35 @@ def ptxas_report(kernel, arch) -> str:
     return report
 
 
+def loop_report(kernel) -> str:
+    """The main loop of ``kernel``'s SASS (the innermost loop that issues tensor-core
+    instructions, else the longest loop): instructions per iteration and the six most
+    frequent opcodes (cuobjdump from the Triton wheel)."""
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    run = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True)
+    os.unlink(f.name)
+    code = [(int(m[1], 16), m[2].strip()) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", run.stdout)]  # fmt: skip
+    loops = [(int(m[1], 16), addr) for addr, text in code
+             if (m := re.search(r"BRA (0x[0-9a-f]+)", text)) and int(m[1], 16) < addr]  # fmt: skip
+    if not loops:
+        return "no loop"
+
+    def body(span):
+        return [text for addr, text in code if span[0] <= addr <= span[1]]
+
+    mma = [span for span in loops if any("MMA" in t for t in body(span))]
+    span = (
+        min(mma, key=lambda sp: sp[1] - sp[0]) if mma else max(loops, key=lambda sp: sp[1] - sp[0])
+    )
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                              for t in body(span))  # fmt: skip
+    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+    return f"main loop {len(body(span))} instructions: {top}"
+
+
 #: The quantised kernels' strides that are 1 at a launch on contiguous operands (the
 #: innermost dimension of the tokens, weights, scales, biases, routing tables and outputs).
 UNIT_STRIDES = frozenset({
@@ -346,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--experts", type=int, default=256, help="E (the in-kernel tile search)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--loops", action="store_true",
+                   help="also the quantised kernels' main loops in SASS")  # fmt: skip
     args = p.parse_args(argv)
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.dtype}, K={args.top_k}, "
           f"E={args.experts}")  # fmt: skip
@@ -374,6 +411,8 @@ def main(argv=None) -> int:
         try:
             k = build()
             report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
+            if args.loops:
+                report += f"\n{'':<45} {loop_report(k)}"
         except Exception as exc:  # a variant this Triton cannot build for the target
             report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         print(f"{label:<26} {tiles:<18} {report}")
@@ -387,6 +426,8 @@ def main(argv=None) -> int:
                 k = compile_fp8_sm90(gated, gather, channel, arch=args.arch,
                                      experts=args.experts)  # fmt: skip
                 report = f"{ptxas_report(k, args.arch)}; {k.metadata.shared} B shared"
+                if args.loops:
+                    report += f"\n{'':<45} {loop_report(k)}"
             except Exception as exc:  # a Triton without this Gluon API
                 report = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             print(f"{name:<26} {'ws 2x4+1 warps':<18} {report}")
