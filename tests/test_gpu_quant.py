@@ -259,12 +259,34 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
     assert _rel(out, ref) < 2e-2
 
 
+def _near_midpoints(amax: float) -> torch.Tensor:
+    """float32 values whose quotients by ``amax / 448`` fall on, and one ulp either side of,
+    the midpoints between neighbouring e4m3 values (where a quotient one ulp off rounds to
+    the other code), in groups of 128 each led by ``amax`` (so every group's scale is
+    ``amax / 448``)."""
+    s = torch.tensor(amax, dtype=torch.float32) / 448
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    v = ((grid[1:] + grid[:-1]) / 2 * s).float()
+    v = torch.cat([v, torch.nextafter(v, v + 1), torch.nextafter(v, v - 1)])
+    v = torch.cat([v, -v])
+    chunks = [torch.cat([torch.tensor([amax]), c]) for c in v.split(127)]
+    return torch.cat(chunks)
+
+
 @pytest.mark.parametrize("group", [128, 0])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_activation_quantiser_bits(group, ue8m0):
-    x = torch.randn(257, 7168 + 37, device=CUDA).bfloat16() * 50
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_quantiser_bits(group, ue8m0, dtype):
+    """The kernel's codes and scales are the reference quantiser's bits, on random rows (a
+    float32 row: every mantissa bit in play) and on quotients at e4m3's rounding midpoints."""
+    x = (torch.randn(257, 7168 + 37, device=CUDA) * 50).to(dtype)
     x[3] = 0
     x[5, :6] = torch.tensor([448.0, -448.0, 1e-4, -1e-4, 0.0, 60000.0])
+    if dtype == torch.float32:
+        for row, amax in ((7, 448.0 * 1.1), (8, 3.3e-3), (9, 1234.567)):
+            near = _near_midpoints(amax)
+            x[row] = 0
+            x[row, : near.numel()] = near.to(CUDA)
     name = {(128, False): "fp8", (128, True): "fp8_ue8m0", (0, False): "fp8_channel",
             (0, True): "fp8_channel_ue8m0"}[(group, ue8m0)]  # fmt: skip
     q, s = moe_route.quantize_activations(x, name)

@@ -79,6 +79,33 @@ def test_fp8_limits_and_ties():
     assert q.tolist() == [[448.0, 448.0, -448.0, 2.0**-9, 2.0**-8, 0.0, 0.0, -0.0, 16.0]]
 
 
+def _quotient_by_reciprocal(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``v / s`` as the FP8 kernels compute it on a GPU (``kernels/triton/fp8_codes.py``):
+    ``r = RN(1/s)``, ``q = RN(v r)``, then ``RN(q + RN(v - q s) r)`` by two FMAs. float64
+    holds each FMA exactly here: ``q s`` and ``e r`` are 48-bit products, ``v - q s`` is the
+    exact remainder (a float32 when ``q`` is within an ulp of ``v / s``), and ``q + e r``
+    rounds once more only far from a float32 midpoint."""
+    r = 1.0 / s
+    q = v * r
+    e = (v.double() - q.double() * s.double()).float()
+    return (q.double() + e.double() * r.double()).float()
+
+
+@given(log_amax=st.floats(-23.0, 69.0), seed=st.integers(0, 2**16))
+def test_fp8_quotient_by_reciprocal_is_the_division(log_amax, seed):
+    """The kernels' reciprocal-and-correction quotient is float32 division's, bit for bit
+    (Markstein's correction), for every value a row of scale ``amax / 448`` holds: random
+    ones and those on and beside the midpoints where e4m3 rounding changes code."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.tensor(math.exp(log_amax), dtype=torch.float32)
+    s = torch.maximum(amax, torch.tensor(1e-10)) / 448
+    v = (torch.rand(20000, generator=g) * 2 - 1) * amax
+    grid = _e4m3_grid()
+    mid = ((grid[1:] + grid[:-1]) / 2 * s).float()
+    v = torch.cat([v, mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1), -mid])
+    assert torch.equal(_quotient_by_reciprocal(v, s).view(torch.int32), (v / s).view(torch.int32))
+
+
 def test_mxfp4_ties_and_grid():
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, 6.0, -6.0, 0.3, -2.9])
     codes = Q._e2m1_codes(v)

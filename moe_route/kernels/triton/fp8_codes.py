@@ -53,8 +53,19 @@ def _e4m3_bits(v):
 @triton.jit
 def fp8_codes(v, s, SOFT_FP8: tl.constexpr):
     """``e4m3(clamp(v / s, -448, 448))``, ``s`` broadcast over ``v`` (as ``uint8`` codes with
-    ``SOFT_FP8``: :func:`_e4m3_bits`)."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)
+    ``SOFT_FP8``: :func:`_e4m3_bits`).
+
+    ``v / s`` is float32 division's quotient, bit for bit, computed as the product by the
+    rounded reciprocal (one division per row) corrected once by the exact remainder (two
+    FMAs; Markstein's correction): an IEEE division per value costs a range check and a
+    slow-path branch each. The interpreter, whose FMA rounds twice, divides."""
+    if SOFT_FP8:
+        q = tl.math.div_rn(v, s)
+    else:
+        r = tl.math.div_rn(1.0, s)
+        q = v * r
+        q = tl.math.fma(tl.math.fma(-q, s, v), r, q)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if SOFT_FP8:
         return _e4m3_bits(q)
     return q.to(tl.float8e4nv)
