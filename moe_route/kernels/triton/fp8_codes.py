@@ -58,14 +58,12 @@ def fp8_codes(v, s, SOFT_FP8: tl.constexpr):
     ``v / s`` is float32 division's quotient, bit for bit, computed as the product by the
     rounded reciprocal (one division per row) corrected once by the exact remainder (two
     FMAs; Markstein's correction): an IEEE division per value costs a range check and a
-    slow-path branch each. The interpreter, whose FMA rounds twice, divides."""
+    slow-path branch each. The interpreter, whose FMA rounds twice, divides. The GPU's
+    conversion saturates (``cvt.rn.satfinite``), which is the clamp."""
     if SOFT_FP8:
         q = tl.math.div_rn(v, s)
-    else:
-        r = tl.math.div_rn(1.0, s)
-        q = v * r
-        q = tl.math.fma(tl.math.fma(-q, s, v), r, q)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    if SOFT_FP8:
-        return _e4m3_bits(q)
+        return _e4m3_bits(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    r = tl.math.div_rn(1.0, s)
+    q = v * r
+    q = tl.math.fma(tl.math.fma(-q, s, v), r, q)
     return q.to(tl.float8e4nv)
