@@ -121,6 +121,27 @@ def _params(kernel):
     ]
 
 
+def _launch_signature(fn, types: dict, unit=(), odd=()) -> tuple[dict, dict, dict]:
+    """``(signature, attributes, constants)`` of ``fn`` as a launch specialises it: the
+    argument types of ``types`` (other pointers float32, other integers i32); the integers
+    named in ``unit`` (the unit strides) the constant 1, as Triton specialises an argument of
+    1; every other pointer and integer a multiple of 16 but those named in ``odd``, the
+    descriptors and the ``do_not_specialize`` ones."""
+    sig, attrs, ones = {}, {}, {}
+    for i, (name, is_const) in enumerate(_params(fn)):
+        if is_const:
+            sig[name] = "constexpr"
+            continue
+        if name in unit:
+            sig[name], ones[name] = "constexpr", 1
+            continue
+        sig[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+        if (not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize
+                and name not in odd):  # fmt: skip
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, ones
+
+
 def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     bm, bn, bk, group_m, warps, stages = cfg
     const = dict(
@@ -156,41 +177,35 @@ def compile_variant(kernel, cfg, epilogue, *, arch, top_k, experts, dtype):
     w_block = f"[1, {bk}, {bn}]" if const["W_KMAJOR"] else f"[1, {bn}, {bk}]"
     if const["ONE_DOT"]:  # gate and up rows in one box (the persistent kernel's gated GEMM1)
         w_block = f"[1, 2, {bn}, {bk}]" if const["ONE_DOT"] == 1 else f"[1, {2 * bn}, {bk}]"
-    sig, attrs = {}, {}
-    for i, (name, is_const) in enumerate(params):
-        if not is_const and name not in unit | odd and name not in kernel.do_not_specialize:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        if is_const or name in unit:
-            sig[name] = "constexpr"
-        elif name == "a_desc":
-            sig[name] = f"tensordesc<{dtype}[{bm}, {bk}]>" if const["A_DESC"] else f"*{dtype}"
-        elif name == "w_desc":
-            sig[name] = f"tensordesc<{dtype}{w_block}>" if const["W_DESC"] else f"*{dtype}"
-        elif name == "out_desc":
-            sig[name] = (
-                f"tensordesc<{dtype}[1, 1, {bm}, {bn}]>" if const["OUT_DESC"] else f"*{dtype}"
-            )
-        elif name == "z_desc":
-            z_block = f"[1, 1, {bm}, 1, {bn}]" if const["GATED"] else f"[1, 1, {bm}, {bn}]"
-            sig[name] = f"tensordesc<{dtype}{z_block}>" if const["Z_DESC"] else f"*{dtype}"
+    descs = {
+        "a_desc": (const["A_DESC"], f"[{bm}, {bk}]"),
+        "w_desc": (const["W_DESC"], w_block),
+        "out_desc": (const["OUT_DESC"], f"[1, 1, {bm}, {bn}]"),
+        "z_desc": (const["Z_DESC"],
+                   f"[1, 1, {bm}, 1, {bn}]" if const["GATED"] else f"[1, 1, {bm}, {bn}]"),
+    }  # fmt: skip
+    types = {}
+    for name, _ in params:
+        if name in descs:
+            on, block = descs[name]
+            types[name] = f"tensordesc<{dtype}{block}>" if on else f"*{dtype}"
         elif name == "final_ptr":
-            sig[name] = "*fp32" if atomic_out else f"*{dtype}"
+            types[name] = "*fp32" if atomic_out else f"*{dtype}"
         elif name.endswith("_ptr"):
-            sig[name] = "*" + POINTER_TYPES.get(name, dtype)
-        else:
-            sig[name] = "i32"
-    const = {name: const[name] for name, is_const in params if is_const}
-    const.update((name, 1) for name, _ in params if name in unit)
-    for i, (name, _) in enumerate(params):
-        if sig[name].startswith("tensordesc"):
-            attrs.pop((i,), None)
+            types[name] = "*" + POINTER_TYPES.get(name, dtype)
+    sig, attrs, ones = _launch_signature(kernel, types, unit, odd)
+    const = {name: const[name] for name, is_const in params if is_const} | ones
     src = ASTSource(kernel, sig, constexprs=const, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     return triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
 
 
+#: The CUDA tools the Triton wheel carries (ptxas, cuobjdump).
+NV_BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+
+
 def ptxas_report(kernel, arch) -> str:
-    ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+    ptxas = os.path.join(NV_BIN, "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
@@ -208,7 +223,7 @@ def loop_report(kernel) -> str:
     """The main loop of ``kernel``'s SASS (the innermost loop that issues tensor-core
     instructions, else the longest loop): instructions per iteration and the six most
     frequent opcodes (cuobjdump from the Triton wheel)."""
-    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    tool = os.path.join(NV_BIN, "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     run = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True)
@@ -249,27 +264,6 @@ def _odd(fmt: str) -> frozenset:
     if fmt == "fp8":
         odd |= {"stride_asm", "stride_osm", "stride_sn", "KS"}
     return frozenset(odd)
-
-
-def _launch_signature(fn, types: dict, unit=(), odd=()) -> tuple[dict, dict, dict]:
-    """``(signature, attributes, constants)`` of ``fn`` as a launch specialises it: the
-    argument types of ``types`` (other pointers float32, other integers i32); the integers
-    named in ``unit`` (the unit strides) the constant 1, as Triton specialises an argument of
-    1; every other pointer and integer a multiple of 16 but those named in ``odd``, the
-    descriptors and the ``do_not_specialize`` ones."""
-    sig, attrs, ones = {}, {}, {}
-    for i, (name, is_const) in enumerate(_params(fn)):
-        if is_const:
-            sig[name] = "constexpr"
-            continue
-        if name in unit:
-            sig[name], ones[name] = "constexpr", 1
-            continue
-        sig[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
-        if (not sig[name].startswith("tensordesc") and name not in fn.do_not_specialize
-                and name not in odd):  # fmt: skip
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, attrs, ones
 
 
 def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
