@@ -15,7 +15,6 @@ from typing import ClassVar
 
 import torch
 
-import moe_route
 from moe_route import tuning
 from moe_route.kernels.triton.gemm_mainloop import GemmConfig
 from moe_route.kernels.triton.moe import moe_forward_quant_triton
@@ -158,11 +157,9 @@ class QuantSweep(Sweep):
         w2, s2 = random_experts(fmt, E, H, inter, self.device, g)
         per_expert = sum(t[0].numel() * t.element_size() for t in (w1, s1, w2, s2))
         routings, touched = [], 0
-        for _ in range(self.calls):
-            logits = torch.randn(T, E, device=self.device, generator=g)
-            tw, ids = torch.softmax(logits, -1).topk(K, -1)
-            ids = ids.to(torch.int32)
-            routings.append((tw.to(self.dtype), moe_route.build_routing_maps(ids, E)))
+        for i in range(self.calls):
+            tw, ids, maps = self.routing(shape, seed=self.args.seed + i)
+            routings.append((tw, maps))
             touched += ids.unique().numel()
         base = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), "auto").configs
         label = f"{shape.label} {fmt}"
