@@ -262,7 +262,7 @@ def _odd(fmt: str) -> frozenset:
     DeepSeek-V3's H = 7168; 6 at Qwen3's I = 768)."""
     odd = {"stride_it", "stride_wt"}
     if fmt == "fp8":
-        odd |= {"stride_asm", "stride_osm", "stride_sn", "KS"}
+        odd |= {"stride_asm", "stride_osm", "stride_sn"}
     return frozenset(odd)
 
 

@@ -136,7 +136,7 @@ def _decode_up_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _decode_up_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, KS, E,
+    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_it, stride_ik, stride_hs,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
@@ -158,7 +158,7 @@ def _decode_up_fp8_kernel(
     a_ptr = x_ptr + (t - slot).to(tl.int64) * stride_xt
     _quant_tile(
         a_ptr, x_ptr, x_ptr, w_ptr, w_ptr, ws_ptr, h_ptr, h_ptr, b_ptr, ids_ptr, e, slot,
-        slot + 1, tl.program_id(1), N_OUT, KD, KD, KS, T, stride_xt, stride_xh, 0, 0, stride_we,
+        slot + 1, tl.program_id(1), N_OUT, KD, KD, T, stride_xt, stride_xh, 0, 0, stride_we,
         stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
         stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
         INTERLEAVED, HAS_BIAS, False, False, SN, False, UE8M0, UPCAST, False, False,
@@ -382,7 +382,7 @@ class QuantDecodeLaunch:
                                  topk_ids))  # fmt: skip
         self.up_key = LaunchKey((cfg, epi, dtypes, sx, sw1, s1, sb1, sid, K, n_inter, H, E,
                                  x_group, w_block_rows, ue8m0))  # fmt: skip
-        self.up_tail = (n_inter, H, w1_scale.shape[-1], E, *sx, *sw1, *s1, *sb1, *sid, n_inter)
+        self.up_tail = (n_inter, H, E, *sx, *sw1, *s1, *sb1, *sid, n_inter)
         self.up_constexprs = lambda: dict(
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
             UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,

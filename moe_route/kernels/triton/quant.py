@@ -76,23 +76,6 @@ def _e2m1(c, scale):
 
 
 @triton.jit
-def _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk, stride_sn,
-                stride_sk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """``[BLOCK_K, BLOCK_N]`` float32 weights of columns ``k0 ...``: ``BLOCK_K / 2`` packed
-    bytes per column (the even column in the low nibble), each scaled by its group's ue8m0
-    exponent (one per 16 bytes; the repeated addresses come from L1)."""
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    rows = w_rows[None, :].to(tl.int64)
-    ok = (kp < KP)[:, None] & col_ok[None, :]
-    p = tl.load(w_base + rows * stride_wn + kp[:, None] * stride_wk, mask=ok, other=0)
-    e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
-                 other=127)  # fmt: skip
-    scale = (e8.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 127)
-    pairs = tl.join(_e2m1(p, scale), _e2m1(p >> 4, scale))  # [BK/2, BN, 2]: even, odd column
-    return tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
-
-
-@triton.jit
 def _fp8_rows(n0, N_OUT, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
     """The ``W`` rows of an FP8 tile's product (``WN`` = ``2*BLOCK_N`` columns when gated: the
@@ -199,52 +182,115 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
     return acc
 
 
+#: e2m1 codes to scaled bf16 weights on SM90 (PTX): four packed bytes ``$4`` and their scales
+#: ``$5, $6`` (bf16 pairs) in, the low nibbles' weights ``$0, $1`` and the high nibbles' ``$2,
+#: $3`` (bf16 pairs) out. PRMT gives each byte a 16-bit lane whose high byte is filled with
+#: the byte's top bit (the high nibble's sign; shifting the word left by 4 first brings the low
+#: nibbles there); a left shift by 2 and one mask leave a code's magnitude bits (exponent,
+#: mantissa) in bf16's two lowest exponent bits and its top mantissa bit, and its sign in bit
+#: 15: the e2m1 value times 2^-126 (code 1, 0.5, a subnormal). A bf16x2 multiply by 2^126 makes
+#: it the value, a second by the scale the weight; both exact.
+_E2M1_BF16 = tl.constexpr("""
+{
+.reg .b32 low, t, rebias;
+mov.b32 rebias, 0x7E807E80;
+shl.b32 low, $4, 4;
+prmt.b32 t, low, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, rebias;
+mul.rn.bf16x2 $0, t, $5;
+prmt.b32 t, low, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, rebias;
+mul.rn.bf16x2 $1, t, $6;
+prmt.b32 t, $4, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, rebias;
+mul.rn.bf16x2 $2, t, $5;
+prmt.b32 t, $4, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, rebias;
+mul.rn.bf16x2 $3, t, $6;
+}
+""")
+
+
 @triton.jit
-def _mxfp4_dot(a, w_base, s_base, w_rows, col_ok, k0, KP, KS, acc, stride_wn, stride_wk,
-               stride_sn, stride_sk, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_N: tl.constexpr):  # fmt: skip
-    """``acc + a @ W[w_rows, k0 ...].T`` on e2m1 weights: ``tl.dot_scaled`` (its converter
-    unpacks the codes and scales them in the MMA's register layout, the weights then the
-    product's first operand), or with ``UPCAST`` the weights unpacked here
-    (:func:`_mxfp4_tile`): the interpreter has no ``dot_scaled``, and on fp16 activations it
-    rounds the scales to fp16. The same operands either way (an e2m1 value times a power of
-    two is exact in 16 bits) and float32 accumulation."""
-    if UPCAST:
-        w = _mxfp4_tile(w_base, s_base, w_rows, col_ok, k0, KP, KS, stride_wn, stride_wk,
-                        stride_sn, stride_sk, BLOCK_K, BLOCK_N)  # fmt: skip
-        return tl.dot(a, w.to(a.dtype), acc, out_dtype=tl.float32)
+def _e2m1_pair(p, e8, dtype: tl.constexpr, ASM: tl.constexpr):
+    """``(even, odd)``: the weights of the low and of the high nibbles of packed bytes ``p``,
+    each times ``2^(e8 - 127)`` (``e8 = 0`` is ``2^-127``), in the 16-bit ``dtype``. ``ASM``
+    (SM90, bf16): bf16 values from :data:`_E2M1_BF16`, scaled in bf16; else float32 values
+    from :func:`_e2m1` rounded once to ``dtype``. The same values either way: an e2m1 value
+    times a power of two in bf16's range is exact."""
+    if ASM:
+        e = e8.to(tl.int16)
+        scale = tl.where(e == 0, 0x40, e << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        even, odd = tl.inline_asm_elementwise(_E2M1_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                              pack=4)  # fmt: skip
+    else:
+        e = e8.to(tl.int32)
+        scale = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)
+        even = _e2m1(p, scale).to(dtype)
+        odd = _e2m1(p >> 4, scale).to(dtype)
+    return even, odd
+
+
+@triton.jit
+def _mxfp4_weights(w_base, s_base, w_rows, col_ok, k0, KP, stride_wn, stride_wk, stride_sn,
+                   stride_sk, dtype: tl.constexpr, ASM: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_K / 2, BLOCK_N]`` weights of ``W[w_rows, k0 ...]``'s even columns and of
+    its odd ones (:func:`_e2m1_pair`): the low and the high nibbles of the packed bytes as
+    they were read, no interleaving shuffle. Each 16 bytes of a row share one ue8m0 scale
+    (the repeated addresses come from L1)."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # (MX_GROUP values per scale)
-    rows = w_rows.to(tl.int64)
-    p = tl.load(w_base + rows[None, :] * stride_wn + kp[:, None] * stride_wk,
-                mask=(kp < KP)[:, None] & col_ok[None, :], other=0)  # fmt: skip
-    e8 = tl.load(s_base + rows[:, None] * stride_sn + kg[None, :] * stride_sk,
-                 mask=col_ok[:, None] & (kg < KS)[None, :], other=127)  # fmt: skip
-    return tl.dot_scaled(a, None, "bf16", p, e8, "e2m1", acc)
+    rows = w_rows[None, :].to(tl.int64)
+    ok = (kp < KP)[:, None] & col_ok[None, :]
+    p = tl.load(w_base + rows * stride_wn + kp[:, None] * stride_wk, mask=ok, other=0)
+    e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
+                 other=127)  # fmt: skip
+    return _e2m1_pair(p, e8, dtype, ASM)
 
 
 @triton.jit
 def _mxfp4_mainloop(a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP,
-                    KS, stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
+                    stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk,
                     GATED: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``(A[a_rows] @ W[e][gate_rows].T, A[a_rows] @ W[e][up_rows].T)`` over ``KD`` in float32
-    on e2m1 weights (:func:`_mxfp4_dot`; the second only when ``GATED``; both from one read
-    of each ``A`` tile)."""
+    on e2m1 weights (the second only when ``GATED``; both from one read of each ``A`` tile).
+    Each product is two: ``A``'s even columns times the low nibbles' weights, its odd columns
+    times the high nibbles' (:func:`_mxfp4_weights`), into two accumulators (a product that
+    accumulates into another's result would make Triton lay the pair out as a chain of
+    dependent MMAs and convert the accumulator between them every step). The weights unpack
+    in PTX on bf16 activations, else (``UPCAST``: the interpreter, fp16) in Triton."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     for k0 in range(0, KD, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + ks < KD)[None, :], other=0.0)
-        acc = _mxfp4_dot(a, w_base, ws_base, gate_rows, col_ok, k0, KP, KS, acc, stride_wn,
-                         stride_wk, stride_sn, stride_sk, UPCAST, BLOCK_K, BLOCK_N)  # fmt: skip
+        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+        even, odd = _mxfp4_weights(w_base, ws_base, gate_rows, col_ok, k0, KP, stride_wn,
+                                   stride_wk, stride_sn, stride_sk, a.dtype, not UPCAST,
+                                   BLOCK_K)  # fmt: skip
+        acc = tl.dot(a_even, even, acc, out_dtype=tl.float32)
+        acc_odd = tl.dot(a_odd, odd, acc_odd, out_dtype=tl.float32)
         if GATED:
-            acc_up = _mxfp4_dot(a, w_base, ws_base, up_rows, col_ok, k0, KP, KS, acc_up,
-                                stride_wn, stride_wk, stride_sn, stride_sk, UPCAST, BLOCK_K,
-                                BLOCK_N)  # fmt: skip
+            even, odd = _mxfp4_weights(w_base, ws_base, up_rows, col_ok, k0, KP, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, a.dtype, not UPCAST,
+                                       BLOCK_K)  # fmt: skip
+            acc_up = tl.dot(a_even, even, acc_up, out_dtype=tl.float32)
+            acc_up_odd = tl.dot(a_odd, odd, acc_up_odd, out_dtype=tl.float32)
         a_ptrs += BLOCK_K * stride_ak
-    return acc, acc_up
+    return acc + acc_odd, acc_up + acc_up_odd
 
 
 @triton.jit
@@ -266,7 +312,7 @@ def _quant_zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_o
 @triton.jit
 def _quant_tile(
     a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr, dest_to_src_ptr,
-    e, first_row, row_end, n_tile, N_OUT, KD, KP, KS, T,
+    e, first_row, row_end, n_tile, N_OUT, KD, KP, T,
     stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
@@ -290,7 +336,7 @@ def _quant_tile(
     ws_base = ws_ptr + e.to(tl.int64) * stride_se
     if MXFP4:
         acc, acc_up = _mxfp4_mainloop(
-            a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP, KS,
+            a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, col_ok, KD, KP,
             stride_am, stride_ak, stride_wn, stride_wk, stride_sn, stride_sk, GATED, UPCAST,
             BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -335,7 +381,7 @@ def _quant_tile(
 @triton.jit(do_not_specialize=_VARYING)
 def _quant_gemm_kernel(
     a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr,
-    dest_to_src_ptr, E, M_ROWS, M_TILES, N_OUT, KD, KP, KS, T,
+    dest_to_src_ptr, E, M_ROWS, M_TILES, N_OUT, KD, KP, T,
     stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn,
     ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
@@ -360,7 +406,7 @@ def _quant_gemm_kernel(
         return
     _quant_tile(
         a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, bias_ptr,
-        dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, KP, KS, T, stride_am,
+        dest_to_src_ptr, e, first_row, row_end, n_tile, N_OUT, KD, KP, T, stride_am,
         stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_se,
         stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn, ACT,
         GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, HAS_BIAS, GATHER,
@@ -396,7 +442,7 @@ class QuantGemmLaunch:
     descriptors where TMA can address them, built per call (they hold addresses).
     """
 
-    __slots__ = ("E", "cfg", "cx", "epilogue", "fp8", "gather", "kd", "key", "kp", "ks",
+    __slots__ = ("E", "cfg", "cx", "epilogue", "fp8", "gather", "kd", "key", "kp",
                  "n_out", "sm90", "static", "strides")  # fmt: skip
 
     def __init__(self, a, a_scale, w, w_scale, kd: int, cfg: GemmConfig, epilogue: GemmEpilogue,
@@ -406,7 +452,7 @@ class QuantGemmLaunch:
         n_out = n_w // 2 if epilogue.gated else n_w
         self.E, self.kd, self.n_out, self.cfg, self.gather = E, kd, n_out, cfg, gather
         self.epilogue, self.fp8 = epilogue, not mxfp4
-        self.kp, self.ks = kp, w_scale.shape[-1]
+        self.kp = kp
         sa, sw, ss = a.stride(), w.stride(), w_scale.stride()
         # per channel / per token: one scale for every k block (a zero k-stride)
         s_strides = (ss[0], ss[1], 0) if w_scale.dim() == 2 else ss
@@ -494,7 +540,7 @@ class QuantGemmLaunch:
             key, (grid,),
             (a, a if a_desc is None else a_desc, a_s, w, w if w_desc is None else w_desc,
              w_scale, out, o_s, b, offsets, d2s, self.E, M, m_tiles, self.n_out, self.kd,
-             self.kp, self.ks, a.shape[0], *self.strides),
+             self.kp, a.shape[0], *self.strides),
             lambda: dict(self.cx, A_DESC=a_desc is not None, W_DESC=w_desc is not None,
                          SPLIT=self._split(w_desc)),
         )  # fmt: skip
