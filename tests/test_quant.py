@@ -330,10 +330,10 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, layout):
                     (True, False, True, split), (False, True, True, 0)]  # fmt: skip
 
 
-def test_mxfp4_products_through_dot_scaled_on_bf16_only(monkeypatch):
-    """Compiled, MXFP4 products go through ``tl.dot_scaled`` on bf16 tokens only: on fp16 ones
-    it would round the scales to fp16, so the kernel unpacks the weights itself (as always
-    under the interpreter, which has no ``dot_scaled``); FP8 products never unpack."""
+def test_mxfp4_weights_unpack_in_ptx_on_bf16_only(monkeypatch):
+    """Compiled, MXFP4 weights unpack in PTX on bf16 tokens only; on fp16 ones (and always
+    under the interpreter, which runs no PTX) in Triton, rounding each float32 weight once;
+    FP8 products never unpack."""
     from moe_route.kernels.triton import quant as kq
 
     assert kq._upcast(True, torch.bfloat16) == kq.INTERPRETING
@@ -341,6 +341,80 @@ def test_mxfp4_products_through_dot_scaled_on_bf16_only(monkeypatch):
     assert not kq._upcast(True, torch.bfloat16)
     assert kq._upcast(True, torch.float16)
     assert not kq._upcast(False, torch.bfloat16) and not kq._upcast(False, torch.float16)
+
+
+def _run_ptx(text: str, regs: dict) -> dict:
+    """Evaluate straight-line PTX of the opcodes the e2m1 unpacker uses (``mov``, ``shl``,
+    ``and``, ``prmt`` in its default mode, ``mul.rn.bf16x2``) on 32-bit registers."""
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    def bf16x2(x):
+        return (
+            torch.tensor([x & 0xFFFF, x >> 16], dtype=torch.int32)
+            .to(torch.int16)
+            .view(torch.bfloat16)
+        )
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            r = val(src[0])
+        elif op == "shl.b32":
+            r = val(src[0]) << val(src[1])
+        elif op == "and.b32":
+            r = val(src[0]) & val(src[1])
+        elif op == "prmt.b32":
+            pool = (val(src[1]) << 32 | val(src[0])).to_bytes(8, "little")
+            r = 0
+            for i in range(4):
+                sel = val(src[2]) >> 4 * i & 0xF
+                byte = pool[sel & 7]
+                r |= (0xFF if byte & 0x80 else 0) << 8 * i if sel & 8 else byte << 8 * i
+        elif op == "mul.rn.bf16x2":
+            prod = (bf16x2(val(src[0])).float() * bf16x2(val(src[1])).float()).to(torch.bfloat16)
+            lo, hi = (prod.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+            r = lo | hi << 16
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return regs
+
+
+def test_e2m1_ptx_unpacks_every_byte():
+    """The SM90 unpacker's PTX (``kernels/triton/quant.py``), evaluated instruction by
+    instruction: for every byte in every position of a packed word and scales across ue8m0's
+    range, the low nibbles' and high nibbles' weights are exactly ``e2m1 value · 2^(s - 127)``
+    in bf16, in the order of the bytes."""
+    from moe_route.kernels.triton.quant import _E2M1_BF16
+
+    text = _E2M1_BF16.value
+    g = torch.Generator().manual_seed(0)
+    words = torch.arange(256).repeat_interleave(4).view(-1, 4)  # each byte in every lane
+    words = torch.cat([words, torch.randint(0, 256, (64, 4), generator=g)])
+    words[:256, 1:] = torch.randint(0, 256, (256, 3), generator=g)
+    words[:, 0] = torch.arange(words.shape[0]) % 256
+    exps = [1, 100, 118, 127, 140, 254]
+    for n, word in enumerate(words.tolist()):
+        e8 = (exps[n % len(exps)], exps[(n + 1) % len(exps)])  # bytes 0-1, bytes 2-3
+        scale = [torch.tensor(2.0 ** (e - 127)).to(torch.bfloat16).view(torch.int16).item()
+                 & 0xFFFF for e in e8]  # fmt: skip
+        regs = {"$4": int.from_bytes(bytes(word), "little"),
+                "$5": scale[0] * 0x10001, "$6": scale[1] * 0x10001}  # fmt: skip
+        out = _run_ptx(text, regs)
+        got = [out[f"${i}"] >> 16 * h & 0xFFFF for i in range(4) for h in range(2)]
+        got = torch.tensor(got, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        codes = torch.tensor(word, dtype=torch.uint8)
+        s = torch.tensor([2.0 ** (e8[0] - 127)] * 2 + [2.0 ** (e8[1] - 127)] * 2)
+        want_low = Q.e2m1_values(codes & 15) * s
+        want_high = Q.e2m1_values(codes >> 4) * s
+        want = torch.cat([want_low, want_high]).to(torch.bfloat16).float()
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), (word, e8)
 
 
 @pytest.mark.interpreter
