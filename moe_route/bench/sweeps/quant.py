@@ -56,11 +56,11 @@ class QuantSweep(Sweep):
     #: ptxas compiles for sm_90a without spills or serialised wgmma: GEMM1's (gated), timed
     #: beside the tables' GEMM2, then GEMM2's beside the tables' GEMM1
     PREFILL_TILES: ClassVar[dict] = {
-        "gemm1": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
+        "gemm1": [(64, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3),
                   (128, 64, 32, 8, 4), (64, 64, 128, 4, 3), (64, 128, 64, 8, 4)],
-        "gemm2": [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (256, 128, 32, 8, 4),
-                  (128, 256, 32, 8, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3),
-                  (128, 128, 64, 8, 4)],
+        "gemm2": [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 32, 8, 4),
+                  (64, 128, 64, 4, 3), (128, 128, 64, 8, 4), (64, 128, 128, 8, 3),
+                  (128, 64, 128, 8, 3)],
         "tiny": [(32, 16, 32, 4, 2), (16, 32, 32, 4, 2)],
     }  # fmt: skip
     #: GEMM1's (gated) and GEMM2's columns, the ``K`` step (FP8: the 128-column scale block
