@@ -124,8 +124,9 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
 def quant_decode_config(bucket: int, top_k: int, num_experts: int,
                         expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
     """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
-    (``expert_bytes`` in FP8): both reductions step by the 128-wide scale blocks, GEMM1's
-    columns as the sorted path's 16-row tiles take them (:func:`quant_gemm_config`)."""
+    (``expert_bytes`` in FP8): both reductions step by the 128-wide scale blocks; GEMM1, which
+    quantises its token row in its main loop, takes 32 columns (four times the programs of
+    128-column tiles to stream the weights with; not timed against other widths)."""
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
     return _DECODE_FP8
@@ -199,37 +200,29 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
     128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
     takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
-    rows per expert (decode, :func:`quant_in_loop`) FP8 takes 16-row tiles, which stream the
-    weights with the least work per step, and a gated GEMM1 writes float32 and takes 32
-    columns: four times the programs of 128-column tiles to stream the weights with.
+    rows per expert (decode) FP8 takes 16x128 tiles on 4 warps, which stream the weights with
+    the least work per step, after a quantiser launch (faster than quantising in the main
+    loops at 32- or 64-column tiles: docs/decisions.md, "FP8 decode: quantiser launch again").
 
-    MXFP4 (``tl.dot_scaled``, pointer-fed): 16-row tiles up to 16 rows per expert (gated 64
-    columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps stepping 64 along
-    ``K`` (steps of 128 serialise the wgmma). docs/decisions.md, "FP8 grouped GEMM tiles",
-    "FP8 prefill: persistent kernel, TMA, one wide gated product", "FP8 decode tiles" and "MXFP4
-    through dot_scaled"; ``python -m moe_route bench --sweep quant`` times the 16-row tiles.
+    MXFP4 (the weights unpacked in the loader, pointer-fed): 16-row tiles up to 16 rows per
+    expert (gated 32 columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps
+    stepping 64 along ``K``. docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill:
+    persistent kernel, TMA, one wide gated product", "FP8 decode tiles" and "MXFP4 loader:
+    nibbles as even and odd columns"; ``python -m moe_route bench --sweep quant`` times the
+    16-row tiles.
     """
     if mxfp4:
         if rows_per_expert <= 16:
-            return GemmConfig(16, 64 if gated else 128, 128, 1, 4, 4)
+            return GemmConfig(16, 32 if gated else 128, 128, 1, 4, 4)
         return GemmConfig(64 if gated else 128, 128, 64, 8, 8, 3)
     tma = cc is not None and cc >= 90
-    if quant_in_loop(rows_per_expert, True):
-        return GemmConfig(16, 32 if gated else 128, 128, 1, 4, 4)
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 128, 128, 1, 4, 4)
     if rows_per_expert <= 64 and not gated:
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)
     if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
         return GemmConfig(64, 128, 128, 8, 8, 4, tma)
     return GemmConfig(128, 128, 128, 8, 8, 4, tma)
-
-
-def quant_in_loop(rows_per_expert: float, fp8: bool) -> bool:
-    """Whether an FP8 call's GEMMs quantise their inputs in their main loops (GEMM1 the
-    gathered tokens, GEMM2 GEMM1's float32 output) rather than read codes that a quantiser
-    launch and GEMM1's epilogue wrote: up to 16 rows per expert (decode), where the weights'
-    bytes dwarf the rows' and one launch less is host time saved. The same codes either way.
-    docs/decisions.md, "FP8 decode: quantising in the main loops"."""
-    return fp8 and rows_per_expert <= 16
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,

@@ -268,9 +268,10 @@ def _odd(fmt: str) -> frozenset:
 
 def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
     """One kernel of decode sizes on quantised experts, as ``moe_route`` launches it (16-row
-    tiles of the sorted path's GEMMs, FP8 ones quantising their inputs in their main loops;
-    the decode path's two kernels, FP8 only), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight
-    blocks), ``"fp8_channel"`` or ``"mxfp4"`` (bf16 activations)."""
+    tiles of the sorted path's GEMMs, FP8 ones reading the codes of a quantiser launch and of
+    GEMM1's epilogue; the decode path's two kernels, FP8 only, quantising in their main
+    loops), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight blocks), ``"fp8_channel"`` or
+    ``"mxfp4"`` (bf16 activations)."""
     mx = fmt == "mxfp4"
     gemm1 = tuning.quant_gemm_config(8, True, mx, arch)
     gemm2 = tuning.quant_gemm_config(8, False, mx, arch)
@@ -281,27 +282,26 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
     a_quant = 0 if mx else 2 if fmt == "fp8_channel" else 1
     w = "*u8" if mx else "*fp8e4nv"
     ws = "*u8" if mx else "*fp32"
-    h = "*bf16" if mx else "*fp32"  # GEMM1's output, GEMM2's input
     if name.startswith("gemm"):
         gated = name == "gemm1"
         cfg = gemm1 if gated else gemm2
         kernel = _kernel("_quant_gemm_kernel")
         const = dict(act, ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated,
-                     MXFP4=mx, OUT_FP8=False, A_DESC=False, W_DESC=False,
-                     SPLIT=1 if gated else 0, A_QUANT=a_quant if gated or mx else 1,
+                     MXFP4=mx, OUT_FP8=gated and not mx, A_DESC=False, W_DESC=False,
+                     SPLIT=1 if gated else 0, A_QUANT=0,
                      E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
-        a = "*bf16" if gated else h
-        types = dict(a_ptr=a, a_desc=a, w_ptr=w, w_desc=w, ws_ptr=ws, bias_ptr="*bf16",
-                     out_ptr=h if gated else "*bf16", offsets_ptr="*i64",
-                     dest_to_src_ptr="*i32")  # fmt: skip
+        rows = "*bf16" if mx else "*fp8e4nv"  # the tokens, GEMM1's output and GEMM2's input
+        types = dict(a_ptr=rows, a_desc=rows, as_ptr="*fp32", w_ptr=w, w_desc=w, ws_ptr=ws,
+                     bias_ptr="*bf16", out_ptr=rows if gated else "*bf16", os_ptr="*fp32",
+                     offsets_ptr="*i64", dest_to_src_ptr="*i32")  # fmt: skip
         warps, stages = cfg.num_warps, cfg.num_stages
     elif name == "decode up":
         kernel = _kernel("_decode_up_fp8_kernel")
         const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, A_QUANT=a_quant,
                      BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
         types = dict(x_ptr="*bf16", w_ptr=w, ws_ptr=ws, b_ptr="*bf16", ids_ptr="*i32",
-                     h_ptr=h)  # fmt: skip
+                     h_ptr="*fp32")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     else:  # the decode path's second kernel
         kernel = _kernel("_decode_down_kernel")
@@ -309,7 +309,7 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
                      DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=dec.down_n, BLOCK_K=dec.down_k,
                      COUNTS=False, SLOTS=64, FP8=True, SN=sn, UE8M0=False,
                      UPCAST=False)  # fmt: skip
-        types = dict(h_ptr=h, w_ptr=w, ws_ptr=ws, b2_ptr="*bf16", ids_ptr="*i32",
+        types = dict(h_ptr="*fp32", w_ptr=w, ws_ptr=ws, b2_ptr="*bf16", ids_ptr="*i32",
                      tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
                      counts_ptr="*i64")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages

@@ -530,9 +530,9 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
 
 def test_quant_decode_plans():
     """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
-    blocks of 128 along both reductions, GEMM1 32 columns wide) and quantise in the GEMMs'
-    main loops on the sorted path too; MXFP4 experts keep the sorted path; gradients and
-    larger batches keep it too, and the quantiser launch."""
+    blocks of 128 along both reductions, GEMM1 32 columns wide, quantising its token row in
+    its main loop); their sorted path keeps the quantiser launch and takes 16x128 tiles;
+    MXFP4 experts keep the sorted path; larger batches too."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
@@ -542,10 +542,11 @@ def test_quant_decode_plans():
         w2q, _ = moe_route.quantize_experts(torch.randn(8, 272, 200), fmt)
         plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
         assert (plan.decode is not None) == decode
-        assert plan.configs.in_loop == decode
+        assert not plan.configs.in_loop
         if decode:
             d = plan.decode
-            assert d.up_k == d.down_k == 128 and d.up_n == plan.configs.gemm1.block_n == 32
+            assert d.up_k == d.down_k == 128 and d.up_n == 32
+            assert plan.configs.gemm1.block_m == 16 and plan.configs.gemm1.block_n == 128
     assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
     x = torch.randn(1024, 272).half()
     plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")

@@ -84,13 +84,12 @@ class QuantSweep(Sweep):
         self.calls = 1 if self.prefill else 2 if self.cpu else 16
 
     def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
-        """``(gemm1, gemm2, in_loop)``: the tables' first, then the grid's tiles, each once;
-        on FP8 also the tokens quantised by a launch of their own and GEMM1 writing GEMM2's
-        codes (``in_loop`` off: GEMM1's tiles as wide as the 128-column group)."""
+        """``(gemm1, gemm2, in_loop)``: the tables' first (the tokens quantised by a launch of
+        their own on FP8, GEMM1 writing GEMM2's codes), then the grid's tiles, each once, on
+        FP8 each GEMM quantising its input in its main loop (``in_loop``)."""
         mx = fmt == "mxfp4"
-        in_loop = tuning.quant_in_loop(rows, not mx)
         out = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
-                tuning.quant_gemm_config(rows, False, mx, self.cc), in_loop)]  # fmt: skip
+                tuning.quant_gemm_config(rows, False, mx, self.cc), False)]  # fmt: skip
         if self.prefill:
             gemm1, gemm2 = out[0][:2]
             tiles = self.PREFILL_TILES
@@ -105,12 +104,9 @@ class QuantSweep(Sweep):
             if bk != 128 and not mx:
                 continue
             tiles = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages),
-                     in_loop)  # fmt: skip
+                     not mx)  # fmt: skip
             if tiles not in out:
                 out.append(tiles)
-        if not mx:
-            out.append((GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4),
-                        False))  # fmt: skip
         return out
 
     def candidate_shapes(self):
