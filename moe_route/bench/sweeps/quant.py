@@ -177,8 +177,8 @@ class QuantSweep(Sweep):
         for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E)):
             cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
             name = f"gemm1 {_tile(gemm1)} gemm2 {_tile(gemm2)}"
-            if fmt != "mxfp4" and not in_loop:
-                name += ", quantiser launch"
+            if in_loop:
+                name += ", quantising in the loops"
 
             def call(r, cfg=cfg):
                 tw, maps = r

@@ -10,9 +10,11 @@ loop itself):
   block's scale and added to a float32 accumulator: Hopper's FP8 MMA accumulates with
   reduced precision, so no partial sum runs longer than one scale block (DeepSeek-V3's and
   DeepGEMM's promotion). Per-channel scales (``fp8_channel``) come with a zero k-stride.
-- ``MXFP4 = True``: 16-bit activations × e2m1 weights through ``tl.dot_scaled``, which
-  unpacks two codes per byte, scales each 32 values by their ue8m0 exponent and feeds a
-  16-bit MMA (Hopper has no FP4 MMA).
+- ``MXFP4 = True``: 16-bit activations × e2m1 weights, unpacked in the loader and scaled by
+  their ue8m0 exponent (one per 32 values) before a 16-bit MMA (Hopper has no FP4 MMA): a
+  packed byte's low nibble is the weight of an even column, its high nibble of the next odd
+  one, so each product is two, on the tokens' even and odd columns
+  (:func:`_mxfp4_mainloop`).
 
 On FP8 a gated GEMM1 computes gate and up as one product twice as wide (a ``[BLOCK_M,
 2*BLOCK_N]`` accumulator, split after the loop), and with ``A_DESC`` / ``W_DESC`` (SM90)
@@ -24,11 +26,11 @@ pointer-fed loads.
 scales, so the intermediate is half the bytes and no separate pass reads it. Dropped rows
 ``[offset[E], M)`` are written as zeros (codes and scales), so every output is defined.
 
-``UPCAST`` / ``SOFT_FP8`` (the CPU interpreter, whose FP8 dot and float-to-e4m3 rounding are
-wrong, and which has no ``dot_scaled``): the e4m3 operands are widened to fp16 (exactly) before
-the product, codes are rounded in integer arithmetic (:func:`.fp8_codes._e4m3_bits`), and e2m1
-weights are unpacked by the kernel's own code (as on fp16 activations, :func:`_mxfp4_dot`);
-the scaling, gathers and epilogue are the GPU's.
+``UPCAST`` (the CPU interpreter, whose FP8 dot and float-to-e4m3 rounding are wrong, and which
+runs no PTX): the e4m3 operands are widened to fp16 (exactly) before the product, codes are
+rounded in integer arithmetic (:func:`.fp8_codes._e4m3_bits`), and e2m1 weights unpack in
+Triton operations rather than PTX (as on fp16 activations, :func:`_e2m1_pair`); the
+scaling, gathers and epilogue are the GPU's.
 """
 
 from __future__ import annotations
