@@ -101,12 +101,13 @@ fi
 if [ "$part" = quant ]; then
     # The tests and the four sanitizer tools side by side (correctness only), then the
     # benchmarks alone on the GPU; each bounded, so that the part fits one 10-minute job.
-    timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
+    # Every error is printed, and each tool's are counted per kernel.
+    timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
         tests/test_gpu_decode.py -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
     tests_pid=$!
     san_pids=()
     for tool in memcheck racecheck synccheck initcheck; do
-        timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 100000 \
             python3 scripts/sanitize_small.py --quant > "$out/sanitize_${tool}_quant.log" 2>&1 &
         san_pids+=($!)
     done
@@ -121,6 +122,8 @@ if [ "$part" = quant ]; then
         t_rc=$?
         log="$out/sanitize_${tools[$i]}_quant.log"
         echo "${tools[$i]} --quant: rc=$t_rc, $(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 1)"
+        grep -oE "(at|access at) [_A-Za-z0-9]+\+" "$log" | sed -E 's/^(access )?at //; s/\+$//' \
+            | sort | uniq -c | sed 's/^/    /'
         rc=$(( rc || t_rc ))
     done
     for run in "mixtral 4096" "qwen3 32768" "deepseek 1 8 64 16384"; do
