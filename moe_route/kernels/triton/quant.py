@@ -422,8 +422,8 @@ _QUANT_GEMM = ThinKernel(_quant_gemm_kernel)
 
 def _upcast(mxfp4: bool, a_dtype: torch.dtype) -> bool:
     """The kernels' ``UPCAST``: the interpreter's FP8 and FP4 workarounds, and the MXFP4
-    weights unpacked by the kernel's own code on 16-bit activations other than bf16
-    (:func:`_mxfp4_dot`)."""
+    weights unpacked in Triton operations rather than PTX on 16-bit activations other than
+    bf16 (:func:`_e2m1_pair`)."""
     return INTERPRETING or (mxfp4 and a_dtype != torch.bfloat16)
 
 
