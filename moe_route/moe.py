@@ -256,7 +256,7 @@ class FusedCall:
             if not needs_dispatcher(args):
                 self.decode = DecodeLaunch(*args, plan.configs.epilogue, plan.decode, False)
         elif decode_planned(plan, gradient) and not needs_dispatcher((*args, w1_scale, w2_scale)):
-            cfg = plan.configs  # FP8 experts (the plan has no decode path for MXFP4 ones)
+            cfg = plan.configs  # quantised experts
             self.decode = QuantDecodeLaunch(x, w1, w1_scale, w2, w2_scale, topk_weights, ids, b1,
                                             b2, bias, cfg.epilogue, plan.decode, cfg.x_group,
                                             cfg.w_block_rows, cfg.ue8m0)  # fmt: skip

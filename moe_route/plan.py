@@ -111,10 +111,9 @@ def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, lay
         x_group=max(spec.act_group, 0), ue8m0=spec.ue8m0,
         w_block_rows=spec.block[0] if spec.format == "fp8_block" else 1,
     )  # fmt: skip
-    decode = None
-    if spec.fp8:  # (bytes: one per FP8 weight)
-        expert_bytes = math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])
-        decode = tuning.quant_decode_config(bucket, K, E, expert_bytes)
+    # (bytes: one per FP8 weight, one per two MXFP4 ones, as w1 and w2 hold them)
+    expert_bytes = math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])
+    decode = tuning.quant_decode_config(bucket, K, E, expert_bytes)
     return MoEPlan("triton", maps_chosen, cfg, "standalone", True, decode)
 
 

@@ -123,10 +123,13 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
 
 def quant_decode_config(bucket: int, top_k: int, num_experts: int,
                         expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
-    """The decode path's tiles on FP8 experts where :func:`decode_config` takes the path
-    (``expert_bytes`` in FP8): both reductions step by the 128-wide scale blocks; GEMM1, which
-    quantises its token row in its main loop, takes 32 columns (four times the programs of
-    128-column tiles to stream the weights with; not timed against other widths)."""
+    """The decode path's tiles on quantised experts where :func:`decode_config` takes the
+    path (``expert_bytes`` as stored: one per FP8 weight, one per two MXFP4 ones): both
+    reductions step by 128 (the FP8 scale blocks); GEMM1 takes 32 columns (four times the
+    programs of 128-column tiles to stream the weights with; on MXFP4 the width of the
+    sorted path's fastest 16-row tiles, docs/decisions.md, "MXFP4 loader: nibbles as even and
+    odd columns"; on FP8, which quantises its token row in its main loop there, not timed
+    against other widths)."""
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
     return _DECODE_FP8

@@ -269,7 +269,7 @@ def _odd(fmt: str) -> frozenset:
 def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
     """One kernel of decode sizes on quantised experts, as ``moe_route`` launches it (16-row
     tiles of the sorted path's GEMMs, FP8 ones reading the codes of a quantiser launch and of
-    GEMM1's epilogue; the decode path's two kernels, FP8 only, quantising in their main
+    GEMM1's epilogue; the decode path's two kernels, FP8 ones quantising in their main
     loops), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight blocks), ``"fp8_channel"`` or
     ``"mxfp4"`` (bf16 activations)."""
     mx = fmt == "mxfp4"
@@ -297,20 +297,20 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
                      offsets_ptr="*i64", dest_to_src_ptr="*i32")  # fmt: skip
         warps, stages = cfg.num_warps, cfg.num_stages
     elif name == "decode up":
-        kernel = _kernel("_decode_up_fp8_kernel")
-        const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, A_QUANT=a_quant,
-                     BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
+        kernel = _kernel("_decode_up_quant_kernel")
+        const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, MXFP4=mx,
+                     A_QUANT=a_quant, BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
         types = dict(x_ptr="*bf16", w_ptr=w, ws_ptr=ws, b_ptr="*bf16", ids_ptr="*i32",
-                     h_ptr="*fp32")  # fmt: skip
+                     h_ptr="*bf16" if mx else "*fp32")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     else:  # the decode path's second kernel
         kernel = _kernel("_decode_down_kernel")
         const = dict(TOP_K=8, HAS_B2=False, HAS_BIAS=False, ACC=tl.float32, OUT_ACC=tl.float32,
                      DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=dec.down_n, BLOCK_K=dec.down_k,
-                     COUNTS=False, SLOTS=64, FP8=True, SN=sn, UE8M0=False,
+                     COUNTS=False, SLOTS=64, FP8=not mx, MXFP4=mx, SN=sn, UE8M0=False,
                      UPCAST=False)  # fmt: skip
-        types = dict(h_ptr="*fp32", w_ptr=w, ws_ptr=ws, b2_ptr="*bf16", ids_ptr="*i32",
-                     tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+        types = dict(h_ptr="*bf16" if mx else "*fp32", w_ptr=w, ws_ptr=ws, b2_ptr="*bf16",
+                     ids_ptr="*i32", tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
                      counts_ptr="*i64")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     sig, attrs, ones = _launch_signature(kernel, types, UNIT_STRIDES, _odd(fmt))
@@ -391,9 +391,7 @@ def main(argv=None) -> int:
             print(f"{name:<26} {'/'.join(map(str, cfg)):<18} {report}")
     quant = []  # (label, tiles, compile)
     for fmt in ("fp8", "fp8_channel", "mxfp4") if args.arch >= 89 else ("mxfp4",):
-        names = ("gemm1", "gemm2") if fmt == "mxfp4" else ("gemm1", "gemm2", "decode up",
-                                                           "decode down")  # fmt: skip
-        for name in names:
+        for name in ("gemm1", "gemm2", "decode up", "decode down"):
             build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                       experts=args.experts, fmt=fmt)  # fmt: skip
             quant.append((f"{fmt} {name}", "16 rows", build))

@@ -229,12 +229,12 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
     [(1, 2048, 768, 128, 8), (5, 2048, 768, 128, 8), (3, 264, 200, 16, 4)],
     ids=lambda s: "x".join(map(str, s)),
 )
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp4"])
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
     """Eager inference at decode sizes takes the two-launch decode path; a CUDA graph of the
-    same call runs the sorted path (maps, GEMM1, GEMM2, finalize): the same bits
-    with per-channel scales (and under the interpreter, tests/test_quant.py), within the
-    format's end-to-end bound with 128-blocks (the H200 gave other bits there), and each
+    same call runs the sorted path (maps, GEMM1, GEMM2, finalize): the same bits with
+    per-channel scales and on MXFP4 (and under the interpreter, tests/test_quant.py), within
+    the format's end-to-end bound with 128-blocks (the H200 gave other bits there), and each
     within that bound of the float64 product of the quantised operands."""
     from moe_route.kernels.triton import decode as dk
 
@@ -255,7 +255,7 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
         graph.replay()
         torch.cuda.synchronize()
     assert len(calls) == 2  # (the warm-up on the side stream; not the capture)
-    if fmt == "fp8_channel":
+    if fmt in ("fp8_channel", "mxfp4"):
         assert torch.equal(graph_out, out)
     assert _rel(graph_out, out) < 2e-2
     ref = _expected64(x, w1q, s1, w2q, s2, tw, ids, Q.as_quant(fmt))

@@ -458,13 +458,14 @@ def test_quant_in_loop_matches_codes(fmt):
 @pytest.mark.parametrize(("fmt", "layout", "strided"), [
     ("fp8", "concat", False), ("fp8_ue8m0", "interleaved", False),
     ("fp8_channel", "concat", True), ("fp8", "interleaved", True),
+    ("mxfp4", "concat", False), ("mxfp4", "interleaved", True),
 ])  # fmt: skip
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
-    """Eager inference at decode sizes takes the two-launch decode path on FP8 experts (the
-    tokens quantised in its first kernel): the same bits as the sorted path (maps, GEMM1,
-    GEMM2, finalize, each GEMM quantising its input in its main loop), biases, a dropped
-    slot and an all-dropped token included; tokens as a column-major view with a per-token
-    bias, and k-major weight codes."""
+    """Eager inference at decode sizes takes the two-launch decode path on quantised experts
+    (FP8: the tokens quantised in its first kernel): the same bits as the sorted path (maps,
+    a quantiser launch on FP8, GEMM1, GEMM2, finalize), biases, a dropped slot and an
+    all-dropped token included; tokens as a column-major view with a per-token bias, and
+    k-major weight codes."""
     from moe_route import tuning
     from moe_route.kernels.triton import decode as dk
     from moe_route.plan import clear_plans
@@ -529,24 +530,22 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
 
 
 def test_quant_decode_plans():
-    """FP8 experts get the decode path's tiles where bf16 ones would take the path (scale
-    blocks of 128 along both reductions, GEMM1 32 columns wide, quantising its token row in
-    its main loop); their sorted path keeps the quantiser launch and takes 16x128 tiles;
-    MXFP4 experts keep the sorted path; larger batches too."""
+    """Quantised experts get the decode path's tiles where bf16 ones would take the path
+    (steps of 128 along both reductions, GEMM1 32 columns wide); the FP8 sorted path keeps
+    the quantiser launch and takes 16x128 tiles, the MXFP4 one 16x32 for GEMM1; larger
+    batches keep the sorted path."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
     x = torch.randn(3, 272).half()
-    for fmt, decode in (("fp8", True), ("fp8_channel", True), ("mxfp4", False)):
+    for fmt in ("fp8", "fp8_channel", "mxfp4"):
         w1q, _ = moe_route.quantize_experts(torch.randn(8, 400, 272), fmt)
         w2q, _ = moe_route.quantize_experts(torch.randn(8, 272, 200), fmt)
         plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
-        assert (plan.decode is not None) == decode
-        assert not plan.configs.in_loop
-        if decode:
-            d = plan.decode
-            assert d.up_k == d.down_k == 128 and d.up_n == 32
-            assert plan.configs.gemm1.block_m == 16 and plan.configs.gemm1.block_n == 128
+        d = plan.decode
+        assert d is not None and d.up_k == d.down_k == 128 and d.up_n == 32
+        assert not plan.configs.in_loop and plan.configs.gemm1.block_m == 16
+        assert plan.configs.gemm1.block_n == (32 if fmt == "mxfp4" else 128)
     assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
     x = torch.randn(1024, 272).half()
     plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")

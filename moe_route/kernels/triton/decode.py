@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRETING, LaunchKey, ThinKernel, cdiv, launch_key_part
+from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot
+from .quant import _fp8_operand, _mxfp4_weights, _quant_tile, _scaled_fp8_dot, _upcast
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -135,19 +135,21 @@ def _decode_up_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _decode_up_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, E,
+def _decode_up_quant_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, KP, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_it, stride_ik, stride_hs,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
     UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MXFP4: tl.constexpr, SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(slot = t*K + k, n-tile)`` on FP8 experts: ``h[slot, cols]`` in float32, by
-    the sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row):
-    the token row quantised in the main loop, GEMM1's product, its epilogue."""
+    """Program ``(slot = t*K + k, n-tile)`` on quantised experts: ``h[slot, cols]``, by the
+    sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row): FP8,
+    the token row quantised in the main loop, ``h`` in float32; MXFP4, the 16-bit row times
+    the unpacked weights, ``h`` in the tokens' dtype (GEMM2's input as the sorted path
+    stores it)."""
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -158,10 +160,10 @@ def _decode_up_fp8_kernel(
     a_ptr = x_ptr + (t - slot).to(tl.int64) * stride_xt
     _quant_tile(
         a_ptr, x_ptr, x_ptr, w_ptr, w_ptr, ws_ptr, h_ptr, h_ptr, b_ptr, ids_ptr, e, slot,
-        slot + 1, tl.program_id(1), N_OUT, KD, KD, T, stride_xt, stride_xh, 0, 0, stride_we,
+        slot + 1, tl.program_id(1), N_OUT, KD, KP, T, stride_xt, stride_xh, 0, 0, stride_we,
         stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
         stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
-        INTERLEAVED, HAS_BIAS, False, False, SN, False, UE8M0, UPCAST, False, False,
+        INTERLEAVED, HAS_BIAS, False, MXFP4, SN, False, UE8M0, UPCAST, False, False,
         1 if GATED else 0, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
@@ -182,6 +184,24 @@ def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constex
 
 
 @triton.jit
+def _row_times_mxfp4(h_ptrs, w_base, s_base, cols, col_ok, k_ok, k0, KP, acc, acc_odd,
+                     stride_wn, stride_wk, stride_sn, stride_sk, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """:func:`_row_times` on MXFP4 experts, as the sorted path's GEMMs compute it
+    (:func:`.quant._mxfp4_mainloop`): the 16-bit row ``h``'s even columns times the low
+    nibbles' weights into ``acc``, its odd columns times the high nibbles' into
+    ``acc_odd``."""
+    first = tl.arange(0, BLOCK_M)[:, None] == 0
+    a = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
+                mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+    a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+    even, odd = _mxfp4_weights(w_base, s_base, cols, col_ok, k0, KP, stride_wn, stride_wk,
+                               stride_sn, stride_sk, a.dtype, not UPCAST, BLOCK_K)  # fmt: skip
+    acc = tl.dot(a_even, even, acc, out_dtype=tl.float32)
+    return acc, tl.dot(a_odd, odd, acc_odd, out_dtype=tl.float32)
+
+
+@triton.jit
 def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.constexpr,
                    SLOTS: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """``counts[e]`` = slots of the ``T*K <= SLOTS`` routed to expert ``e`` (dropped and
@@ -198,18 +218,21 @@ def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.co
 @triton.jit(do_not_specialize=["T"])
 def _decode_down_kernel(
     h_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H,
-    KD, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_se,
+    KD, KP, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_se,
     stride_sn, stride_sk, stride_b2e, stride_b2n, stride_it, stride_ik, stride_wt, stride_wkk,
     stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
-    FP8: tl.constexpr, SN: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, MXFP4: tl.constexpr, SN: tl.constexpr, UE8M0: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
     ``COUNTS``, program ``(0, 0)`` the slots per expert). ``FP8``: ``h`` holds float32 rows,
     quantised here per ``BLOCK_K = 128`` columns, ``W2`` e4m3 codes with block or channel
-    scales (``ws``; ``SN`` rows per block, a zero k-stride per channel)."""
+    scales (``ws``; ``SN`` rows per block, a zero k-stride per channel). ``MXFP4``: ``W2``
+    packed e2m1 codes with ue8m0 scales per 32 values (``ws``), ``KP = ceil(KD / 2)`` bytes
+    per row (an argument, so that its divisibility specialises the loads)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
@@ -219,6 +242,7 @@ def _decode_down_kernel(
     ks = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)  # (MXFP4: the odd columns' products)
     # One loop over (slot, I-step) pairs rather than a loop per slot: the weight loads stay
     # in flight across the slots' boundaries (a loop per slot drains its pipeline K times).
     steps = tl.maximum(tl.cdiv(KD, BLOCK_K), 1)  # (I = 0: one step, for b2)
@@ -242,9 +266,19 @@ def _decode_down_kernel(
                        + (cols // SN).to(tl.int64) * stride_sn + step * stride_sk)  # fmt: skip
             acc = _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0, UPCAST,
                                  BLOCK_M)  # fmt: skip
+        elif MXFP4:
+            e0 = tl.maximum(e, 0).to(tl.int64)
+            acc, acc_odd = _row_times_mxfp4(
+                h_ptrs, w_ptr + e0 * stride_we, ws_ptr + e0 * stride_se, cols, col_ok & routed,
+                k_ok, k0, KP, acc, acc_odd, stride_wn, stride_wk, stride_sn,
+                stride_sk, UPCAST, BLOCK_M, BLOCK_K,
+            )  # fmt: skip
         else:
             acc = _row_times(h_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION, BLOCK_M)
         if k0 + BLOCK_K >= KD:  # the slot's last step: its term of the finalize's sum
+            if MXFP4:
+                acc += acc_odd
+                acc_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             y = _first_row(acc, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             if routed:
@@ -309,11 +343,11 @@ class DecodeLaunch:
             cfg, x.dtype, w2.dtype, b2_dtype, topk_weights.dtype, bias_dtype, topk_ids.dtype,
             sw2, sb2, sid, stw, sbias, K, H, n_inter, E, b2 is not None, bias is not None, counts,
         ))  # fmt: skip
-        self.down_tail = (H, n_inter, E, *sh, *sw2, 0, 0, 0, *sb2, *sid, *stw, *sbias, *so)
+        self.down_tail = (H, n_inter, n_inter, E, *sh, *sw2, 0, 0, 0, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, SN=1, UE8M0=False, UPCAST=False,
+            COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, MXFP4=False, SN=1, UE8M0=False, UPCAST=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -343,13 +377,14 @@ class DecodeLaunch:
 
 
 class QuantDecodeLaunch:
-    """:class:`DecodeLaunch` on FP8 experts (``w1`` / ``w2`` e4m3 with their scales, as
-    :func:`moe_route.fused_moe` takes them): the first launch quantises each token row in its
-    main loop and writes ``h`` in float32, the second quantises ``h`` per 128 columns as it
-    reads it, as the sorted path does at decode sizes (its 16-row tiles, the same codes and
-    scaling: the same bits with per-channel scales on an H200; with 128-blocks within the
-    format's error, tests/test_gpu_quant.py). ``x_group``: the tokens' scale group (128, or
-    0: per token); ``w_block_rows``: rows per weight scale block (1: per channel). Keeps no
+    """:class:`DecodeLaunch` on quantised experts (``w1`` / ``w2`` with their scales, as
+    :func:`moe_route.fused_moe` takes them). FP8: the first launch quantises each token row in
+    its main loop and writes ``h`` in float32, the second quantises ``h`` per 128 columns as
+    it reads it, with the quantiser's codes and the sorted path's scaling (within the
+    format's error of the sorted path, tests/test_gpu_quant.py). MXFP4: both launches unpack
+    the e2m1 weights as the sorted path's GEMMs do, ``h`` in the tokens' dtype as the sorted
+    path's GEMM1 stores it. ``x_group``: the tokens' scale group (128, or 0: per token);
+    ``w_block_rows``: rows per weight scale block (1: per channel, and MXFP4). Keeps no
     tensor."""
 
     def __init__(self, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, bias,
@@ -357,11 +392,14 @@ class QuantDecodeLaunch:
                  ue8m0: bool):  # fmt: skip
         H = x.shape[1]
         K = topk_ids.shape[1]
-        E, n_inter = w1.shape[0], w2.shape[2]
+        mx = w1.dtype == torch.uint8  # (packed e2m1: w2's last dimension is I / 2)
+        E, n_inter = w1.shape[0], w1.shape[1] // 2 if epilogue.gated else w1.shape[1]
         self.K, self.H, self.n_inter = K, H, n_inter
+        self.h_dtype = x.dtype if mx else torch.float32
         self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
         self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
         out_acc = tl.float64 if topk_weights.dtype == torch.float64 else tl.float32
+        upcast = _upcast(mx, x.dtype)
         epi = epilogue
         sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
             topk_weights.stride()  # fmt: skip
@@ -382,23 +420,24 @@ class QuantDecodeLaunch:
                                  topk_ids))  # fmt: skip
         self.up_key = LaunchKey((cfg, epi, dtypes, sx, sw1, s1, sb1, sid, K, n_inter, H, E,
                                  x_group, w_block_rows, ue8m0))  # fmt: skip
-        self.up_tail = (n_inter, H, E, *sx, *sw1, *s1, *sb1, *sid, n_inter)
+        self.up_tail = (n_inter, H, w1.shape[2], E, *sx, *sw1, *s1, *sb1, *sid, n_inter)
         self.up_constexprs = lambda: dict(
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
             UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
-            INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, SN=w_block_rows,
-            A_QUANT=1 if x_group else 2, UE8M0=ue8m0, UPCAST=INTERPRETING, BLOCK_M=_ROWS,
-            BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
+            INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, MXFP4=mx, SN=w_block_rows,
+            A_QUANT=0 if mx else 1 if x_group else 2, UE8M0=ue8m0, UPCAST=upcast,
+            BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
         self.down_key = LaunchKey((cfg, dtypes, sw2, s2, sb2, sid, stw, sbias, bias_dtype, K, H,
                                    n_inter, E, w_block_rows, ue8m0))  # fmt: skip
-        self.down_tail = (H, n_inter, E, *sh, *sw2, *s2, *sb2, *sid, *stw, *sbias, *so)
+        self.down_tail = (H, n_inter, w2.shape[2], E, *sh, *sw2, *s2, *sb2, *sid, *stw, *sbias, *so)
         self.down_constexprs = lambda: dict(
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=tl.float32,
             OUT_ACC=out_acc, DOT_PRECISION="tf32", BLOCK_M=_ROWS, BLOCK_N=cfg.down_n,
-            BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=True, SN=w_block_rows,
-            UE8M0=ue8m0, UPCAST=INTERPRETING, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=not mx, MXFP4=mx,
+            SN=w_block_rows, UE8M0=ue8m0, UPCAST=upcast, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale,
@@ -409,12 +448,12 @@ class QuantDecodeLaunch:
         if T == 0 or self.H == 0:
             return out
         slots = T * self.K
-        h = torch.empty(slots, self.n_inter, dtype=torch.float32, device=x.device)
+        h = torch.empty(slots, self.n_inter, dtype=self.h_dtype, device=x.device)
         if self.n_inter:
-            _UP_FP8.launch(self.up_key, (slots, self.up_tiles),
-                           (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, T,
-                            *self.up_tail),
-                           self.up_constexprs)  # fmt: skip
+            _UP_QUANT.launch(self.up_key, (slots, self.up_tiles),
+                             (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, T,
+                              *self.up_tail),
+                             self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (T, self.down_tiles),
             (h, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
@@ -434,5 +473,5 @@ def moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, epilogue:
 
 
 _UP = ThinKernel(_decode_up_kernel)
-_UP_FP8 = ThinKernel(_decode_up_fp8_kernel)
+_UP_QUANT = ThinKernel(_decode_up_quant_kernel)
 _DOWN = ThinKernel(_decode_down_kernel)
