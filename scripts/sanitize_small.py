@@ -46,10 +46,10 @@ if "--ep" in sys.argv:
     torch.cuda.synchronize()
     sys.exit(0)
 if "--quant" in sys.argv:
-    # odd sizes (partial scale blocks, pointer-fed; 16 rows per expert: each GEMM quantising
-    # its input in its main loop); TMA-fed sizes at 128 rows per expert (on SM90 the
-    # warp-specialised kernel: an odd block count; per channel also a partial column tile,
-    # where 128-row blocks take the Triton kernel); the decode path (3 tokens)
+    # odd sizes (partial scale blocks, pointer-fed; about 11 rows per expert: the 16-row
+    # tiles); TMA-fed sizes at 128 rows per expert (on SM90 the warp-specialised kernel: an
+    # odd block count; per channel also a partial column tile, where 128-row blocks take the
+    # Triton kernel); the decode path (3 tokens; FP8 quantising in its main loops)
     for T, H, inter, E, K in ((37, 200, 136, 8, 2), (300, 384, 256, 8, 2), (300, 384, 320, 8, 2)):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         w1 = torch.randn(E, 2 * inter, H, device="cuda") * 0.05
