@@ -304,7 +304,8 @@ class QuantConfigs:
     ue8m0: bool
     #: FP8 at decode sizes: each GEMM quantises its input rows in its main loop (GEMM1 the
     #: gathered 16-bit tokens, GEMM2 GEMM1's float32 output): no quantiser launch, and GEMM1's
-    #: tiles may be narrower than the 128-column group of GEMM2's input
+    #: tiles may be narrower than the 128-column group of GEMM2's input. The tables leave it
+    #: off (a quantiser launch and 16x128 tiles ran faster); ``bench --sweep quant`` times it
     in_loop: bool = False
 
 
