@@ -839,6 +839,11 @@ def test_sweep_runs_its_tiny_case_on_the_cpu(tmp_path, capsys, name):
         for fmt in ("fp8", "mxfp4"):  # the tables' tiles first, then the tiny grid's
             statuses = [r["status"] for r in rows if r["format"] == fmt]
             assert statuses[0] == "current" and statuses[1:] and set(statuses[1:]) == {"ok"}
+            # then the decode path's tiles (eager calls of this size take it), the tables' first
+            decode = [
+                r["config"] for r in rows if r["format"] == fmt and "decode path" in r["config"]
+            ]
+            assert len(decode) > 1 and decode[0].endswith("(eager calls)"), decode
 
 
 @needs_interpreter

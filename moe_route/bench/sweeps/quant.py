@@ -1,8 +1,9 @@
 """``bench --sweep quant``: the tiles of the grouped GEMMs on quantised experts per
 configuration, the experts step of ``fused_moe`` (maps given) in CUDA graphs, against the
 tables' tiles (``tuning.quant_gemm_config``). By default the 16-row tiles (up to 16 rows per
-expert: decode) on FP8 (128-block) and MXFP4 weights, 16 routings per graph, against the
-touched weights' read time at the copy rate; ``--prefill`` the MXFP4 tiles of prefill sizes
+expert: decode) on FP8 (128-block) and MXFP4 weights, and where eager calls of the size take
+the two-launch decode path its tiles too, 16 routings per graph, against the touched weights'
+read time at the copy rate; ``--prefill`` the MXFP4 tiles of prefill sizes
 (the FP8 ones run the SM90 kernel's fixed tiles there), GEMM1's tiles then GEMM2's, against
 the same FLOPs at the dense bf16 matmul rate."""
 
@@ -16,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from moe_route import tuning
+from moe_route.kernels.triton.decode import DecodeConfig, QuantDecodeLaunch
 from moe_route.kernels.triton.gemm_mainloop import GemmConfig
 from moe_route.kernels.triton.moe import moe_forward_quant_triton
 from moe_route.plan import quant_plan_for
@@ -72,6 +74,13 @@ class QuantSweep(Sweep):
                   "num_stages": [4]},
         "tiny": {"gemm1_n": [16, 32], "gemm2_n": [16, 32], "block_k": [128],
                  "num_stages": [2]},
+    }  # fmt: skip
+
+    #: the decode path's (eager calls') GEMM1 columns, GEMM2 columns and ``K`` step
+    DECODE_GRIDS: ClassVar[dict] = {
+        "full": {"up_n": [32, 64, 128], "down_n": [16, 32, 64], "k": [128, 256]},
+        "quick": {"up_n": [32, 64], "down_n": [16, 32, 64], "k": [128]},
+        "tiny": {"up_n": [16, 32], "down_n": [16], "k": [128]},
     }  # fmt: skip
 
     def __init__(self, args, device):
@@ -133,6 +142,10 @@ class QuantSweep(Sweep):
         else:
             grid = "tiny" if self.cpu else "quick" if self.args.quick else "full"
             counts = ", ".join(f"{fmt} {len(self.configs(fmt, 1.0))}" for fmt in self.formats)
+            table = tuning.quant_decode_config(1, 1, 16, 0)
+            counts += "; the decode path's tiles where eager calls take it: " + ", ".join(
+                f"{fmt} {len(self.decode_configs(fmt, table))}" for fmt in self.formats
+            )
         return [f"tile pairs per format ({grid} grid; the first is the tables'): {counts}; "
                 f"{self.calls} routing(s) per figure"]  # fmt: skip
 
@@ -155,9 +168,10 @@ class QuantSweep(Sweep):
         routings, touched = [], 0
         for i in range(self.calls):
             tw, ids, maps = self.routing(shape, seed=self.args.seed + i)
-            routings.append((tw, maps))
+            routings.append((tw, ids, maps))
             touched += ids.unique().numel()
-        base = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), "auto").configs
+        plan = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), "auto")
+        base = plan.configs
         label = f"{shape.label} {fmt}"
         if self.prefill:  # the floor: the same FLOPs at the dense bf16 matmul rate
             flops = 2 * T * K * 3 * H * inter
@@ -171,9 +185,7 @@ class QuantSweep(Sweep):
             what = "the read time"
             print(f"== {label}: touched weights {touched_bytes / 1e6:.0f} MB per call, "
                   f"{floor_us:.1f} us at the copy rate")  # fmt: skip
-        want, measured = None, []
-        # a change of tiles reorders float32 sums: a few roundings of the 16-bit outputs
-        tol = 4 * torch.finfo(self.dtype).eps
+        variants = []  # (name, call on a routing, the tables' choice)
         for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E)):
             cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
             name = f"gemm1 {_tile(gemm1)} gemm2 {_tile(gemm2)}"
@@ -181,14 +193,32 @@ class QuantSweep(Sweep):
                 name += ", quantising in the loops"
 
             def call(r, cfg=cfg):
-                tw, maps = r
+                tw, _ids, maps = r
                 tables = (maps.expanded_source_row_to_expanded_dest_row,
                           maps.expanded_dest_row_to_expanded_source_row,
                           maps.expert_for_source_row, maps.expert_first_token_offset)  # fmt: skip
                 return moe_forward_quant_triton(x, w1, s1, w2, s2, tw, None, None, None, tables,
                                                 cfg)  # fmt: skip
 
-            current = i == 0
+            variants.append((name, call, i == 0))
+        if plan.decode is not None:  # eager calls of this size take the two-launch decode path
+            for dcfg in self.decode_configs(fmt, plan.decode):
+                launch = QuantDecodeLaunch(x, w1, s1, w2, s2, *routings[0][:2], None, None, None,
+                                           base.epilogue, dcfg, base.x_group,
+                                           base.w_block_rows, base.ue8m0)  # fmt: skip
+
+                def call(r, launch=launch):
+                    tw, ids, _maps = r
+                    return launch(x, w1, w2, tw, ids, None, None, None, s1, s2)
+
+                name = (f"decode path: up {dcfg.up_n}x{dcfg.up_k} down {dcfg.down_n}x"
+                        f"{dcfg.down_k} s{dcfg.num_stages}")  # fmt: skip
+                variants.append((name + (" (eager calls)" if dcfg == plan.decode else ""), call,
+                                 False))  # fmt: skip
+        want, measured = None, []
+        # a change of tiles reorders float32 sums: a few roundings of the 16-bit outputs
+        tol = 4 * torch.finfo(self.dtype).eps
+        for name, call, current in variants:
             try:
                 with torch.no_grad():
                     out = call(routings[0])
@@ -208,8 +238,21 @@ class QuantSweep(Sweep):
         measured.sort(key=lambda r: r[0])
         now = next((r[0] for r in measured if r[3]), float("nan"))
         print(f"   tables' tiles {now:.1f} us ({now / floor_us:.2f}x {what})")
-        for us, err, name, _ in measured[:6]:
+        for us, err, name, _ in measured[:8]:
             print(f"   {us:7.1f} us  {us / floor_us:5.2f}x  err {err:.1e}  {name}")
+
+    def decode_configs(self, fmt: str, tables: DecodeConfig) -> list[DecodeConfig]:
+        """The decode path's tiles: the tables' first, then the grid's (``K`` steps of 128 on
+        FP8, whose kernels quantise per 128-column group; MXFP4 also 256)."""
+        grid = self.DECODE_GRIDS["tiny" if self.cpu else "quick" if self.args.quick else "full"]
+        out = [tables]
+        for up_n, down_n, k in itertools.product(*grid.values()):
+            if k != 128 and fmt != "mxfp4":
+                continue
+            cfg = dataclasses.replace(tables, up_n=up_n, up_k=k, down_n=down_n, down_k=k)
+            if cfg not in out:
+                out.append(cfg)
+        return out
 
 
 def _tile(cfg: GemmConfig) -> str:
