@@ -20,11 +20,13 @@
 #                                       bench stage at the floor shapes (mixtral T=4096, qwen3
 #                                       T=32768, deepseek-v3 T=16384 and decode T=1/8/64);
 #                                       quant_*.log, sanitize_*_quant.log
-#   bash scripts/gpu_check.sh tune      the quantised GEMMs' tile sweeps (bench --sweep quant:
-#                                       16-row tiles at decode sizes, --quick; MXFP4 prefill
-#                                       tiles, --prefill), then the cold start of a new token
-#                                       bucket (bench/bench_cold_start.py); quant_sweep_*.csv,
+#   bash scripts/gpu_check.sh tune      the quantised GEMMs' tiles at decode sizes (bench --sweep
+#                                       quant --quick: 16-row tiles and the decode path's),
+#                                       then the cold start of a new token bucket
+#                                       (bench/bench_cold_start.py); quant_sweep_decode.csv,
 #                                       tune_*.log
+#   bash scripts/gpu_check.sh tune_prefill  the MXFP4 prefill tiles (bench --sweep quant
+#                                       --prefill); quant_sweep_prefill.csv, tune_prefill.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
@@ -139,9 +141,11 @@ if [ "$part" = quant ]; then
     done
 fi
 
-if [ "$part" = tune ]; then
-    # Each bounded, so that the part fits one 10-minute job.
-    for run in "decode|--quick|220" "prefill|--prefill|200"; do
+if [ "$part" = tune ] || [ "$part" = tune_prefill ]; then
+    # Each bounded, so that each part fits one 10-minute job.
+    runs=("decode|--quick|360")
+    [ "$part" = tune_prefill ] && runs=("prefill|--prefill|420")
+    for run in "${runs[@]}"; do
         IFS='|' read -r name flags bound <<< "$run"
         timeout "$bound" python3 -m moe_route bench --sweep quant $flags --out "$out" \
             --name "quant_sweep_$name" > "$out/tune_$name.log" 2>&1
@@ -150,12 +154,14 @@ if [ "$part" = tune ]; then
         grep -E "^(==|   )" "$out/tune_$name.log" | tail -n 60
         rc=$(( rc || b_rc ))
     done
-    timeout 120 python3 bench/bench_cold_start.py --tokens 100,700,1300 --out "$out" \
-        > "$out/tune_cold_start.log" 2>&1
-    b_rc=$?
-    echo "== cold start (rc=$b_rc)"
-    tail -n 20 "$out/tune_cold_start.log"
-    rc=$(( rc || b_rc ))
+    if [ "$part" = tune ]; then
+        timeout 150 python3 bench/bench_cold_start.py --tokens 100,700,1300 --out "$out" \
+            > "$out/tune_cold_start.log" 2>&1
+        b_rc=$?
+        echo "== cold start (rc=$b_rc)"
+        tail -n 20 "$out/tune_cold_start.log"
+        rc=$(( rc || b_rc ))
+    fi
 fi
 
 if [ "$part" = ep ]; then
