@@ -39,7 +39,7 @@ from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .quant import _fp8_operand, _mxfp4_weights, _quant_tile, _scaled_fp8_dot, _upcast
+from .quant import _fp8_operand, _mxfp4_dot, _quant_tile, _scaled_fp8_dot, _upcast
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -63,18 +63,25 @@ class DecodeConfig:
 
 
 @triton.jit
+def _row_tile(v_ptrs, k_ok, BLOCK_M: tl.constexpr):
+    """``[v; 0; ...]``: the row ``v`` (``[BLOCK_K]`` pointers, read where ``k_ok``) in the first
+    of ``BLOCK_M`` rows, the MMA's first operand. One masked ``[BLOCK_M, BLOCK_K]`` load goes
+    through the pipelined shared-memory path like the weight tile (docs/decisions.md, "Decode
+    tiles")."""
+    first = tl.arange(0, BLOCK_M)[:, None] == 0
+    return tl.load(v_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
+                   mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+
+
+@triton.jit
 def _row_times(v_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr):  # fmt: skip
-    """``acc + [v; 0; ...] @ w``: the row ``v`` (``[BLOCK_K]`` pointers) in the first of
-    ``BLOCK_M`` rows, times a ``[BLOCK_K, BLOCK_N]`` weight tile read where ``k_ok`` and
-    ``col_ok`` (zeros elsewhere). The weight rows past the matrix are masked, not clamped into
-    bounds: as in the grouped GEMM's main loop, a clamp hides the rows' contiguity from Triton,
-    and a weight that is n-contiguous (a transposed view) then loads element by element."""
-    # One masked [BLOCK_M, BLOCK_K] load goes through the pipelined shared-memory path like the
-    # weight tile (docs/decisions.md, "Decode tiles").
-    first = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.load(v_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
-                mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+    """``acc + [v; 0; ...] @ w`` (:func:`_row_tile`), times a ``[BLOCK_K, BLOCK_N]`` weight tile
+    read where ``k_ok`` and ``col_ok`` (zeros elsewhere). The weight rows past the matrix are
+    masked, not clamped into bounds: as in the grouped GEMM's main loop, a clamp hides the
+    rows' contiguity from Triton, and a weight that is n-contiguous (a transposed view) then
+    loads element by element."""
+    a = _row_tile(v_ptrs, k_ok, BLOCK_M)
     w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     return _mma(a, w, acc, DOT_PRECISION)
 
@@ -174,9 +181,7 @@ def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constex
     """:func:`_row_times` on FP8 experts: the float32 row ``h`` (one 128-column scale block)
     quantised as the sorted path's GEMM2 quantises its rows (:func:`.quant._fp8_mainloop`,
     ``A_QUANT = 1``), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled as it scales."""
-    first = tl.arange(0, BLOCK_M)[:, None] == 0
-    v = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
-                mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+    v = _row_tile(h_ptrs, k_ok, BLOCK_M)
     w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
@@ -188,17 +193,13 @@ def _row_times_mxfp4(h_ptrs, w_base, s_base, cols, col_ok, k_ok, k0, KP, acc, ac
                      stride_wn, stride_wk, stride_sn, stride_sk, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """:func:`_row_times` on MXFP4 experts, as the sorted path's GEMMs compute it
-    (:func:`.quant._mxfp4_mainloop`): the 16-bit row ``h``'s even columns times the low
-    nibbles' weights into ``acc``, its odd columns times the high nibbles' into
-    ``acc_odd``."""
-    first = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.load(h_ptrs[None, :] + tl.zeros([BLOCK_M, 1], dtype=tl.int32),
-                mask=first & k_ok[None, :], other=0.0)  # fmt: skip
+    (:func:`.quant._mxfp4_dot`): the 16-bit row ``h``'s even columns times the low nibbles'
+    weights into ``acc``, its odd columns times the high nibbles' into ``acc_odd``."""
+    a = _row_tile(h_ptrs, k_ok, BLOCK_M)
     a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
-    even, odd = _mxfp4_weights(w_base, s_base, cols, col_ok, k0, KP, stride_wn, stride_wk,
-                               stride_sn, stride_sk, a.dtype, not UPCAST, BLOCK_K)  # fmt: skip
-    acc = tl.dot(a_even, even, acc, out_dtype=tl.float32)
-    return acc, tl.dot(a_odd, odd, acc_odd, out_dtype=tl.float32)
+    return _mxfp4_dot(a_even, a_odd, w_base, s_base, cols, col_ok, k0, KP, acc, acc_odd,
+                      stride_wn, stride_wk, stride_sn, stride_sk, not UPCAST,
+                      BLOCK_K)  # fmt: skip
 
 
 @triton.jit

@@ -243,20 +243,23 @@ def _e2m1_pair(p, e8, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_weights(w_base, s_base, w_rows, col_ok, k0, KP, stride_wn, stride_wk, stride_sn,
-                   stride_sk, dtype: tl.constexpr, ASM: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
-    """The ``[BLOCK_K / 2, BLOCK_N]`` weights of ``W[w_rows, k0 ...]``'s even columns and of
-    its odd ones (:func:`_e2m1_pair`): the low and the high nibbles of the packed bytes as
-    they were read, no interleaving shuffle. Each 16 bytes of a row share one ue8m0 scale
-    (the repeated addresses come from L1)."""
+def _mxfp4_dot(a_even, a_odd, w_base, s_base, w_rows, col_ok, k0, KP, acc, acc_odd, stride_wn,
+               stride_wk, stride_sn, stride_sk, ASM: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """``(acc + a_even @ W_even, acc_odd + a_odd @ W_odd)`` for ``W = W[w_rows, k0 ...].T``
+    on e2m1 weights, float32: the tokens' even columns (``a_even``) times the low nibbles'
+    weights, their odd columns times the high nibbles' (:func:`_e2m1_pair`), the packed bytes
+    taken as they were read, with no interleaving shuffle. Each 16 bytes of a row share one
+    ue8m0 scale (the repeated addresses come from L1)."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     rows = w_rows[None, :].to(tl.int64)
     ok = (kp < KP)[:, None] & col_ok[None, :]
     p = tl.load(w_base + rows * stride_wn + kp[:, None] * stride_wk, mask=ok, other=0)
     e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
                  other=127)  # fmt: skip
-    return _e2m1_pair(p, e8, dtype, ASM)
+    even, odd = _e2m1_pair(p, e8, a_even.dtype, ASM)
+    acc = tl.dot(a_even, even, acc, out_dtype=tl.float32)
+    return acc, tl.dot(a_odd, odd, acc_odd, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -267,7 +270,7 @@ def _mxfp4_mainloop(a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, 
     """``(A[a_rows] @ W[e][gate_rows].T, A[a_rows] @ W[e][up_rows].T)`` over ``KD`` in float32
     on e2m1 weights (the second only when ``GATED``; both from one read of each ``A`` tile).
     Each product is two: ``A``'s even columns times the low nibbles' weights, its odd columns
-    times the high nibbles' (:func:`_mxfp4_weights`), into two accumulators (a product that
+    times the high nibbles' (:func:`_mxfp4_dot`), into two accumulators (a product that
     accumulates into another's result would make Triton lay the pair out as a chain of
     dependent MMAs and convert the accumulator between them every step). The weights unpack
     in PTX on bf16 activations, else (``UPCAST``: the interpreter, fp16) in Triton."""
@@ -280,17 +283,14 @@ def _mxfp4_mainloop(a_ptr, w_base, ws_base, a_rows, row_ok, gate_rows, up_rows, 
     for k0 in range(0, KD, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + ks < KD)[None, :], other=0.0)
         a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
-        even, odd = _mxfp4_weights(w_base, ws_base, gate_rows, col_ok, k0, KP, stride_wn,
-                                   stride_wk, stride_sn, stride_sk, a.dtype, not UPCAST,
-                                   BLOCK_K)  # fmt: skip
-        acc = tl.dot(a_even, even, acc, out_dtype=tl.float32)
-        acc_odd = tl.dot(a_odd, odd, acc_odd, out_dtype=tl.float32)
+        acc, acc_odd = _mxfp4_dot(a_even, a_odd, w_base, ws_base, gate_rows, col_ok, k0, KP,
+                                  acc, acc_odd, stride_wn, stride_wk, stride_sn, stride_sk,
+                                  not UPCAST, BLOCK_K)  # fmt: skip
         if GATED:
-            even, odd = _mxfp4_weights(w_base, ws_base, up_rows, col_ok, k0, KP, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, a.dtype, not UPCAST,
-                                       BLOCK_K)  # fmt: skip
-            acc_up = tl.dot(a_even, even, acc_up, out_dtype=tl.float32)
-            acc_up_odd = tl.dot(a_odd, odd, acc_up_odd, out_dtype=tl.float32)
+            acc_up, acc_up_odd = _mxfp4_dot(a_even, a_odd, w_base, ws_base, up_rows, col_ok, k0,
+                                            KP, acc_up, acc_up_odd, stride_wn, stride_wk,
+                                            stride_sn, stride_sk, not UPCAST,
+                                            BLOCK_K)  # fmt: skip
         a_ptrs += BLOCK_K * stride_ak
     return acc + acc_odd, acc_up + acc_up_odd
 
