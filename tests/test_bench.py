@@ -700,6 +700,69 @@ def test_transformers_fp8_baseline_takes_moe_route_fp8_weights(monkeypatch):
     assert out.dtype == x.dtype and context.rel_err(out, ref) < 0.1
 
 
+def test_triton_kernels_routing_and_weights_compute_the_gpt_oss_forward():
+    """What the ``triton_kernels`` baseline hands ``matmul_ogs``, run through the semantics of
+    its torch reference (``matmul_ogs_torch``, written out here: the package itself is
+    optional): sorted rows grouped by expert in ``counts``, GEMM1 on token
+    ``sorted_to_slot // K`` with the SwiGLU on (gate, up) column pairs, GEMM2 scaled by
+    ``gammas``, rows summed into their slot's token. That is moe_route's forward with
+    gpt-oss's activation (the inputs large enough that the clamp bites)."""
+    import moe_route
+
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, K = 48, 64, 32, 8, 3  # noqa: E741
+    x = torch.randn(T, H, generator=g) * 8
+    w1 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
+    logits = torch.randn(T, E, generator=g)
+    tw, ids = moe_route.reference.topk_routing_reference(logits, K, renormalize=True)
+    act = baselines.GPT_OSS_ACTIVATION
+    ref = moe_route.fused_moe(x, w1, w2, tw, ids, activation=act, backend="torch")
+    gate = (x @ w1[:, :I].transpose(1, 2)).flatten()
+    assert (gate > baselines.GPT_OSS_LIMIT).any()
+    s2s, slot_to_sorted, counts, gammas = baselines.triton_kernels_routing(ids, tw, E)
+    assert s2s.dtype == slot_to_sorted.dtype == counts.dtype == torch.int32
+    assert torch.equal(slot_to_sorted[s2s.long()], torch.arange(T * K, dtype=torch.int32))
+    assert counts.sum() == T * K and gammas.dtype == torch.float32
+    w1p, w2k = baselines.gate_up_pairs(w1), w2.transpose(1, 2)
+    assert w1p.shape == (E, H, 2 * I) and w1p.stride(-2) == 1
+    assert torch.equal(w1p[:, :, 0::2], w1[:, :I].transpose(1, 2))
+    out, start = torch.zeros(T, H), 0
+    for e, n in enumerate(counts.tolist()):
+        slots = s2s[start : start + n].long()
+        assert (ids.reshape(-1)[slots] == e).all()
+        a = x[slots // K] @ w1p[e]
+        h = baselines.gpt_oss_swiglu(a[:, 0::2], a[:, 1::2])
+        out.index_add_(0, slots // K, (h @ w2k[e]) * gammas[start : start + n, None])
+        start += n
+    assert context.rel_err(out, ref) < 1e-5
+    grouped = baselines.grouped_mm_forward(x, w1.transpose(1, 2), w2k, tw, ids,
+                                           act=baselines.gpt_oss_swiglu)  # fmt: skip
+    assert context.rel_err(grouped, ref) < 1e-5
+
+
+def test_triton_kernels_rows_only_where_the_package_imports_on_cuda(monkeypatch):
+    """No ``triton_kernels`` rows on the CPU, importable or not; on CUDA without the package the
+    forward and quant stages list it under ``skipped`` with the reason (nothing allocated)."""
+    from moe_route.bench import forward, quant
+
+    monkeypatch.setattr(baselines, "triton_kernels_available", lambda: True)
+    ctx = context.Context(torch.device("cpu"), Ceilings(1e10, 1e11), dtype=torch.float32,
+                          budget_s=0.002, with_loop=False, backend="reference")  # fmt: skip
+    shape = shapes.cpu_shapes([8])[0]
+    forward.stage_forward(shape, ctx)
+    assert {r.impl for r in ctx.rows} == {"moe_route", "grouped_mm"}
+    assert ctx.skipped == [] and ctx.failures == []
+    monkeypatch.setattr(baselines, "triton_kernels_available", lambda: False)
+    cuda = context.Context(torch.device("cuda"), Ceilings(1e12, 1e15))
+    assert forward._triton_kernels_entries(shape, cuda, 1.0, 1.0) == []
+    assert quant._triton_kernels(shape, cuda, None, 1.0, 1.0) == {}
+    assert [(s["stage"], s["impl"]) for s in cuda.skipped] == [
+        ("forward", forward.TRITON_KERNELS), ("quant", quant.TRITON_KERNELS)]  # fmt: skip
+    assert all("PYTHONPATH" in s["reason"] for s in cuda.skipped)
+    assert cuda.rows == [] and cuda.failures == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback is what runs without a GPU")
 def test_quant_stage_on_the_cpu(tmp_path, capsys):
     """The quant stage's CPU comparison: the prefill rows (fp32 reference, the three formats),

@@ -11,10 +11,18 @@ At a prefill shape (``T > 128``), rows of stage ``quant``, one per implementatio
   the ``fp8_channel`` weights (optional: where this torch or device lacks the operator or
   refuses the layout, it is recorded in ``ctx.skipped`` with the reason);
 * ``transformers fp8 grouped_mm`` — transformers' FP8 ``grouped_mm`` experts function on the
-  ``fp8`` weights (:func:`.baselines.transformers_fp8_experts`; optional likewise, CUDA only).
+  ``fp8`` weights (:func:`.baselines.transformers_fp8_experts`; optional likewise, CUDA only);
+* ``triton_kernels matmul_ogs mxfp4`` — OpenAI's ``triton_kernels`` on the bf16 weights
+  quantised to MXFP4 by its own quantiser, bf16 activations
+  (:func:`.baselines.triton_kernels_experts`; CUDA only, where that package can be imported,
+  else skipped with the reason), with the gated activation it fuses, gpt-oss's clamped SwiGLU;
+  timed in turns with ``moe_route mxfp4 gpt-oss swiglu`` (``fused_moe`` on moe_route's
+  ``mxfp4`` weights with that activation), both checked against the bf16 ``fused_moe`` with
+  it; ``x_triton_kernels`` on moe_route's row.
 
 The four moe_route rows are timed in turns (:meth:`.context.Context.measure_together`), then the
-bf16 and MXFP4 weights are freed and each baseline is timed on its own. Each row's ``extra``:
+``triton_kernels`` pair, then the bf16 and MXFP4 weights are freed and each other baseline is
+timed on its own. Each row's ``extra``:
 ``quant`` (its format), ``rel_err`` (relative Frobenius error of its output against the bf16
 output), ``tflops`` (``6·T·K·H·I`` FLOPs, GEMM1 and GEMM2, over its time), ``of_dense`` (that
 over the dense rate of its products: FP8 for the FP8 rows, measured with ``torch._scaled_mm``
@@ -64,6 +72,8 @@ FORMATS_ALL = ("fp8", "fp8_ue8m0", "fp8_channel", "fp8_channel_ue8m0", "mxfp4")
 TOL = {"fp8": 0.15, "fp8_channel": 0.15, "mxfp4": 0.4}
 SCALED_GROUPED_MM = "torch._scaled_grouped_mm fp8 rowwise"
 TRANSFORMERS = "transformers fp8 grouped_mm"
+TRITON_KERNELS = "triton_kernels matmul_ogs mxfp4"
+GPT_OSS_MXFP4 = "moe_route mxfp4 gpt-oss swiglu"
 #: seconds one host-time loop may take (device-bound calls: fewer calls per loop)
 HOST_LOOP_S = 1.0
 
@@ -200,6 +210,8 @@ def _prefill(shape: Shape, ctx: Context) -> None:
         _rates(row, ctx, row.extra["quant"] in FP8_FORMATS)
     ref_impl = _impl(None, ctx)
     key = f"x_{dtype_name(ctx.dtype)}"
+    if ctx.cuda:
+        rows.update(_triton_kernels(shape, ctx, weights, flops, io_bytes))
     # Only quantised experts from here: the bf16 and MXFP4 weights go.
     weights.drop(None)
     weights.drop("mxfp4")
@@ -239,6 +251,57 @@ def _prefill(shape: Shape, ctx: Context) -> None:
             _ratio(rows, key, ref_impl, impl)
     _ratio(rows, "x_scaled_grouped_mm", SCALED_GROUPED_MM, _impl("fp8_channel", ctx))
     _ratio(rows, "x_transformers", TRANSFORMERS, _impl("fp8", ctx))
+
+
+def _triton_kernels(shape: Shape, ctx: Context, weights: _Weights, flops, io_bytes) -> dict:
+    """Rows :data:`TRITON_KERNELS` and :data:`GPT_OSS_MXFP4`, timed in turns (none, with the
+    reason in ``ctx.skipped``, where ``triton_kernels`` cannot be imported)."""
+    if not B.triton_kernels_available():
+        ctx.skip(STAGE, shape, TRITON_KERNELS, "triton_kernels is not importable (put it on "
+                 "PYTHONPATH: bench/README.md)")  # fmt: skip
+        return {}
+    if None not in weights.by or "mxfp4" not in weights.by:
+        return {}
+    inp = weights.inp
+    x, tw, ids = inp.x, inp.topk_weights, inp.topk_ids
+    w1, w2 = weights.by[None][:2]
+    act = B.GPT_OSS_ACTIVATION
+    warps = 4 if shape.T <= 512 else 8  # as triton_kernels' own benchmark picks them
+    try:
+        peer, peer_bytes = B.triton_kernels_experts(w1, w2, mxfp4=True, num_warps=warps)
+    except ImportError as exc:  # another package of that name, or one of another version
+        ctx.skip(STAGE, shape, TRITON_KERNELS, _reason(exc))
+        return {}
+    except Exception as exc:
+        ctx.fail(STAGE, shape, TRITON_KERNELS, exc)
+        return {}
+    ref = ctx.attempt(STAGE, shape, TRITON_KERNELS, lambda: moe_route.fused_moe(
+        x, w1, w2, tw, ids, activation=act, backend=ctx.backend))  # fmt: skip
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+    check = None if ref is None else (lambda out: rel_err(out, ref))
+    q1, q2, s1, s2 = weights.by["mxfp4"]
+
+    def ours():
+        return moe_route.fused_moe(x, q1, q2, tw, ids, activation=act, quant="mxfp4",
+                                   w1_scale=s1, w2_scale=s2, backend=ctx.backend)  # fmt: skip
+
+    touched, E = inp.touched, shape.E
+    entries = [
+        Entry(GPT_OSS_MXFP4, ours, weights.nbytes("mxfp4") + io_bytes, flops, memory=True,
+              check=check, tol=TOL["mxfp4"],
+              extra={"quant": "mxfp4", "activation": act, "touched": touched,
+                     "weight_bytes": weights.nbytes("mxfp4")}),
+        Entry(TRITON_KERNELS, lambda: peer(x, tw, ids), peer_bytes * touched // E + io_bytes,
+              flops, memory=True, check=check, tol=TOL["mxfp4"],
+              extra={"quant": "mxfp4", "activation": act, "touched": touched,
+                     "weight_bytes": peer_bytes * touched // E}),
+    ]  # fmt: skip
+    rows = ctx.measure_together(STAGE, shape, entries)
+    for row in rows.values():
+        _rates(row, ctx, False)
+    _ratio(rows, "x_triton_kernels", TRITON_KERNELS, GPT_OSS_MXFP4)
+    return rows
 
 
 def _settle(ctx: Context) -> None:
