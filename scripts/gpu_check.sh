@@ -18,7 +18,8 @@
 #   bash scripts/gpu_check.sh quant     the quantised experts: their GPU tests and the four
 #                                       sanitizer tools over them side by side, then the quant
 #                                       bench stage at the floor shapes (mixtral T=4096, qwen3
-#                                       T=32768, deepseek-v3 T=16384 and decode T=1/8/64);
+#                                       T=32768, deepseek-v3 T=16384 and decode T=1/8/64;
+#                                       QUANT_BENCH="deepseek 1 8 64" picks others);
 #                                       quant_*.log, sanitize_*_quant.log
 #   bash scripts/gpu_check.sh tune      the quantised GEMMs' tiles at decode sizes (bench --sweep
 #                                       quant --quick: 16-row tiles and the decode path's),
@@ -104,20 +105,27 @@ if [ "$part" = quant ]; then
     # The tests and the four sanitizer tools side by side (correctness only), then the
     # benchmarks alone on the GPU; each bounded, so that the part fits one 10-minute job.
     # Every error is printed, and each tool's are counted per kernel.
+    # the two test files side by side (compiles are CPU-bound)
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
-        tests/test_gpu_decode.py -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
+        -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
     tests_pid=$!
+    timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_decode.py \
+        -p no:cacheprovider --tb=short > "$out/quant_tests_decode.log" 2>&1 &
+    decode_pid=$!
     san_pids=()
     for tool in memcheck racecheck synccheck initcheck; do
         timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 100000 \
             python3 scripts/sanitize_small.py --quant > "$out/sanitize_${tool}_quant.log" 2>&1 &
         san_pids+=($!)
     done
-    wait "$tests_pid"
-    t_rc=$?
-    echo "quant tests: rc=$t_rc, $(tail -n 1 "$out/quant_tests.log")"
-    grep -E "^(FAILED|ERROR)" "$out/quant_tests.log" | head -n 10
-    rc=$(( rc || t_rc ))
+    for job in "$tests_pid|quant_tests" "$decode_pid|quant_tests_decode"; do
+        IFS='|' read -r pid log <<< "$job"
+        wait "$pid"
+        t_rc=$?
+        echo "$log: rc=$t_rc, $(tail -n 1 "$out/$log.log")"
+        grep -E "^(FAILED|ERROR)" "$out/$log.log" | head -n 10
+        rc=$(( rc || t_rc ))
+    done
     tools=(memcheck racecheck synccheck initcheck)
     for i in "${!san_pids[@]}"; do
         wait "${san_pids[$i]}"
@@ -128,7 +136,9 @@ if [ "$part" = quant ]; then
             | sort | uniq -c | sed 's/^/    /'
         rc=$(( rc || t_rc ))
     done
-    for run in "mixtral 4096" "qwen3 32768" "deepseek 1 8 64 16384"; do
+    # QUANT_BENCH: "model T ..." runs separated by ';' (default: the floor shapes)
+    IFS=';' read -r -a runs <<< "${QUANT_BENCH:-mixtral 4096;qwen3 32768;deepseek 1 8 64 16384}"
+    for run in "${runs[@]}"; do
         set -- $run
         model=$1; shift
         timeout 110 python3 -m moe_route bench --stages quant --shapes "$model" --tokens "$@" \

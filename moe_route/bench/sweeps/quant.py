@@ -79,7 +79,7 @@ class QuantSweep(Sweep):
     #: the decode path's (eager calls') GEMM1 columns, GEMM2 columns and ``K`` step
     DECODE_GRIDS: ClassVar[dict] = {
         "full": {"up_n": [32, 64, 128], "down_n": [16, 32, 64], "k": [128, 256]},
-        "quick": {"up_n": [32, 64], "down_n": [16, 32, 64], "k": [128]},
+        "quick": {"up_n": [32, 64], "down_n": [16, 32], "k": [128, 256]},
         "tiny": {"up_n": [16, 32], "down_n": [16], "k": [128]},
     }  # fmt: skip
 

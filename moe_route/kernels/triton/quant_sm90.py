@@ -56,6 +56,8 @@ WG_M = gl.constexpr(64)
 WG_N = gl.constexpr(128)
 #: The reduction block (the FP8 scale block).
 BLOCK_K = gl.constexpr(128)
+#: Warps of the producer partition.
+PRODUCER_WARPS = gl.constexpr(1)
 
 
 @gluon.jit
@@ -85,9 +87,10 @@ def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row
         bar = full.index(s)
         k = kb * BLOCK_K
         if GATHER:
-            # rows of the token codes through cp.async; the slot's barrier counts them
+            # rows of the token codes through cp.async: each of the warp's threads arrives
+            # on the slot's barrier once its copies land (one of the barrier's 33 arrivals)
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k)
-            async_copy.mbarrier_arrive(bar)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
             mbarrier.expect(bar, W_BYTES)
         else:
             mbarrier.expect(bar, A_ROWS * BLOCK_K + W_BYTES)
@@ -354,8 +357,11 @@ def _fp8_sm90_kernel(
     X_ROWS: gl.constexpr = WG_M if GATED else 1
     x_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
     x_smem = gl.allocate_shared_memory(gl.float32, [2 * X_ROWS, WG_N], x_layout)
+    # a slot fills with the producer's expect-tx arrive and, gathering, one cp.async arrive per
+    # producer thread
+    FULL_ARRIVALS: gl.constexpr = 1 + 32 * PRODUCER_WARPS if GATHER else 1
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(full.index(i), count=FULL_ARRIVALS)
         mbarrier.init(empty.index(i), count=2)  # both math warpgroups
     mbarrier.init(xbar, count=2)
     n_kb = gl.cdiv(KD, BLOCK_K)
@@ -376,7 +382,7 @@ def _fp8_sm90_kernel(
             (_producer, (a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row,
                          row_end, T, w_row0, N_OUT, n_kb, stride_am, GATED, GATHER, STAGES)),
         ],
-        [4, 1],
+        [4, PRODUCER_WARPS],
         [232, 56 if GATHER else 40],
     )  # fmt: skip
 
