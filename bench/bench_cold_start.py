@@ -93,7 +93,10 @@ def _child(tokens: list[int], hf: bool) -> dict:
 
 def _measure(tokens: list[int], hf: bool) -> dict:
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        # the child imports moe_route from this checkout, as the parent's caller does
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=path)
         arg = ",".join(map(str, tokens))
         cmd = [sys.executable, __file__, "--child", "--tokens", arg]
         out = subprocess.run(cmd + (["--hf"] if hf else []), env=env, capture_output=True,

@@ -124,12 +124,16 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
 def quant_decode_config(bucket: int, top_k: int, num_experts: int,
                         expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
     """The decode path's tiles on quantised experts where :func:`decode_config` takes the
-    path (``expert_bytes`` as stored: one per FP8 weight, one per two MXFP4 ones): both
+    path for experts of up to 16 MiB as stored (``expert_bytes``: one per FP8 weight, one per
+    two MXFP4 ones), where the sorted path's host time exceeds its device time. Larger
+    experts keep the sorted path, which reads their weights sooner than the decode path's
+    second kernel (docs/decisions.md, "Quantised decode path: small experts only"). Both
     reductions step by 128 (the FP8 scale blocks); GEMM1 takes 32 columns (four times the
     programs of 128-column tiles to stream the weights with; on MXFP4 the width of the
     sorted path's fastest 16-row tiles, docs/decisions.md, "MXFP4 loader: nibbles as even and
-    odd columns"; on FP8, which quantises its token row in its main loop there, not timed
-    against other widths)."""
+    odd columns")."""
+    if expert_bytes > _SMALL_EXPERT_BYTES:
+        return None
     if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
         return None
     return _DECODE_FP8

@@ -530,10 +530,10 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
 
 
 def test_quant_decode_plans():
-    """Quantised experts get the decode path's tiles where bf16 ones would take the path
-    (steps of 128 along both reductions, GEMM1 32 columns wide); the FP8 sorted path keeps
-    the quantiser launch and takes 16x128 tiles, the MXFP4 one 16x32 for GEMM1; larger
-    batches keep the sorted path."""
+    """Quantised experts of up to 16 MiB get the decode path's tiles where bf16 ones would take
+    the path (steps of 128 along both reductions, GEMM1 32 columns wide), larger ones never;
+    the FP8 sorted path keeps the quantiser launch and takes 16x128 tiles, the MXFP4 one 16x32
+    for GEMM1; larger batches keep the sorted path."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
@@ -547,6 +547,11 @@ def test_quant_decode_plans():
         assert not plan.configs.in_loop and plan.configs.gemm1.block_m == 16
         assert plan.configs.gemm1.block_n == (32 if fmt == "mxfp4" else 128)
     assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
+    # experts over 16 MiB as stored keep the sorted path where bf16 ones take the decode path
+    big = 3 * 7168 * 2048
+    assert tuning.decode_config(1, 8, 256, 2 * big, torch.bfloat16) is not None
+    assert tuning.quant_decode_config(1, 8, 256, big) is None
+    assert tuning.quant_decode_config(1, 8, 256, big // 2) is None  # (MXFP4: 21 MiB)
     x = torch.randn(1024, 272).half()
     plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")
     assert plan.decode is None and not plan.configs.in_loop
