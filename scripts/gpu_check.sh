@@ -28,6 +28,11 @@
 #                                       tune_*.log
 #   bash scripts/gpu_check.sh tune_prefill  the MXFP4 prefill tiles (bench --sweep quant
 #                                       --prefill); quant_sweep_prefill.csv, tune_prefill.log
+#   bash scripts/gpu_check.sh peers     the forward stage at mixtral-8x7b T=4096 and T=32768 and
+#                                       the quant stage's prefill rows at mixtral T=4096 with
+#                                       OpenAI's triton_kernels beside moe_route (.peers/ on
+#                                       PYTHONPATH, bench/README.md; the run passes
+#                                       carry=[".peers"]); peers_*.log
 #   bash scripts/gpu_check.sh all       tests and bench (default)
 # Extra arguments go to the benchmark scripts (e.g. --quick). Results under $OUT, else
 # bench/results.
@@ -172,6 +177,19 @@ if [ "$part" = tune ] || [ "$part" = tune_prefill ]; then
         tail -n 20 "$out/tune_cold_start.log"
         rc=$(( rc || b_rc ))
     fi
+fi
+
+if [ "$part" = peers ]; then
+    for run in "forward|mixtral|4096 32768|240" "quant|mixtral|4096|240"; do
+        IFS='|' read -r stage model tokens bound <<< "$run"
+        PYTHONPATH=".peers:$PYTHONPATH" timeout "$bound" python3 -m moe_route bench \
+            --stages "$stage" --shapes "$model" --tokens $tokens --no-loop --out "$out/peers" \
+            --name "peers_$stage" > "$out/peers_$stage.log" 2>&1
+        b_rc=$?
+        echo "== $stage with triton_kernels (rc=$b_rc)"
+        grep -v -i warning "$out/peers_$stage.log" | tail -n 24
+        rc=$(( rc || b_rc ))
+    done
 fi
 
 if [ "$part" = ep ]; then
