@@ -137,8 +137,17 @@ if [ "$part" = quant ]; then
         t_rc=$?
         log="$out/sanitize_${tools[$i]}_quant.log"
         echo "${tools[$i]} --quant: rc=$t_rc, $(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 1)"
-        grep -oE "(at|access at) [_A-Za-z0-9]+\+" "$log" | sed -E 's/^(access )?at //; s/\+$//' \
-            | sort | uniq -c | sed 's/^/    /'
+        kernels=$(grep -oE "(at|access at) [_A-Za-z0-9]+\+" "$log" \
+                  | sed -E 's/^(access )?at //; s/\+$//' | sort)
+        [ -n "$kernels" ] && uniq -c <<< "$kernels" | sed 's/^/    /'
+        # racecheck does not follow the Gluon SM90 kernel's partition hand-off (a minimal
+        # Gluon kernel gets the same reports: docs/decisions.md, "FP8 SM90 kernel under
+        # racecheck and synccheck"); hazards there alone do not fail the check
+        if [ "${tools[$i]}" = racecheck ] && [ "$t_rc" -eq 1 ] && [ -n "$kernels" ] \
+            && ! grep -qv "^_fp8_sm90_kernel$" <<< "$kernels"; then
+            echo "    (only _fp8_sm90_kernel: the tool's limit, not counted as a failure)"
+            t_rc=0
+        fi
         rc=$(( rc || t_rc ))
     done
     # QUANT_BENCH: "model T ..." runs separated by ';' (default: the floor shapes)
