@@ -137,6 +137,9 @@ def fused_moe(
         return _fused_moe_quant(key, x, w1, w2, topk_weights, topk_ids, activation,
                                 gate_up_layout, b1, b2, bias, finalize, backend, quant,
                                 w1_scale, w2_scale)  # fmt: skip
+    if isinstance(w1, torch.Tensor) and w1.dtype in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"w1 {_checks.describe(w1)} holds quantised codes: pass quant= ('fp8', "
+                        "'fp8_channel', 'mxfp4', ...) with w1_scale and w2_scale")  # fmt: skip
     spec = as_activation(activation)
     E, n_inter = check_gemm_args("x", x, "w1", w1, "b1", b1, spec, gate_up_layout)
     # The op and the plan carry the spec as its canonical string: a constant for

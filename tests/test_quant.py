@@ -627,6 +627,10 @@ def test_quant_bad_input():
     mq, ms = moe_route.quantize_experts(w1, "mxfp4")
     with pytest.raises(ValueError, match="w1_scale must be"):
         run(quant="mxfp4", w1=mq, w1_scale=ms[..., :-1])
+    # quantised codes passed as if they were 16-bit weights: the error names quant=
+    for codes in (w1q, mq):
+        with pytest.raises(TypeError, match="holds quantised codes: pass quant="):
+            moe_route.fused_moe(x, codes, w2q, tw, ids, backend="torch")
 
 
 @pytest.mark.parametrize(
