@@ -282,14 +282,16 @@ def _decode_down_kernel(
                 acc_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             y = _first_row(acc, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            if routed:
-                if HAS_B2:
-                    b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + cols * stride_b2n,
-                                 mask=col_ok, other=0.0)  # fmt: skip
-                    y += b2.to(ACC)
-                y = y.to(out_ptr.dtype.element_ty).to(OUT_ACC)  # GEMM2's output, as stored
-                w = tl.load(tw_ptr + t * stride_wt + k * stride_wkk).to(OUT_ACC)
-                total += w * y
+            if HAS_B2:
+                b2 = tl.load(b2_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b2e
+                             + cols * stride_b2n, mask=col_ok & routed, other=0.0)  # fmt: skip
+                y += b2.to(ACC)
+            y = y.to(out_ptr.dtype.element_ty).to(OUT_ACC)  # GEMM2's output, as stored
+            w = tl.load(tw_ptr + t * stride_wt + k * stride_wkk, mask=routed,
+                        other=0.0).to(OUT_ACC)  # fmt: skip
+            # the finalize's term, as it adds it: the select keeps the product rounded on its
+            # own (a multiply-add contracted into one FMA rounds once, other bits)
+            total += tl.where(routed, w * y, 0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=col_ok).to(OUT_ACC)
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, total.to(out_ptr.dtype.element_ty),
