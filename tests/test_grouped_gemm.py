@@ -173,6 +173,26 @@ def test_expert_occupancy(pattern):
     assert_matches(out, ref, TOL[torch.float32])
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 40), min_size=1, max_size=300),
+    dropped=st.integers(0, 40),
+    bm=st.sampled_from([16, 64, 128]),
+)
+def test_m_tiles_bound(rows, dropped, bm):
+    """The launch's m-tiles cover every routing of ``M`` rows over ``E`` experts: each expert's
+    ``cdiv(rows_e, BM)`` tiles plus the dropped rows' (the grid never depends on the routing,
+    so the bound must hold for all of them; at decode sizes it is the row count itself)."""
+    from moe_route.kernels.triton.gemm_mainloop import _m_tiles
+
+    E, M = len(rows), sum(rows) + dropped
+    if M == 0:
+        return
+    needed = sum(-(-r // bm) for r in rows) + -(-dropped // bm)
+    bound = _m_tiles(M, E, bm)
+    assert needed <= bound <= M
+
+
 @needs_interpreter
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("via", ["launcher", "public"])

@@ -5,11 +5,11 @@ Grouped GEMM over expert-grouped rows, one launch for all experts. Rows of exper
 numbered expert after expert. Each program finds the expert of its m-tile from
 ``expert_first_token_offset`` itself (:func:`_tile_expert`: a prefix sum of the experts' tile
 counts, in registers), so nothing is launched or stored before the GEMM. The grid is an upper
-bound that depends only on ``T*K`` and the tile sizes (``cdiv(T*K, BLOCK_M) + E + 1`` m-tiles),
-never on the routing: programs past the last real m-tile exit at once, and an expert with no
-rows owns no m-tile. No host synchronisation, no per-expert launch. Program ``pid`` computes the
-``[BLOCK_M, BLOCK_N]`` tile ``(m_tile, n_tile)``, m-tiles grouped ``GROUP_M`` at a time so that
-consecutive programs reuse the same weight columns in L2.
+bound that depends only on ``T*K`` and the tile sizes (``min(cdiv(T*K, BLOCK_M) + E + 1,
+T*K)`` m-tiles), never on the routing: programs past the last real m-tile exit at once, and an
+expert with no rows owns no m-tile. No host synchronisation, no per-expert launch. Program
+``pid`` computes the ``[BLOCK_M, BLOCK_N]`` tile ``(m_tile, n_tile)``, m-tiles grouped
+``GROUP_M`` at a time so that consecutive programs reuse the same weight columns in L2.
 
 The main loop (:func:`_mainloop`) is shared; each kernel family owns one epilogue, in its own
 module with its launcher:
@@ -387,8 +387,12 @@ def _acc(dtype: torch.dtype):
 
 
 def _m_tiles(M: int, E: int, bm: int) -> int:
-    # Σ_e cdiv(rows_e, bm) + cdiv(dropped, bm) <= cdiv(M, bm) + E + 1, whatever the routing.
-    return cdiv(M, bm) + E + 1
+    # Σ_e cdiv(rows_e, bm) + cdiv(dropped, bm) <= cdiv(M, bm) + E + 1, whatever the routing;
+    # and every m-tile holds a row, so there are at most M of them. The second bound matters
+    # at decode sizes: at M = 8 rows over 256 experts the first launches 258 m-tiles per
+    # n-tile, 250 of them programs that exit at once but are scheduled all the same
+    # (docs/decisions.md, "Grid bound at decode sizes").
+    return min(cdiv(M, bm) + E + 1, M)
 
 
 #: The persistent kernel's stand-in SM count off CUDA (the interpreter): small, so that the
