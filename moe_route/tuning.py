@@ -212,15 +212,20 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     loops at 32- or 64-column tiles: docs/decisions.md, "FP8 decode: quantiser launch again").
 
     MXFP4 (the weights unpacked in the loader, pointer-fed): 16-row tiles up to 16 rows per
-    expert (gated 32 columns, else 128), above that 64x128 (gated) or 128x128 on 8 warps
-    stepping 64 along ``K``. docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill:
-    persistent kernel, TMA, one wide gated product", "FP8 decode tiles" and "MXFP4 loader:
-    nibbles as even and odd columns"; ``python -m moe_route bench --sweep quant`` times the
-    16-row tiles.
+    expert, 64 columns and 3 stages, except a gated GEMM1 while the slots number under a
+    quarter of the experts (few experts touched: 32 columns, twice the programs, 4 stages);
+    above that 64x128 (gated) or 128x128 on 8 warps stepping 64 along ``K``.
+
+    docs/decisions.md, "FP8 grouped GEMM tiles", "FP8 prefill: persistent kernel, TMA, one
+    wide gated product", "FP8 decode tiles", "MXFP4 loader: nibbles as even and odd columns"
+    and "Quantised 16-row tiles: MXFP4 at 64 columns"; ``python -m moe_route bench --sweep
+    quant`` times the 16-row tiles.
     """
     if mxfp4:
+        if gated and rows_per_expert < 0.25:
+            return GemmConfig(16, 32, 128, 1, 4, 4)
         if rows_per_expert <= 16:
-            return GemmConfig(16, 32 if gated else 128, 128, 1, 4, 4)
+            return GemmConfig(16, 64, 128, 1, 4, 3)
         return GemmConfig(64 if gated else 128, 128, 64, 8, 8, 3)
     tma = cc is not None and cc >= 90
     if rows_per_expert <= 16:

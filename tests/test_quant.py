@@ -532,8 +532,9 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
 def test_quant_decode_plans():
     """Quantised experts of up to 16 MiB get the decode path's tiles where bf16 ones would take
     the path (steps of 128 along both reductions, GEMM1 32 columns wide), larger ones never;
-    the FP8 sorted path keeps the quantiser launch and takes 16x128 tiles, the MXFP4 one 16x32
-    for GEMM1; larger batches keep the sorted path."""
+    the FP8 sorted path keeps the quantiser launch and takes 16x128 tiles, the MXFP4 one 16x64
+    (GEMM1 16x32 while the slots number under a quarter of the experts); larger batches keep
+    the sorted path."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
@@ -545,7 +546,10 @@ def test_quant_decode_plans():
         d = plan.decode
         assert d is not None and d.up_k == d.down_k == 128 and d.up_n == 32
         assert not plan.configs.in_loop and plan.configs.gemm1.block_m == 16
-        assert plan.configs.gemm1.block_n == (32 if fmt == "mxfp4" else 128)
+        assert plan.configs.gemm1.block_n == (64 if fmt == "mxfp4" else 128)
+        assert plan.configs.gemm2.block_n == (64 if fmt == "mxfp4" else 128)
+    few = quant_plan_for(x[:1], w1q, w2q, 1, "swiglu", "concat", Q.as_quant("mxfp4"), "triton")
+    assert few.configs.gemm1.block_n == 32 and few.configs.gemm2.block_n == 64
     assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
     # experts over 16 MiB as stored keep the sorted path where bf16 ones take the decode path
     big = 3 * 7168 * 2048
