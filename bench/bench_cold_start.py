@@ -12,7 +12,9 @@ compile) listed. ``--repeat N`` runs it in N fresh processes.
 
 ``--hf`` adds the same through a transformers Qwen3-MoE model (two decoder layers at the real
 widths, random weights) switched to ``experts_implementation="moe_route"``: the first prefill
-of ``T`` tokens, which is what a serving process meets.
+of ``T`` tokens, which is what a serving process meets; and, as the yardstick of what the
+model's first forward costs without moe_route, the same model on transformers' own
+``"grouped_mm"`` experts (path ``hf grouped_mm``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import tempfile
 H, INTER, E, K = 2048, 768, 128, 8
 
 
-def _child(tokens: list[int], hf: bool) -> dict:
+PATHS = ("fused_moe", "hf", "hf grouped_mm")
+
+
+def _child(tokens: list[int], path: str) -> dict:
     import time
 
     import torch
@@ -47,7 +52,7 @@ def _child(tokens: list[int], hf: bool) -> dict:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     times = {}
-    if hf:
+    if path != "fused_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         import moe_route.integrations.hf as moe_hf
@@ -60,7 +65,7 @@ def _child(tokens: list[int], hf: bool) -> dict:
             intermediate_size=6144, vocab_size=1024, head_dim=128,
         )  # fmt: skip
         model = Qwen3MoeForCausalLM(cfg).to(dev, torch.bfloat16).eval()
-        model.set_experts_implementation("moe_route")
+        model.set_experts_implementation("moe_route" if path == "hf" else "grouped_mm")
         for T in tokens:
             ids = torch.randint(0, 1024, (1, T), device=dev, generator=g)
             for attempt in ("first", "again"):
@@ -91,16 +96,15 @@ def _child(tokens: list[int], hf: bool) -> dict:
     return times
 
 
-def _measure(tokens: list[int], hf: bool) -> dict:
+def _measure(tokens: list[int], path: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         # the child imports moe_route from this checkout, as the parent's caller does
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=path)
+        pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=pythonpath)
         arg = ",".join(map(str, tokens))
-        cmd = [sys.executable, __file__, "--child", "--tokens", arg]
-        out = subprocess.run(cmd + (["--hf"] if hf else []), env=env, capture_output=True,
-                             text=True)  # fmt: skip
+        cmd = [sys.executable, __file__, "--child", path, "--tokens", arg]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -111,17 +115,17 @@ def main() -> None:
     ap.add_argument("--tokens", default="100,700,1300")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.child:
-        print(json.dumps(_child(tokens, args.hf)))
+        print(json.dumps(_child(tokens, args.child)))
         return
     rows = []
     for _ in range(args.repeat):
-        for hf in (False, True) if args.hf else (False,):
-            rows.append({"path": "hf" if hf else "fused_moe", **_measure(tokens, hf)})
+        for path in PATHS if args.hf else PATHS[:1]:
+            rows.append({"path": path, **_measure(tokens, path)})
     cols = [f"{T}:{a}" for T in tokens for a in ("first", "again")]
     print("| path | " + " | ".join(f"T={c} s" for c in cols) + " |")
     print("|---|" + "---|" * len(cols))

@@ -314,9 +314,6 @@ def _call_key(x, w1, w2, topk_weights, topk_ids, b1, b2, bias, *options) -> tupl
     return key
 
 
-# --------------------------------------------------------------------------- internal entry
-
-
 # --------------------------------------------------------------------------- warm-up
 def warmup(
     w1: torch.Tensor,

@@ -8,6 +8,8 @@ the step's kernels (where the GPU waited for the host).
                                                 [--gather auto|yes|no]   # fused_moe's gather
                                                 [--tokens T]   # another T than the shape's
                                                 [--forward]    # the inference forward only
+                                                [--quant fp8|mxfp4|...]   # quantised experts
+                                                                          # (inference only)
 """
 
 import argparse
@@ -103,17 +105,31 @@ def training_case(name, tokens=None):
     return (T, H, inter, E, K), x, w1, w2, tw.to(dt), ids
 
 
-def run_shape(name, dense, gather, tokens=None, forward_only=False):
+def run_shape(name, dense, gather, tokens=None, forward_only=False, quant=None):
     dev, dt = "cuda", torch.bfloat16
     (T, H, inter, E, K), x, w1, w2, tw, ids = training_case(name, tokens)
     flops = 2 * T * K * 3 * H * inter
-    print(f"{name} T={T} H={H} I={inter} E={E} K={K}: forward {flops / 1e9:.0f} GFLOP "
-          f"({flops / dense * 1e6:.0f} us at the dense rate)")  # fmt: skip
+    print(f"{name} T={T} H={H} I={inter} E={E} K={K}{f' {quant}' if quant else ''}: forward "
+          f"{flops / 1e9:.0f} GFLOP ({flops / dense * 1e6:.0f} us at the dense rate)")  # fmt: skip
+    weights = {}
+    if quant:
+        (w1, s1), (w2, s2) = (moe_route.quantize_experts(w, quant) for w in (w1, w2))
+        weights = {"quant": quant, "w1_scale": s1, "w2_scale": s2}
 
     def inference():
         with torch.no_grad():
-            return moe_route.fused_moe(x, w1, w2, tw, ids, gather=gather)
+            return moe_route.fused_moe(x, w1, w2, tw, ids, gather=gather, **weights)
 
+    kernels = kernels_of(inference)
+    show("forward, inference", kernels)
+    if forward_only:
+        total = sum(us for _, us in kernels)
+        t = triton.testing.do_bench(inference, warmup=5, rep=200, return_mode="median") * 1e3
+        graph = time_cuda(inference, use_graph=True, inner=10, outer=20).median_s * 1e6
+        print(f"  forward by do_bench {t:.0f} us ({flops / t * 1e-6:.0f} TFLOP/s), in a CUDA "
+              f"graph {graph:.0f} us, kernels' sum {total:.0f} us "
+              f"({flops / total * 1e-6:.0f} TFLOP/s)")  # fmt: skip
+        return
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, tw)]
     dout = torch.randn(T, H, device=dev, dtype=dt)
 
@@ -123,14 +139,6 @@ def run_shape(name, dense, gather, tokens=None, forward_only=False):
     def step():
         return torch.autograd.grad(fwd(), leaves, dout)
 
-    kernels = kernels_of(inference)
-    show("forward, inference", kernels)
-    if forward_only:
-        total = sum(us for _, us in kernels)
-        t = triton.testing.do_bench(inference, warmup=5, rep=200, return_mode="median") * 1e3
-        print(f"  forward by do_bench {t:.0f} us ({flops / t * 1e-6:.0f} TFLOP/s), "
-              f"kernels' sum {total:.0f} us ({flops / total * 1e-6:.0f} TFLOP/s)")  # fmt: skip
-        return
     show("forward, saving for the backward", kernels_of(fwd))
     kernels = kernels_of(step)
     show("forward + backward", kernels)
@@ -150,12 +158,13 @@ def main():
     ap.add_argument("--gather", choices=("auto", "yes", "no"), default="auto")
     ap.add_argument("--tokens", type=int, help="T instead of the shape's prefill size")
     ap.add_argument("--forward", action="store_true", help="the inference forward only")
+    ap.add_argument("--quant", help="quantised experts (fp8, mxfp4, ...): the inference forward")
     args = ap.parse_args()
     gather = {"auto": None, "yes": True, "no": False}[args.gather]
     dense = Ceilings.measure("cuda").mm_flops_per_s
     print(f"{torch.cuda.get_device_name()}: dense bf16 mm {dense / 1e12:.0f} TFLOP/s")
     for name in args.shapes:
-        run_shape(name, dense, gather, args.tokens, args.forward)
+        run_shape(name, dense, gather, args.tokens, args.forward or bool(args.quant), args.quant)
         torch.cuda.empty_cache()
 
 

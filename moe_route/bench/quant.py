@@ -38,9 +38,9 @@ bytes of the experts the routing touches (the distinct ids of the ``T·K`` slots
 in that format, scales included (``weight_bytes``), over the measured copy bandwidth
 (``floor_us``); ``over_floor`` = time / floor. And rows of stage ``quant-host``: the host time of
 one eager call (``time.perf_counter`` around calls issued with no synchronisation, as the
-``host`` stage times them, the implementations in turns over three loops) of ``fused_moe
-fp8`` and ``fused_moe mxfp4`` against ``fused_moe bf16`` (``over_ref``), with ``eager_us``,
-``graph_us`` and ``device_bound`` as in the ``host`` stage.
+``host`` stage times them, the implementations in turns over five loops of 32 calls) of
+``fused_moe fp8`` and ``fused_moe mxfp4`` against ``fused_moe bf16`` (``over_ref``), with
+``eager_us``, ``graph_us`` and ``device_bound`` as in the ``host`` stage.
 
 Weights are quantised by ``moe_route.quantize_experts``, a few experts at a time.
 """
@@ -74,8 +74,10 @@ SCALED_GROUPED_MM = "torch._scaled_grouped_mm fp8 rowwise"
 TRANSFORMERS = "transformers fp8 grouped_mm"
 TRITON_KERNELS = "triton_kernels matmul_ogs mxfp4"
 GPT_OSS_MXFP4 = "moe_route mxfp4 gpt-oss swiglu"
-#: seconds one host-time loop may take (device-bound calls: fewer calls per loop)
-HOST_LOOP_S = 1.0
+#: calls per host-time loop: at under ten launches a call, a loop stays well inside CUDA's launch
+#: queue (about a thousand launches), so that a call slower on the device than on the host
+#: (deepseek-v3's weights) still times its host side instead of waiting for the queue
+HOST_QUEUE_CALLS = 32
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -381,7 +383,8 @@ def _decode(shape: Shape, ctx: Context) -> None:
 
 
 def _host(shape: Shape, ctx: Context, calls: dict) -> None:
-    """``quant-host`` rows: host time per eager call, the calls in turns (three loops each)."""
+    """``quant-host`` rows: host time per eager call, the calls in turns (five loops of
+    :data:`HOST_QUEUE_CALLS` calls each)."""
     eager = {}
     for name, (_, fn) in calls.items():
         try:
@@ -391,10 +394,9 @@ def _host(shape: Shape, ctx: Context, calls: dict) -> None:
     names = list(eager)
     if not names:
         return
-    # A loop of device-bound calls (deepseek-v3's weights) would take seconds: fewer calls.
-    n = {k: min(ctx.host_calls, max(10, int(HOST_LOOP_S / max(eager[k], 1e-9)))) for k in names}
+    n = {k: min(ctx.host_calls, HOST_QUEUE_CALLS) for k in names}
     samples = {k: [] for k in names}
-    for r in range(3):
+    for r in range(5):
         k0 = r % len(names)
         for name in names[k0:] + names[:k0]:
             fn = calls[name][1]
