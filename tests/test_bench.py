@@ -732,12 +732,12 @@ def test_triton_kernels_routing_and_weights_compute_the_gpt_oss_forward():
         slots = s2s[start : start + n].long()
         assert (ids.reshape(-1)[slots] == e).all()
         a = x[slots // K] @ w1p[e]
-        h = baselines.gpt_oss_swiglu(a[:, 0::2], a[:, 1::2])
+        h = moe_route.reference.activation_reference(a, act, "interleaved")
         out.index_add_(0, slots // K, (h @ w2k[e]) * gammas[start : start + n, None])
         start += n
     assert context.rel_err(out, ref) < 1e-5
     grouped = baselines.grouped_mm_forward(x, w1.transpose(1, 2), w2k, tw, ids,
-                                           act=baselines.gpt_oss_swiglu)  # fmt: skip
+                                           activation=act)  # fmt: skip
     assert context.rel_err(grouped, ref) < 1e-5
 
 

@@ -24,6 +24,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from moe_route.reference import activation_reference
+
 
 def argsort_maps(ids: torch.Tensor, E: int):
     """What model code writes without a routing kernel: sort unique keys, scatter the inverse.
@@ -58,12 +60,16 @@ def grouped_mm_route(topk_ids: torch.Tensor, E: int):
     return order, order // K, offs
 
 
-def grouped_mm_gemm1(x, w1t, token, offs, act=None):
+def grouped_mm_gemm1(x, w1t, token, offs, activation=None):
     """GEMM1 + SwiGLU of the ``_grouped_mm`` pipeline; ``w1t`` is ``[E, H, 2I]``.
 
-    ``act(gate, up)``: another gated activation (e.g. :func:`gpt_oss_swiglu`)."""
-    gate, up = torch._grouped_mm(x[token], w1t, offs=offs).chunk(2, dim=-1)
-    return F.silu(gate) * up if act is None else act(gate, up)
+    ``activation``: another gated activation (as ``fused_moe`` takes it, e.g.
+    :data:`GPT_OSS_ACTIVATION`), computed in float32 by the reference."""
+    z = torch._grouped_mm(x[token], w1t, offs=offs)
+    if activation is not None:
+        return activation_reference(z.float(), activation).to(z.dtype)
+    gate, up = z.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def grouped_mm_gemm2_finalize(h, w2t, topk_weights, order, token, offs, T):
@@ -73,14 +79,14 @@ def grouped_mm_gemm2_finalize(h, w2t, topk_weights, order, token, offs, T):
     return y.new_zeros(T, y.shape[1]).index_add_(0, token, y)
 
 
-def grouped_mm_forward(x, w1t, w2t, topk_weights, topk_ids, act=None):
+def grouped_mm_forward(x, w1t, w2t, topk_weights, topk_ids, activation=None):
     """The ``torch._grouped_mm`` pipeline a user would write (no host sync, index_add_ reduce).
 
     ``w1t = w1.transpose(1, 2)`` (``[E, H, 2I]``), ``w2t = w2.transpose(1, 2)`` (``[E, I, H]``);
-    ``act``: as in :func:`grouped_mm_gemm1`.
+    ``activation``: as in :func:`grouped_mm_gemm1`.
     """
     order, token, offs = grouped_mm_route(topk_ids, w1t.shape[0])
-    h = grouped_mm_gemm1(x, w1t, token, offs, act)
+    h = grouped_mm_gemm1(x, w1t, token, offs, activation)
     return grouped_mm_gemm2_finalize(h, w2t, topk_weights, order, token, offs, x.shape[0])
 
 
@@ -230,13 +236,6 @@ def transformers_fp8_experts(w1_q, w1_scale, w2_q, w2_scale, block=(128, 128)):
 #: ``g = min(gate, limit)``, ``out = g · sigmoid(alpha · g) · (clamp(up, ±limit) + 1)``.
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
 GPT_OSS_ACTIVATION = f"swiglu(alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT}, up_offset=1.0)"
-
-
-def gpt_oss_swiglu(gate, up, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT):
-    """:data:`GPT_OSS_ACTIVATION` in torch (float32, rounded to ``gate``'s dtype)."""
-    g = gate.float().clamp(max=limit)
-    u = up.float().clamp(-limit, limit)
-    return (g * torch.sigmoid(alpha * g) * (u + 1)).to(gate.dtype)
 
 
 def triton_kernels_available() -> bool:

@@ -89,7 +89,7 @@ def _triton_kernels_entries(shape: Shape, ctx: Context, nbytes, flops) -> list[E
         return []
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
     ref = ctx.attempt("forward", shape, TRITON_KERNELS, lambda: B.grouped_mm_forward(
-        x, w1t, w2t, tw, ids, act=B.gpt_oss_swiglu))  # fmt: skip
+        x, w1t, w2t, tw, ids, activation=B.GPT_OSS_ACTIVATION))  # fmt: skip
     check = None if ref is None else (lambda out: rel_err(out, ref))
     extra = {"activation": B.GPT_OSS_ACTIVATION}
 

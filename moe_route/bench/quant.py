@@ -394,20 +394,20 @@ def _host(shape: Shape, ctx: Context, calls: dict) -> None:
     names = list(eager)
     if not names:
         return
-    n = {k: min(ctx.host_calls, HOST_QUEUE_CALLS) for k in names}
+    n = min(ctx.host_calls, HOST_QUEUE_CALLS)
     samples = {k: [] for k in names}
     for r in range(5):
         k0 = r % len(names)
         for name in names[k0:] + names[:k0]:
             fn = calls[name][1]
-            t = time_host(fn, ctx.device, calls=n[name], repeats=1, warmup=3 if r == 0 else 1)
+            t = time_host(fn, ctx.device, calls=n, repeats=1, warmup=3 if r == 0 else 1)
             samples[name].append(t.median_s)
     ref = next(iter(calls))  # the unquantised call
     for name in names:
         fmt, fn = calls[name]
         timing = _summarise(samples[name])
         host_us = timing.median_s * 1e6
-        extra = {"quant": fmt or dtype_name(ctx.dtype), "calls": n[name],
+        extra = {"quant": fmt or dtype_name(ctx.dtype), "calls": n,
                  "eager_us": eager[name] * 1e6}  # fmt: skip
         try:
             graph_us = _graph_us(fn, ctx)

@@ -116,9 +116,7 @@ class QuantSweep(Sweep):
                         out.append(pair)
             return out
         modes = (CODES_IN,) if mx else (H_IN_LOOP, BOTH_IN_LOOP)
-        for (n1, n2, bk, stages), mode in itertools.product(
-            itertools.product(*self.grid.values()), modes
-        ):
+        for n1, n2, bk, stages, mode in itertools.product(*self.grid.values(), modes):
             if bk != 128 and not mx:
                 continue
             tiles = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages),
