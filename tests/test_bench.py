@@ -902,10 +902,6 @@ def test_sweep_runs_its_tiny_case_on_the_cpu(tmp_path, capsys, name):
         for fmt in ("fp8", "mxfp4"):  # the tables' tiles first, then the tiny grid's
             statuses = [r["status"] for r in rows if r["format"] == fmt]
             assert statuses[0] == "current" and statuses[1:] and set(statuses[1:]) == {"ok"}
-            configs = [r["config"] for r in rows if r["format"] == fmt]
-            in_loop = ("GEMM2 quantising in its loop", "quantising in the loops")
-            modes = tuple(m for m in in_loop if any(c.endswith(m) for c in configs))
-            assert modes == (() if fmt == "mxfp4" else in_loop), configs
             # then the decode path's tiles (eager calls of this size take it), the tables' first
             decode = [
                 r["config"] for r in rows if r["format"] == fmt and "decode path" in r["config"]

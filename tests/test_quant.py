@@ -455,40 +455,6 @@ def test_quant_in_loop_matches_codes(fmt):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
-def test_quant_in_loop_modes_same_bits(fmt):
-    """The experts step at decode sizes in each of ``QuantConfigs.in_loop``'s modes: codes from
-    the quantiser and GEMM1's epilogue on 16x128 tiles, GEMM2 quantising GEMM1's float32
-    output on a 16x32 GEMM1 (codes from the quantiser), both GEMMs quantising in their loops:
-    the same output bits."""
-    import dataclasses
-
-    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
-    from moe_route.kernels.triton.moe import (
-        BOTH_IN_LOOP,
-        CODES_IN,
-        H_IN_LOOP,
-        moe_forward_quant_triton,
-    )
-    from moe_route.plan import quant_plan_for
-
-    x, w1, w2, tw, ids = _case(T=7, H=272, n_inter=200, E=4, K=2)
-    w1q, s1 = moe_route.quantize_experts(w1, fmt)
-    w2q, s2 = moe_route.quantize_experts(w2, fmt)
-    tables = moe_route.build_routing_maps(ids, 4).tensors()
-    base = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton").configs
-    assert base.in_loop == CODES_IN
-    narrow = GemmConfig(16, 32, 128, 1, 4, 2)
-    outs = []
-    for mode, gemm1 in ((CODES_IN, base.gemm1), (H_IN_LOOP, narrow), (BOTH_IN_LOOP, narrow)):
-        cfg = dataclasses.replace(base, gemm1=gemm1, in_loop=mode)
-        outs.append(moe_forward_quant_triton(x, w1q, s1, w2q, s2, tw, None, None, None, tables,
-                                             cfg))  # fmt: skip
-    assert not outs[0].isnan().any()
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize(("fmt", "layout", "strided"), [
     ("fp8", "concat", False), ("fp8_ue8m0", "interleaved", False),
     ("fp8_channel", "concat", True), ("fp8", "interleaved", True),

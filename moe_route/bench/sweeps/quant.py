@@ -19,12 +19,7 @@ import torch
 from moe_route import tuning
 from moe_route.kernels.triton.decode import DecodeConfig, QuantDecodeLaunch
 from moe_route.kernels.triton.gemm_mainloop import GemmConfig
-from moe_route.kernels.triton.moe import (
-    BOTH_IN_LOOP,
-    CODES_IN,
-    H_IN_LOOP,
-    moe_forward_quant_triton,
-)
+from moe_route.kernels.triton.moe import moe_forward_quant_triton
 from moe_route.plan import quant_plan_for
 from moe_route.quant import as_quant
 
@@ -97,30 +92,28 @@ class QuantSweep(Sweep):
         self.formats = ("mxfp4",) if self.prefill else ("fp8", "mxfp4")
         self.calls = 1 if self.prefill else 2 if self.cpu else 16
 
-    def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, int]]:
+    def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
         """``(gemm1, gemm2, in_loop)``: the tables' first (the tokens quantised by a launch of
         their own on FP8, GEMM1 writing GEMM2's codes), then the grid's tiles, each once, on
-        FP8 twice: GEMM2 quantising GEMM1's float32 output in its main loop, and both GEMMs
-        quantising their inputs in their main loops (``QuantConfigs.in_loop``)."""
+        FP8 each GEMM quantising its input in its main loop (``in_loop``)."""
         mx = fmt == "mxfp4"
         out = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
-                tuning.quant_gemm_config(rows, False, mx, self.cc), CODES_IN)]  # fmt: skip
+                tuning.quant_gemm_config(rows, False, mx, self.cc), False)]  # fmt: skip
         if self.prefill:
             gemm1, gemm2 = out[0][:2]
             tiles = self.PREFILL_TILES
             for which in ("gemm1", "gemm2"):
                 for bm, bn, bk, warps, stages in tiles["tiny" if self.cpu else which]:
                     cfg = GemmConfig(bm, bn, bk, 8, warps, stages)
-                    pair = (cfg, gemm2, CODES_IN) if which == "gemm1" else (gemm1, cfg, CODES_IN)
+                    pair = (cfg, gemm2, False) if which == "gemm1" else (gemm1, cfg, False)
                     if pair not in out:
                         out.append(pair)
             return out
-        modes = (CODES_IN,) if mx else (H_IN_LOOP, BOTH_IN_LOOP)
-        for n1, n2, bk, stages, mode in itertools.product(*self.grid.values(), modes):
+        for n1, n2, bk, stages in itertools.product(*self.grid.values()):
             if bk != 128 and not mx:
                 continue
             tiles = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages),
-                     mode)  # fmt: skip
+                     not mx)  # fmt: skip
             if tiles not in out:
                 out.append(tiles)
         return out
@@ -196,9 +189,7 @@ class QuantSweep(Sweep):
         for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E)):
             cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
             name = f"gemm1 {_tile(gemm1)} gemm2 {_tile(gemm2)}"
-            if in_loop == H_IN_LOOP:
-                name += ", GEMM2 quantising in its loop"
-            elif in_loop == BOTH_IN_LOOP:
+            if in_loop:
                 name += ", quantising in the loops"
 
             def call(r, cfg=cfg):
