@@ -207,9 +207,12 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     second float32 tile beside the accumulator, so a thread holds two 64-value tiles at
     128x128 on 8 warps; a gated GEMM1 computes gate and up as one product twice as wide, so it
     takes 64 rows. On SM90 FP8 reads its weights (and GEMM2 its input) through TMA. Up to 16
-    rows per expert (decode) FP8 takes 16x128 tiles on 4 warps, which stream the weights with
-    the least work per step, after a quantiser launch (faster than quantising in the main
-    loops at 32- or 64-column tiles: docs/decisions.md, "FP8 decode: quantiser launch again").
+    rows per expert (decode) FP8 takes 16-row tiles on 4 warps after a quantiser launch
+    (faster than quantising in the main loops at 32- or 64-column tiles: docs/decisions.md,
+    "FP8 decode: quantiser launch again"); on SM90 with the operands swapped, the weights
+    first, so that each step is FP8 MMAs of 64 weight rows by the 16 token rows instead of
+    16-bit MMAs on converted codes (GEMM1 128 columns, GEMM2 64: "FP8 16-row tiles: weights
+    first"), elsewhere 16x128.
 
     MXFP4 (the weights unpacked in the loader, pointer-fed): 16-row tiles up to 16 rows per
     expert, 64 columns and 3 stages, except a gated GEMM1 while the slots number under a
@@ -229,6 +232,8 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
         return GemmConfig(64 if gated else 128, 128, 64, 8, 8, 3)
     tma = cc is not None and cc >= 90
     if rows_per_expert <= 16:
+        if tma:  # the weights first: FP8 MMAs 64 weight rows by 16 token rows
+            return GemmConfig(16, 128 if gated else 64, 128, 1, 4, 4, swap_ab=True)
         return GemmConfig(16, 128, 128, 1, 4, 4)
     if rows_per_expert <= 64 and not gated:
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)

@@ -266,7 +266,7 @@ def _odd(fmt: str) -> frozenset:
     return frozenset(odd)
 
 
-def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
+def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str, swap: bool = False):
     """One kernel of decode sizes on quantised experts, as ``moe_route`` launches it (16-row
     tiles of the sorted path's GEMMs, FP8 ones reading the codes of a quantiser launch and of
     GEMM1's epilogue; the decode path's two kernels, FP8 ones quantising in their main
@@ -288,7 +288,7 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str):
         kernel = _kernel("_quant_gemm_kernel")
         const = dict(act, ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated,
                      MXFP4=mx, OUT_FP8=gated and not mx, A_DESC=False, W_DESC=False,
-                     SPLIT=1 if gated else 0, A_QUANT=0,
+                     SPLIT=1 if gated else 0, A_QUANT=0, SWAP=swap,
                      E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
         rows = "*bf16" if mx else "*fp8e4nv"  # the tokens, GEMM1's output and GEMM2's input
@@ -326,7 +326,7 @@ def compile_mxfp4_prefill(gated: bool, *, arch: int, experts: int):
     const = dict(ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0,
                  INTERLEAVED=False, HAS_BIAS=False, UE8M0=False, UPCAST=False, SN=1,
                  ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated, MXFP4=True,
-                 OUT_FP8=False, A_DESC=False, W_DESC=False, SPLIT=0, A_QUANT=0,
+                 OUT_FP8=False, A_DESC=False, W_DESC=False, SPLIT=0, A_QUANT=0, SWAP=False,
                  E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
     kernel = _kernel("_quant_gemm_kernel")
@@ -395,6 +395,10 @@ def main(argv=None) -> int:
             build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                       experts=args.experts, fmt=fmt)  # fmt: skip
             quant.append((f"{fmt} {name}", "16 rows", build))
+            if name.startswith("gemm") and fmt != "mxfp4":
+                build = functools.partial(compile_quant_decode, name, arch=args.arch,
+                                          experts=args.experts, fmt=fmt, swap=True)  # fmt: skip
+                quant.append((f"{fmt} {name} swapped", "16 rows", build))
     for gated in (True, False):
         build = functools.partial(compile_mxfp4_prefill, gated, arch=args.arch,
                                   experts=args.experts)  # fmt: skip

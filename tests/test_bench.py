@@ -815,7 +815,7 @@ def test_quant_stage_on_the_cpu(tmp_path, capsys):
 
 def test_quant_tables_render_gpu_rows():
     """The quant tables on rows as a GPU run writes them: the baselines' rows, the FP8 rate,
-    the speed-ups over bf16 and over the baseline of the same format, a device-bound host row."""
+    the speed-ups over bf16 and over the baseline of the same format, a host row."""
 
     def row(stage, impl, us, nbytes=1e9, flops=1e12, **extra):
         return make_row(stage, "m T=4096", impl, Timing(us * 1e-6, us * 1e-6, us * 1e-6, 3),
@@ -831,7 +831,7 @@ def test_quant_tables_render_gpu_rows():
         row("quant-dec", "moe_route fp8", 375.0, 3e8, 0.0, quant="fp8", touched=64,
             weight_bytes=3e8, over_floor=1.25, x_bf16=1.8, rel_err=0.06),
         row("quant-host", "fused_moe fp8", 50.0, 0, 0, quant="fp8", eager_us=120.0,
-            graph_us=110.0, device_bound=True, over_ref=1.1),
+            graph_us=110.0, over_ref=1.1),
     ]  # fmt: skip
     env = {"gpu": "G", "fp8_mm_TFLOP_s": 1500.0, "copy_TB_s": 3.0, "bf16_mm_TFLOP_s": 700.0}
     skipped = [{"stage": "quant", "shape": "m T=4096", "impl": "transformers fp8 grouped_mm",
@@ -845,7 +845,7 @@ def test_quant_tables_render_gpu_rows():
         "| m T=4096 | moe_route fp8 | 375 µs | 64 | 286 MiB | 300 µs |" in md
         and "| 1.25× | 1.80× |" in md
     )
-    assert "| m T=4096 | fused_moe fp8 | 50.0 µs (device-bound) | 1.10× | 120 µs | 110 µs |" in md
+    assert "| m T=4096 | fused_moe fp8 | 50.0 µs | 1.10× | 120 µs | 110 µs |" in md
     assert "- quant / m T=4096 / transformers fp8 grouped_mm: ImportError: no kernels" in md
     src = report.Source("x.json", {"gpu": "G"}, rows)
     assert report.plot_roofline([src], "unused.png") is None  # tables of their own

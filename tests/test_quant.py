@@ -272,15 +272,15 @@ def test_fused_moe_quant_triton_matches_torch(fmt):
 def _gemm_case(fmt, T, H, n_inter):
     """The operands of the GEMM tests at ``T`` tokens (4 experts, top 2): ``(spec, rows per
     weight scale block, x, (w1q, s1, w2q, s2), (dest_to_src, offsets), the tokens' codes and
-    scales)``."""
+    scales; MXFP4: the tokens and None)``."""
     spec = Q.as_quant(fmt)
     x, w1, w2, _tw, ids = _case(T=T, H=H, n_inter=n_inter, E=4, K=2)
     w1q, s1 = moe_route.quantize_experts(w1, fmt)
     w2q, s2 = moe_route.quantize_experts(w2, fmt)
     _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, 4).tensors()
     sn = spec.block[0] if spec.format == "fp8_block" else 1
-    return (spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets),
-            moe_route.quantize_activations(x, fmt))  # fmt: skip
+    codes = moe_route.quantize_activations(x, fmt) if spec.fp8 else (x, None)
+    return spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets), codes
 
 
 @pytest.mark.interpreter
@@ -452,6 +452,48 @@ def test_quant_in_loop_matches_codes(fmt):
                         False, sn, spec.ue8m0, aq)(a2, a2_s, w2q, s2, offsets, y)  # fmt: skip
         ys.append(y)
     assert torch.equal(ys[0], ys[1]) and not ys[0].isnan().any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("fmt", "layout"), [
+    ("fp8", "concat"), ("fp8_ue8m0", "interleaved"), ("fp8_channel", "concat"),
+])  # fmt: skip
+def test_quant_swapped_tiles_match(fmt, layout):
+    """FP8 16-row tiles with the operands swapped (the weights first, SM90's decode tiles)
+    compute each tile as the unswapped ones do: under the interpreter (float32 products of
+    exact fp16 operands) the same bits for GEMM1 (gathered tokens, gated, a partial last
+    column tile, FP8 output codes and scales) and GEMM2 (16 and 64 columns: a partial tile).
+    On SM90 the swapped products are FP8 MMAs, the unswapped ones 16-bit MMAs on converted
+    codes: the GPU tests hold both to the format's bound."""
+    import dataclasses
+
+    from moe_route.kernels.triton.gemm_mainloop import IDENTITY, GemmConfig
+    from moe_route.kernels.triton.quant import QuantGemmLaunch
+    from moe_route.plan import epilogue_for
+
+    spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets), (a, a_s) = _gemm_case(fmt, 7, 272, 200)
+    H, n_inter, M = x.shape[1], w1q.shape[1] // 2, d2s.numel()
+    epi = epilogue_for("swiglu", layout)
+    outs = []
+    for swap in (False, True):
+        cfg1 = GemmConfig(16, 128, 128, 1, 4, 2, swap_ab=swap)
+        h = torch.full((M, n_inter), 3.0).to(torch.float8_e4m3fn)
+        hs = torch.full((M, 2), float("nan"))
+        QuantGemmLaunch(a, a_s, w1q, s1, H, cfg1, epi, None, True, h.dtype, True, False, sn,
+                        spec.ue8m0)(a, a_s, w1q, s1, offsets, h, hs, None, d2s, M)  # fmt: skip
+        ys = []
+        for n2 in (16, 64):
+            cfg2 = dataclasses.replace(cfg1, block_n=n2)
+            y = torch.full((M, H), float("nan"), dtype=x.dtype)
+            QuantGemmLaunch(h, hs, w2q, s2, n_inter, cfg2, IDENTITY, None, False, y.dtype, False,
+                            False, sn, spec.ue8m0)(h, hs, w2q, s2, offsets, y)  # fmt: skip
+            ys.append(y)
+        outs.append((h.view(torch.uint8), hs, ys))
+    (h0, hs0, ys0), (h1, hs1, ys1) = outs
+    assert torch.equal(h1, h0) and torch.equal(hs1, hs0)
+    for y0, y1 in zip(ys0, ys1, strict=True):
+        assert torch.equal(y1, y0) and not y0.isnan().any()
+    assert torch.equal(ys0[0], ys0[1])
 
 
 @pytest.mark.interpreter

@@ -266,9 +266,8 @@ def quant_host_table(rows: list[Row], stage: str = QUANT_HOST) -> str:
     ]
     for r in rows:
         e = r.extra
-        host = fmt_time(r.median_us) + (" (device-bound)" if e.get("device_bound") else "")
         graph = "capture failed" if "graph" in e else _cell(e, "graph_us", fmt_time)
-        cells = [r.shape, r.impl, host, _cell(e, "over_ref", _fmt_ratio),
+        cells = [r.shape, r.impl, fmt_time(r.median_us), _cell(e, "over_ref", _fmt_ratio),
                  _cell(e, "eager_us", fmt_time), graph]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -76,6 +76,14 @@ class QuantSweep(Sweep):
                  "num_stages": [2]},
     }  # fmt: skip
 
+    #: FP8's swapped 16-row tiles ``(num_warps, num_stages, gemm1_n, gemm2_n)`` (GEMM1 at
+    #: 128 columns, the group its epilogue quantises), each pair timed beside the tables'
+    #: tiles of the other GEMM too
+    SWAPPED: ClassVar[dict] = {
+        "full": [(4, 4, 128, 64), (4, 4, 128, 128), (4, 6, 128, 64), (4, 3, 128, 64)],
+        "tiny": [(4, 2, 128, 32)],
+    }  # fmt: skip
+
     #: the decode path's (eager calls') GEMM1 columns, GEMM2 columns and ``K`` step
     DECODE_GRIDS: ClassVar[dict] = {
         "full": {"up_n": [32, 64, 128], "down_n": [16, 32, 64], "k": [128, 256]},
@@ -116,6 +124,18 @@ class QuantSweep(Sweep):
                      not mx)  # fmt: skip
             if tiles not in out:
                 out.append(tiles)
+        if mx:
+            return out
+        # FP8: the weights as the products' first operand (MMAs of 64 weight rows on SM90)
+        g1, g2 = out[0][:2]
+        for warps, stages, n1, n2 in self.SWAPPED["tiny" if self.cpu else "full"]:
+            s1 = dataclasses.replace(g1, block_n=n1, num_warps=warps, num_stages=stages,
+                                     swap_ab=True)  # fmt: skip
+            s2 = dataclasses.replace(g2, block_n=n2, num_warps=warps, num_stages=stages,
+                                     swap_ab=True)  # fmt: skip
+            for pair in ((s1, s2, False), (s1, g2, False), (g1, s2, False)):
+                if pair not in out:
+                    out.append(pair)
         return out
 
     def candidate_shapes(self):
@@ -258,4 +278,4 @@ class QuantSweep(Sweep):
 def _tile(cfg: GemmConfig) -> str:
     """``16x32x128 w4 s4``: rows, columns, ``K`` step, warps, stages."""
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-            f"s{cfg.num_stages}")  # fmt: skip
+            f"s{cfg.num_stages}{' swapped' if cfg.swap_ab else ''}")  # fmt: skip

@@ -171,7 +171,7 @@ def _decode_up_quant_kernel(
         stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
         stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
         INTERLEAVED, HAS_BIAS, False, MXFP4, SN, False, UE8M0, UPCAST, False, False,
-        1 if GATED else 0, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K,
+        1 if GATED else 0, A_QUANT, False, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 

@@ -76,6 +76,9 @@ class GemmConfig:
     #: stored through TMA (asynchronous, overlapping the next tile's main loop) where shared
     #: memory holds their staging beside the main loop's stages.
     tma_store: bool = False
+    #: Quantised 16-row tiles (FP8): the weights as the product's first operand (the tokens
+    #: the narrow side), so that SM90 runs FP8 MMAs on the codes as they are.
+    swap_ab: bool = False
 
 
 @launch_key_part

@@ -19,7 +19,9 @@ loop itself):
 On FP8 a gated GEMM1 computes gate and up as one product twice as wide (a ``[BLOCK_M,
 2*BLOCK_N]`` accumulator, split after the loop), and with ``A_DESC`` / ``W_DESC`` (SM90)
 the weights, and GEMM2's input, come through TMA descriptors: the same bits as the
-pointer-fed loads.
+pointer-fed loads. With ``SWAP`` (SM90's 16-row tiles) each block's product is computed
+transposed, the weights first: on SM90 an FP8 MMA of 64 weight rows by the 16 token rows,
+where the unswapped 16-row product is 16-bit MMAs on codes converted pair by pair.
 
 ``OUT_FP8`` (GEMM1 on FP8): the epilogue quantises ``act(...)`` per row over its
 ``BLOCK_N = 128`` columns (the activations' group) and writes GEMM2's input as e4m3 codes and
@@ -119,12 +121,26 @@ def _scaled_fp8_dot(a, w, a_s, w_s, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _scaled_fp8_dot_t(w, a, a_s, w_s, UPCAST: tl.constexpr):
+    """:func:`_scaled_fp8_dot` transposed, the weights first: ``(w @ a.T) · a_s[None, :] ·
+    w_s[:, None]`` for ``w [WN, BLOCK_K]``, so that 16 rows of ``a`` are the narrow side of an
+    SM90 FP8 MMA (64 rows of weights per warpgroup) rather than 16-bit MMAs on converted
+    codes. The scales multiply in the same order, so each element rounds as there."""
+    if UPCAST:
+        part = tl.dot(w.to(tl.float16), tl.trans(a).to(tl.float16), out_dtype=tl.float32)
+    else:
+        part = tl.dot(w, tl.trans(a), out_dtype=tl.float32)
+    return part * a_s[None, :] * w_s[:, None]
+
+
+@triton.jit
 def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
                   w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask,
                   stride_wn, stride_wk, stride_sn, stride_sk, SN: tl.constexpr,
                   A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
                   A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
-                  BLOCK_M: tl.constexpr, WN: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                  SWAP: tl.constexpr, BLOCK_M: tl.constexpr, WN: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     """``Σ_k (A[rows, k] @ W[e][w_rows, k].T) · a_s[rows, k] · w_s[w_rows, k]`` over the
     ``BLOCK_K = 128`` blocks ``k`` of ``KD``, in float32: each block one FP8 product, scaled and
     added (the module doc). ``A`` through ``a_desc`` (rows ``first_row ...``, past the expert
@@ -137,10 +153,14 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
     :func:`.quantize_rows._quantize_rows_kernel` (or :func:`_quant_tile`'s ``OUT_FP8``
     epilogue) does: the same codes and scales, so the same products. ``1``, each block on its
     own scale; ``2``, one scale per row, from a first pass over the row. Else ``A`` holds e4m3
-    codes and ``as_ptr`` their scales."""
+    codes and ``as_ptr`` their scales. ``SWAP``: each block's product as ``(W @ A.T).T``
+    (:func:`_scaled_fp8_dot_t`), the accumulator ``[WN, BLOCK_M]`` until the end."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
-    w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    if SWAP:  # [WN, BLOCK_K]: the weights are the product's first operand
+        w_ptrs = w_base + w_rows[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+    else:
+        w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
     ws_ptrs = ws_base + (w_rows // SN).to(tl.int64) * stride_sn
     as_ptrs = as_ptr + a_rows * stride_asm
     if A_QUANT == 2:
@@ -150,7 +170,10 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
             v = tl.load(a_ptrs + k0 * stride_ak, mask=ok, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         row_s = fp8_scale(amax, UE8M0)
-    acc = tl.zeros([BLOCK_M, WN], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([WN, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, WN], dtype=tl.float32)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
         if A_DESC:
@@ -159,11 +182,15 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
             if SPLIT == 1:
-                w = tl.reshape(w_desc.load([e, 0, n0, k0]), [WN, BLOCK_K]).T
+                w = tl.reshape(w_desc.load([e, 0, n0, k0]), [WN, BLOCK_K])
             elif SPLIT == 2:
-                w = tl.reshape(w_desc.load([e, 2 * n0, k0]), [WN, BLOCK_K]).T
+                w = tl.reshape(w_desc.load([e, 2 * n0, k0]), [WN, BLOCK_K])
             else:
-                w = tl.reshape(w_desc.load([e, n0, k0]), [WN, BLOCK_K]).T
+                w = tl.reshape(w_desc.load([e, n0, k0]), [WN, BLOCK_K])
+            if not SWAP:
+                w = w.T
+        elif SWAP:
+            w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
         if A_QUANT:
@@ -176,11 +203,16 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
         else:
             a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
         w_s = tl.load(ws_ptrs, mask=w_ok, other=0.0)
-        acc += _scaled_fp8_dot(a, w, a_s, w_s, UPCAST)
+        if SWAP:
+            acc += _scaled_fp8_dot_t(w, a, a_s, w_s, UPCAST)
+        else:
+            acc += _scaled_fp8_dot(a, w, a_s, w_s, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
         as_ptrs += stride_ask
         ws_ptrs += stride_sk
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -322,7 +354,8 @@ def _quant_tile(
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
     MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
     UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
-    A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_QUANT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
     main loop, bias, activation, store (with ``OUT_FP8`` as e4m3 codes and one scale per row
@@ -349,7 +382,7 @@ def _quant_tile(
             a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
             w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask, stride_wn,
             stride_wk, stride_sn, stride_sk, SN, A_DESC, W_DESC, SPLIT, A_QUANT, UE8M0, UPCAST,
-            BLOCK_M, WN, BLOCK_K,
+            SWAP, BLOCK_M, WN, BLOCK_K,
         )  # fmt: skip
         if GATED and SPLIT == 2:  # columns: gate, up, gate, up, ...
             acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
@@ -391,8 +424,8 @@ def _quant_gemm_kernel(
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
     MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
     UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
-    A_QUANT: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_QUANT: tl.constexpr, SWAP: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """``out[d] = act(A[d] @ W[e].T + b[e])`` for each routed row ``d`` of expert ``e``, one
     program per tile (:func:`_quant_tile`); with ``OUT_FP8`` stored as e4m3 codes plus one
@@ -412,8 +445,8 @@ def _quant_gemm_kernel(
         stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_se,
         stride_sn, stride_sk, stride_om, stride_on, stride_osm, stride_be, stride_bn, ACT,
         GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, INTERLEAVED, HAS_BIAS, GATHER,
-        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, A_QUANT, BLOCK_M, BLOCK_N,
-        BLOCK_K,
+        MXFP4, SN, OUT_FP8, UE8M0, UPCAST, A_DESC, W_DESC, SPLIT, A_QUANT, SWAP, BLOCK_M,
+        BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
@@ -474,6 +507,7 @@ class QuantGemmLaunch:
             UP_SOFTCAP=epilogue.up_softcap, INTERLEAVED=epilogue.interleaved,
             HAS_BIAS=bias is not None, GATHER=gather, MXFP4=mxfp4, SN=block_n_scale,
             OUT_FP8=out_fp8, UE8M0=ue8m0, UPCAST=_upcast(mxfp4, a.dtype), A_QUANT=a_quant,
+            SWAP=cfg.swap_ab and not mxfp4,
             E_POW2=next_pow2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
