@@ -266,12 +266,14 @@ def _odd(fmt: str) -> frozenset:
     return frozenset(odd)
 
 
-def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str, swap: bool = False):
+def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
+                         swap: bool | None = None):  # fmt: skip
     """One kernel of decode sizes on quantised experts, as ``moe_route`` launches it (16-row
     tiles of the sorted path's GEMMs, FP8 ones reading the codes of a quantiser launch and of
     GEMM1's epilogue; the decode path's two kernels, FP8 ones quantising in their main
     loops), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight blocks), ``"fp8_channel"`` or
-    ``"mxfp4"`` (bf16 activations)."""
+    ``"mxfp4"`` (bf16 activations); ``swap``: the GEMMs' operands swapped or not, whatever
+    the tables say."""
     mx = fmt == "mxfp4"
     gemm1 = tuning.quant_gemm_config(8, True, mx, arch)
     gemm2 = tuning.quant_gemm_config(8, False, mx, arch)
@@ -288,7 +290,8 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str, swap: 
         kernel = _kernel("_quant_gemm_kernel")
         const = dict(act, ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated,
                      MXFP4=mx, OUT_FP8=gated and not mx, A_DESC=False, W_DESC=False,
-                     SPLIT=1 if gated else 0, A_QUANT=0, SWAP=swap,
+                     SPLIT=1 if gated else 0, A_QUANT=0,
+                     SWAP=cfg.swap_ab and not mx if swap is None else swap,
                      E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
         rows = "*bf16" if mx else "*fp8e4nv"  # the tokens, GEMM1's output and GEMM2's input
@@ -395,10 +398,11 @@ def main(argv=None) -> int:
             build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                       experts=args.experts, fmt=fmt)  # fmt: skip
             quant.append((f"{fmt} {name}", "16 rows", build))
-            if name.startswith("gemm") and fmt != "mxfp4":
+            if name.startswith("gemm") and fmt != "mxfp4" and args.arch >= 90:
+                # the tables' swapped tiles, against the same tiles unswapped
                 build = functools.partial(compile_quant_decode, name, arch=args.arch,
-                                          experts=args.experts, fmt=fmt, swap=True)  # fmt: skip
-                quant.append((f"{fmt} {name} swapped", "16 rows", build))
+                                          experts=args.experts, fmt=fmt, swap=False)  # fmt: skip
+                quant.append((f"{fmt} {name} unswapped", "16 rows", build))
     for gated in (True, False):
         build = functools.partial(compile_mxfp4_prefill, gated, arch=args.arch,
                                   experts=args.experts)  # fmt: skip

@@ -387,11 +387,11 @@ def _run_ptx(text: str, regs: dict) -> dict:
 
 
 def test_e2m1_ptx_unpacks_every_byte():
-    """The SM90 unpacker's PTX (``kernels/triton/quant.py``), evaluated instruction by
+    """The SM90 unpacker's PTX (``kernels/triton/mxfp4.py``), evaluated instruction by
     instruction: for every byte in every position of a packed word and scales across ue8m0's
     range, the low nibbles' and high nibbles' weights are exactly ``e2m1 value · 2^(s - 127)``
     in bf16, in the order of the bytes."""
-    from moe_route.kernels.triton.quant import _E2M1_BF16
+    from moe_route.kernels.triton.mxfp4 import _E2M1_BF16
 
     text = _E2M1_BF16.value
     g = torch.Generator().manual_seed(0)

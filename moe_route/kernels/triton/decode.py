@@ -39,7 +39,8 @@ from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
-from .quant import _fp8_operand, _mxfp4_dot, _quant_tile, _scaled_fp8_dot, _upcast
+from .mxfp4 import _mxfp4_dot
+from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot, _upcast
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -193,7 +194,7 @@ def _row_times_mxfp4(h_ptrs, w_base, s_base, cols, col_ok, k_ok, k0, KP, acc, ac
                      stride_wn, stride_wk, stride_sn, stride_sk, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """:func:`_row_times` on MXFP4 experts, as the sorted path's GEMMs compute it
-    (:func:`.quant._mxfp4_dot`): the 16-bit row ``h``'s even columns times the low nibbles'
+    (:func:`.mxfp4._mxfp4_dot`): the 16-bit row ``h``'s even columns times the low nibbles'
     weights into ``acc``, its odd columns times the high nibbles' into ``acc_odd``."""
     a = _row_tile(h_ptrs, k_ok, BLOCK_M)
     a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
