@@ -212,7 +212,7 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     "FP8 decode: quantiser launch again"); on SM90 with the operands swapped, the weights
     first, so that each step is FP8 MMAs of 64 weight rows by the 16 token rows instead of
     16-bit MMAs on converted codes (GEMM1 128 columns, GEMM2 64: "FP8 16-row tiles: weights
-    first"), elsewhere 16x128.
+    first"), elsewhere (unmeasured there) 16x128.
 
     MXFP4 (the weights unpacked in the loader, pointer-fed): 16-row tiles up to 16 rows per
     expert, 64 columns and 3 stages, except a gated GEMM1 while the slots number under a
@@ -232,7 +232,7 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
         return GemmConfig(64 if gated else 128, 128, 64, 8, 8, 3)
     tma = cc is not None and cc >= 90
     if rows_per_expert <= 16:
-        if tma:  # the weights first: FP8 MMAs 64 weight rows by 16 token rows
+        if cc == 90:  # the weights first: FP8 MMAs of 64 weight rows by 16 token rows
             return GemmConfig(16, 128 if gated else 64, 128, 1, 4, 4, swap_ab=True)
         return GemmConfig(16, 128, 128, 1, 4, 4)
     if rows_per_expert <= 64 and not gated:

@@ -418,12 +418,15 @@ def test_e2m1_ptx_unpacks_every_byte():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_ue8m0", "fp8_channel"])
-def test_quant_in_loop_matches_codes(fmt):
+@pytest.mark.parametrize(
+    ("fmt", "swap"),
+    [("fp8", False), ("fp8_ue8m0", True), ("fp8_channel", False), ("fp8_channel", True)],
+)
+def test_quant_in_loop_matches_codes(fmt, swap):
     """Quantised in the main loops (decode sizes: GEMM1 on the 16-bit tokens writing float32,
     GEMM2 on that) against the codes a quantiser and GEMM1's FP8 epilogue write, on the same
     tiles: GEMM1's float32 output quantised by the reference quantiser gives the epilogue's
-    codes and scales, and GEMM2 the same bits."""
+    codes and scales, and GEMM2 the same bits; the operands swapped or not (``swap``)."""
     from moe_route.kernels.triton.gemm_mainloop import IDENTITY, GemmConfig
     from moe_route.kernels.triton.quant import QuantGemmLaunch
     from moe_route.plan import epilogue_for
@@ -431,7 +434,7 @@ def test_quant_in_loop_matches_codes(fmt):
     spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets), (a, a_s) = _gemm_case(fmt, 7, 272, 200)
     H, n_inter, M = x.shape[1], w2q.shape[2], d2s.numel()
     epi = epilogue_for("swiglu", "concat")
-    cfg = GemmConfig(16, 128, 128, 1, 4, 2)
+    cfg = GemmConfig(16, 128, 128, 1, 4, 2, swap_ab=swap)
     hq = torch.empty(M, n_inter, dtype=torch.float8_e4m3fn)
     hs = torch.empty(M, 2)
     QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,

@@ -103,7 +103,9 @@ class QuantSweep(Sweep):
     def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
         """``(gemm1, gemm2, in_loop)``: the tables' first (the tokens quantised by a launch of
         their own on FP8, GEMM1 writing GEMM2's codes), then the grid's tiles, each once, on
-        FP8 each GEMM quantising its input in its main loop (``in_loop``)."""
+        FP8 each GEMM quantising its input in its main loop (``in_loop``), its operands
+        swapped where the tables swap them. FP8 then: the unswapped 16x128 tiles, and the
+        swapped ones of :attr:`SWAPPED`, both GEMMs and each beside the other unswapped."""
         mx = fmt == "mxfp4"
         out = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
                 tuning.quant_gemm_config(rows, False, mx, self.cc), False)]  # fmt: skip
@@ -117,23 +119,25 @@ class QuantSweep(Sweep):
                     if pair not in out:
                         out.append(pair)
             return out
+        swap = out[0][0].swap_ab
         for n1, n2, bk, stages in itertools.product(*self.grid.values()):
             if bk != 128 and not mx:
                 continue
-            tiles = (GemmConfig(16, n1, bk, 1, 4, stages), GemmConfig(16, n2, bk, 1, 4, stages),
-                     not mx)  # fmt: skip
+            tiles = (GemmConfig(16, n1, bk, 1, 4, stages, swap_ab=swap),
+                     GemmConfig(16, n2, bk, 1, 4, stages, swap_ab=swap), not mx)  # fmt: skip
             if tiles not in out:
                 out.append(tiles)
         if mx:
             return out
         # FP8: the weights as the products' first operand (MMAs of 64 weight rows on SM90)
-        g1, g2 = out[0][:2]
+        u1 = u2 = GemmConfig(16, 128, 128, 1, 4, 4)
+        out.append((u1, u2, False))
         for warps, stages, n1, n2 in self.SWAPPED["tiny" if self.cpu else "full"]:
-            s1 = dataclasses.replace(g1, block_n=n1, num_warps=warps, num_stages=stages,
+            s1 = dataclasses.replace(u1, block_n=n1, num_warps=warps, num_stages=stages,
                                      swap_ab=True)  # fmt: skip
-            s2 = dataclasses.replace(g2, block_n=n2, num_warps=warps, num_stages=stages,
+            s2 = dataclasses.replace(u2, block_n=n2, num_warps=warps, num_stages=stages,
                                      swap_ab=True)  # fmt: skip
-            for pair in ((s1, s2, False), (s1, g2, False), (g1, s2, False)):
+            for pair in ((s1, s2, False), (s1, u2, False), (u1, s2, False)):
                 if pair not in out:
                     out.append(pair)
         return out
