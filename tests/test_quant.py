@@ -574,6 +574,20 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
             assert seen.setdefault(key, cx) == cx, fmt
 
 
+def test_quant_16_row_tiles_swap_on_sm90_only():
+    """FP8's 16-row tiles swap operands on SM90, where they were measured (GEMM1 128 columns,
+    the group its epilogue quantises; GEMM2 64); MXFP4's never do, nor do larger tiles."""
+    from moe_route import tuning
+
+    for gated, cols in ((True, 128), (False, 64)):
+        cfg = tuning.quant_gemm_config(1.0, gated, False, 90)
+        assert cfg.swap_ab and (cfg.block_m, cfg.block_n) == (16, cols)
+        for cc in (None, 80, 89, 100, 120):
+            assert not tuning.quant_gemm_config(1.0, gated, False, cc).swap_ab
+        assert not tuning.quant_gemm_config(1.0, gated, True, 90).swap_ab
+        assert not tuning.quant_gemm_config(64.0, gated, False, 90).swap_ab
+
+
 def test_quant_decode_plans():
     """Quantised experts of up to 16 MiB get the decode path's tiles where bf16 ones would take
     the path (steps of 128 along both reductions, GEMM1 32 columns wide), larger ones never;
