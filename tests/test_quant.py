@@ -465,7 +465,8 @@ def test_quant_swapped_tiles_match(fmt, layout):
     """FP8 16-row tiles with the operands swapped (the weights first, SM90's decode tiles)
     compute each tile as the unswapped ones do: under the interpreter (float32 products of
     exact fp16 operands) the same bits for GEMM1 (gathered tokens, gated, a partial last
-    column tile, FP8 output codes and scales) and GEMM2 (16 and 64 columns: a partial tile).
+    column tile, FP8 output codes and scales) and GEMM2 (16 and 64 columns: a partial tile),
+    the weights through pointers or TMA descriptors.
     On SM90 the swapped products are FP8 MMAs, the unswapped ones 16-bit MMAs on converted
     codes: the GPU tests hold both to the format's bound."""
     import dataclasses
@@ -478,8 +479,8 @@ def test_quant_swapped_tiles_match(fmt, layout):
     H, n_inter, M = x.shape[1], w1q.shape[1] // 2, d2s.numel()
     epi = epilogue_for("swiglu", layout)
     outs = []
-    for swap in (False, True):
-        cfg1 = GemmConfig(16, 128, 128, 1, 4, 2, swap_ab=swap)
+    for swap, tma in ((False, False), (True, False), (True, True)):
+        cfg1 = GemmConfig(16, 128, 128, 1, 4, 2, use_tma=tma, swap_ab=swap)
         h = torch.full((M, n_inter), 3.0).to(torch.float8_e4m3fn)
         hs = torch.full((M, 2), float("nan"))
         QuantGemmLaunch(a, a_s, w1q, s1, H, cfg1, epi, None, True, h.dtype, True, False, sn,
@@ -492,10 +493,11 @@ def test_quant_swapped_tiles_match(fmt, layout):
                             False, sn, spec.ue8m0)(h, hs, w2q, s2, offsets, y)  # fmt: skip
             ys.append(y)
         outs.append((h.view(torch.uint8), hs, ys))
-    (h0, hs0, ys0), (h1, hs1, ys1) = outs
-    assert torch.equal(h1, h0) and torch.equal(hs1, hs0)
-    for y0, y1 in zip(ys0, ys1, strict=True):
-        assert torch.equal(y1, y0) and not y0.isnan().any()
+    (h0, hs0, ys0) = outs[0]
+    for h1, hs1, ys1 in outs[1:]:
+        assert torch.equal(h1, h0) and torch.equal(hs1, hs0)
+        for y0, y1 in zip(ys0, ys1, strict=True):
+            assert torch.equal(y1, y0) and not y0.isnan().any()
     assert torch.equal(ys0[0], ys0[1])
 
 
