@@ -398,7 +398,7 @@ def main(argv=None) -> int:
             build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                       experts=args.experts, fmt=fmt)  # fmt: skip
             quant.append((f"{fmt} {name}", "16 rows", build))
-            if name.startswith("gemm") and fmt != "mxfp4" and args.arch >= 90:
+            if name.startswith("gemm") and fmt != "mxfp4" and args.arch == 90:
                 # the tables' swapped tiles, against the same tiles unswapped
                 build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                           experts=args.experts, fmt=fmt, swap=False)  # fmt: skip
