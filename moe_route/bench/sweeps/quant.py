@@ -129,9 +129,11 @@ class QuantSweep(Sweep):
                 out.append(tiles)
         if mx:
             return out
-        # FP8: the weights as the products' first operand (MMAs of 64 weight rows on SM90)
-        u1 = u2 = GemmConfig(16, 128, 128, 1, 4, 4)
-        out.append((u1, u2, False))
+        # FP8: the weights as the products' first operand (MMAs of 64 weight rows on SM90),
+        # beside the tiles the tables take where they do not swap
+        u1, u2 = (tuning.quant_gemm_config(rows, gated, False, None) for gated in (True, False))
+        if (u1, u2, False) not in out:
+            out.append((u1, u2, False))
         for warps, stages, n1, n2 in self.SWAPPED["tiny" if self.cpu else "full"]:
             s1 = dataclasses.replace(u1, block_n=n1, num_warps=warps, num_stages=stages,
                                      swap_ab=True)  # fmt: skip
