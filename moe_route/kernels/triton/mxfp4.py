@@ -94,13 +94,26 @@ def _mxfp4_dot(a_even, a_odd, w_base, s_base, w_rows, col_ok, k0, KP, acc, acc_o
     on e2m1 weights, float32: the tokens' even columns (``a_even``) times the low nibbles'
     weights, their odd columns times the high nibbles' (:func:`_e2m1_pair`), the packed bytes
     taken as they were read, with no interleaving shuffle. Each 16 bytes of a row share one
-    ue8m0 scale (the repeated addresses come from L1)."""
+    ue8m0 scale. At 16 token rows (decode sizes, where the loop's instructions are the time)
+    the ``[BLOCK_K / 32, BLOCK_N]`` scales are read once and broadcast to the bytes they
+    scale; wider tiles read one per byte, the repeats from L1 (faster there:
+    docs/decisions.md, "MXFP4 scales: one read per 32 weights at 16 rows")."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     rows = w_rows[None, :].to(tl.int64)
     ok = (kp < KP)[:, None] & col_ok[None, :]
     p = tl.load(w_base + rows * stride_wn + kp[:, None] * stride_wk, mask=ok, other=0)
-    e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
-                 other=127)  # fmt: skip
+    if a_even.shape[0] <= 16:
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        e8 = tl.load(
+            s_base + rows * stride_sn + ks[:, None] * stride_sk,
+            mask=(ks < tl.cdiv(KP, 16))[:, None] & col_ok[None, :],
+            other=127,
+        )
+        e8 = tl.reshape(tl.broadcast_to(e8[:, None, :], [BLOCK_K // 32, 16, e8.shape[1]]),
+                        [BLOCK_K // 2, e8.shape[1]])  # fmt: skip
+    else:
+        e8 = tl.load(s_base + rows * stride_sn + (kp // 16)[:, None] * stride_sk, mask=ok,
+                     other=127)  # fmt: skip
     even, odd = _e2m1_pair(p, e8, a_even.dtype, ASM)
     acc = tl.dot(a_even, even, acc, out_dtype=tl.float32)
     return acc, tl.dot(a_odd, odd, acc_odd, out_dtype=tl.float32)
