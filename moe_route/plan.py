@@ -113,7 +113,7 @@ def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, lay
     )  # fmt: skip
     # (bytes: one per FP8 weight, one per two MXFP4 ones, as w1 and w2 hold them)
     expert_bytes = math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])
-    decode = tuning.quant_decode_config(bucket, K, E, expert_bytes)
+    decode = tuning.quant_decode_config(bucket, K, E, expert_bytes, mx, cc)
     return MoEPlan("triton", maps_chosen, cfg, "standalone", True, decode)
 
 

@@ -118,32 +118,38 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
         most = max(most, min(MAX_SLOTS, num_experts // 2))
     if bucket * top_k > most:
         return None
-    return decode_tiles(dtype)
+    return decode_tiles(dtype, expert_bytes)
 
 
-def quant_decode_config(bucket: int, top_k: int, num_experts: int,
-                        expert_bytes: int) -> DecodeConfig | None:  # fmt: skip
-    """The decode path's tiles on quantised experts where :func:`decode_config` takes the
-    path for experts of up to 16 MiB as stored (``expert_bytes``: one per FP8 weight, one per
-    two MXFP4 ones), where the sorted path's host time exceeds its device time. Larger
-    experts keep the sorted path, which reads their weights sooner than the decode path's
-    second kernel (docs/decisions.md, "Quantised decode path: small experts only"). Both
-    reductions step by 128 (the FP8 scale blocks); GEMM1 takes 32 columns (four times the
-    programs of 128-column tiles to stream the weights with; on MXFP4 the width of the
-    sorted path's fastest 16-row tiles, docs/decisions.md, "MXFP4 loader: nibbles as even and
-    odd columns")."""
-    if expert_bytes > _SMALL_EXPERT_BYTES:
+def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
+                        mxfp4: bool, cc: int | None) -> DecodeConfig | None:  # fmt: skip
+    """The decode path's tiles on quantised experts, up to ``min(16, E)`` slots whatever the
+    experts' size (``expert_bytes``: one per FP8 weight, one per two MXFP4 ones); past that
+    the sorted path, faster on the device by then (docs/decisions.md, "Quantised decode
+    path: per slot, FP8 swapped"). The second launch runs one program per slot and column
+    tile (a program per token reads its slots one after another, too few loads in flight).
+    FP8 steps by 128 along both reductions (its scale blocks); on SM90 its products are
+    swapped, 64 weight rows by the token (an FP8 MMA rather than 16-bit ones on converted
+    codes). MXFP4: GEMM1 32 columns wide, the sorted path's fastest 16-row tiles; experts
+    over 16 MiB 64 columns by 256."""
+    if bucket * top_k > min(_DECODE_SLOTS, num_experts):
         return None
-    if decode_config(bucket, top_k, num_experts, expert_bytes, torch.bfloat16) is None:
-        return None
-    return _DECODE_FP8
+    if mxfp4:
+        return _DECODE_MXFP4 if expert_bytes <= _SMALL_EXPERT_BYTES else _DECODE_MXFP4_LARGE
+    return _DECODE_FP8_SM90 if cc == 90 else _DECODE_FP8
 
 
-def decode_tiles(dtype: torch.dtype) -> DecodeConfig:
-    """The decode kernels' tiles for ``dtype``, at whatever size (:func:`decode_config` says
-    which calls take the path)."""
+def decode_tiles(dtype: torch.dtype, expert_bytes: int) -> DecodeConfig:
+    """The decode kernels' tiles for ``dtype`` and experts of ``expert_bytes``, at whatever
+    number of slots (:func:`decode_config` says which calls take the path). 16-bit experts of
+    up to 16 MiB run the second launch per slot, on 32x128 tiles (a program per token reads
+    its slots one after another: too few loads in flight at a few tokens); larger ones keep
+    one program per token, 64x256 and 32x256 (docs/decisions.md, "Decode path: second launch
+    per slot")."""
     # float32 tiles take twice the shared memory: 3 stages of the 16-bit tiles would not fit
-    return _DECODE_FP32 if dtype == torch.float32 else _DECODE
+    if dtype == torch.float32:
+        return _DECODE_FP32
+    return _DECODE_PER_SLOT if expert_bytes <= _SMALL_EXPERT_BYTES else _DECODE
 
 
 #: the slots the decode path takes whatever the experts' size, and the experts' size (bytes of
@@ -151,8 +157,17 @@ def decode_tiles(dtype: torch.dtype) -> DecodeConfig:
 _DECODE_SLOTS = 16
 _SMALL_EXPERT_BYTES = 16 << 20
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
+_DECODE_PER_SLOT = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4,
+                                num_stages=4, split=True)  # fmt: skip
 _DECODE_FP32 = DecodeConfig(up_n=32, up_k=128, down_n=16, down_k=128, num_warps=4, num_stages=4)
-_DECODE_FP8 = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4)
+_DECODE_FP8 = DecodeConfig(up_n=64, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4,
+                           split=True)  # fmt: skip
+_DECODE_FP8_SM90 = DecodeConfig(up_n=64, up_k=128, down_n=64, down_k=128, num_warps=4,
+                                num_stages=4, split=True, swap=True)  # fmt: skip
+_DECODE_MXFP4 = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4, num_stages=4,
+                             split=True)  # fmt: skip
+_DECODE_MXFP4_LARGE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4,
+                                   num_stages=4, split=True)  # fmt: skip
 
 
 def gemm_config(rows_per_expert: float, gated: bool, dtype: torch.dtype, cc: int | None, *,

@@ -272,16 +272,17 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
     tiles of the sorted path's GEMMs, FP8 ones reading the codes of a quantiser launch and of
     GEMM1's epilogue; the decode path's two kernels, FP8 ones quantising in their main
     loops), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight blocks), ``"fp8_channel"`` or
-    ``"mxfp4"`` (bf16 activations); ``swap``: the GEMMs' operands swapped or not, whatever
-    the tables say."""
+    ``"mxfp4"`` (bf16 activations); ``swap``: the FP8 products' operands swapped or not,
+    whatever the tables say."""
     mx = fmt == "mxfp4"
     gemm1 = tuning.quant_gemm_config(8, True, mx, arch)
     gemm2 = tuning.quant_gemm_config(8, False, mx, arch)
-    dec = tuning.quant_decode_config(1, 8, experts, 1)
+    dec = tuning.quant_decode_config(1, 8, experts, 1, mx, arch)
     sn = 128 if fmt == "fp8" else 1
     act = dict(ALPHA=1.0, LIMIT=0.0, UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0,
                INTERLEAVED=False, HAS_BIAS=False, UE8M0=False, UPCAST=False, SN=sn)  # fmt: skip
     a_quant = 0 if mx else 2 if fmt == "fp8_channel" else 1
+    dec_swap = (dec.swap if swap is None else swap) and not mx
     w = "*u8" if mx else "*fp8e4nv"
     ws = "*u8" if mx else "*fp32"
     if name.startswith("gemm"):
@@ -302,19 +303,20 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
     elif name == "decode up":
         kernel = _kernel("_decode_up_quant_kernel")
         const = dict(act, ACT=KIND_CODES["silu"], GATED=True, TOP_K=8, MXFP4=mx,
-                     A_QUANT=a_quant, BLOCK_M=16, BLOCK_N=dec.up_n, BLOCK_K=dec.up_k)  # fmt: skip
+                     A_QUANT=a_quant, SWAP=dec_swap, BLOCK_M=16, BLOCK_N=dec.up_n,
+                     BLOCK_K=dec.up_k)  # fmt: skip
         types = dict(x_ptr="*bf16", w_ptr=w, ws_ptr=ws, b_ptr="*bf16", ids_ptr="*i32",
-                     h_ptr="*bf16" if mx else "*fp32")  # fmt: skip
+                     h_ptr="*bf16" if mx else "*fp32", arrived_ptr="*i32")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     else:  # the decode path's second kernel
         kernel = _kernel("_decode_down_kernel")
         const = dict(TOP_K=8, HAS_B2=False, HAS_BIAS=False, ACC=tl.float32, OUT_ACC=tl.float32,
                      DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=dec.down_n, BLOCK_K=dec.down_k,
                      COUNTS=False, SLOTS=64, FP8=not mx, MXFP4=mx, SN=sn, UE8M0=False,
-                     UPCAST=False)  # fmt: skip
+                     UPCAST=False, SPLIT=dec.split, SWAP=dec_swap)  # fmt: skip
         types = dict(h_ptr="*bf16" if mx else "*fp32", w_ptr=w, ws_ptr=ws, b2_ptr="*bf16",
                      ids_ptr="*i32", tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
-                     counts_ptr="*i64")  # fmt: skip
+                     counts_ptr="*i64", terms_ptr="*fp32", arrived_ptr="*i32")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     sig, attrs, ones = _launch_signature(kernel, types, UNIT_STRIDES, _odd(fmt))
     src = ASTSource(kernel, sig, constexprs=const | ones, attrs=attrs)
@@ -398,7 +400,7 @@ def main(argv=None) -> int:
             build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                       experts=args.experts, fmt=fmt)  # fmt: skip
             quant.append((f"{fmt} {name}", "16 rows", build))
-            if name.startswith("gemm") and fmt != "mxfp4" and args.arch == 90:
+            if fmt != "mxfp4" and args.arch == 90:
                 # the tables' swapped tiles, against the same tiles unswapped
                 build = functools.partial(compile_quant_decode, name, arch=args.arch,
                                           experts=args.experts, fmt=fmt, swap=False)  # fmt: skip

@@ -9,6 +9,7 @@ neither the maps nor the sorted GEMMs. The CPU runs are float32 / float16 (the i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -38,6 +39,20 @@ def sorted_path(monkeypatch):
 
     yield turn_off
     moe_route.plan.clear_plans()
+
+
+@pytest.fixture(params=[False, True], ids=["per_token", "per_slot"])
+def split(request, monkeypatch):
+    """The second launch per token (the tables' tiles of large experts) or per slot, the last
+    slot to arrive summing the token's terms (of small ones)."""
+    tiles = tuning.decode_tiles
+
+    def chosen(*a):
+        return dataclasses.replace(tiles(*a), split=request.param)
+
+    monkeypatch.setattr(tuning, "decode_tiles", chosen)
+    moe_route.plan.clear_plans()
+    return request.param
 
 
 class Launches:
@@ -91,7 +106,7 @@ def test_activations_match_reference_and_sorted_path(monkeypatch, sorted_path, a
     [(1, 2, 2, None), (2, 8, 16, "H"), (1, 8, 8, "TH"), (4, 4, 64, None)],
     ids=["K=E=2", "T=2 K=8", "K=E=8", "T=4"],
 )  # fmt: skip
-def test_sizes_and_dtypes(sorted_path, dtype, T, K, E, bias):
+def test_sizes_and_dtypes(sorted_path, split, dtype, T, K, E, bias):
     # odd H and I: no tile divides them
     case = make_moe(T, K, E, 37, 19, dtype=dtype, b2=True, bias=bias, drop=0.2, seed=T + K)
     fast, slow = _both(case, sorted_path)
@@ -166,7 +181,7 @@ def test_decode_config_slots(name, K, E, expert_bytes, largest_T):
     assert tuning.decode_config(1, K, E, expert_bytes, torch.float64) is None
 
 
-def test_most_slots(monkeypatch, sorted_path):
+def test_most_slots(monkeypatch, sorted_path, split):
     """64 slots (the most the path takes): several slots per expert, one expert with 9 of
     them, dropped slots; the layer's counts from the second kernel's first program."""
     moe_route.plan.clear_plans()

@@ -225,18 +225,18 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
 @pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize(
     "shape",
-    [(1, 2048, 768, 128, 8), (5, 2048, 768, 128, 8), (3, 264, 200, 16, 4)],
+    [(1, 2048, 768, 128, 8), (2, 2048, 768, 128, 8), (3, 264, 200, 16, 4), (1, 7168, 2048, 8, 8)],
     ids=lambda s: "x".join(map(str, s)),
 )
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp4"])
 def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
-    """Eager inference at decode sizes takes the two-launch decode path; a CUDA graph of the
-    same call runs the sorted path (maps, GEMM1, GEMM2, finalize): the same bits on MXFP4
-    (and every format under the interpreter, tests/test_quant.py; the second kernel adds
-    each slot's term as the finalize kernel does, docs/decisions.md, "Quantised decode path:
-    small experts only"); on FP8 within the format's end-to-end bound (the sorted path's
-    16-row tiles are FP8 MMAs on SM90, the decode path's 16-bit MMAs on converted codes);
-    each within that bound of the float64 product of the quantised operands."""
+    """Eager inference at decode sizes (up to 16 slots; experts of deepseek-v3's size too, K =
+    E) takes the two-launch decode path; a CUDA graph of the same call runs the sorted path
+    (maps, GEMM1, GEMM2, finalize): the same bits on MXFP4 (and every format under the
+    interpreter, tests/test_quant.py; the last slot to arrive adds the terms in slot order,
+    each as the finalize kernel adds it); on FP8 within the format's end-to-end bound (FP8
+    MMAs on SM90 accumulate a block with less than float32 precision, in an order the tile
+    shape sets); each within that bound of the float64 product of the quantised operands."""
     from moe_route.kernels.triton import decode as dk
 
     monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run

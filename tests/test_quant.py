@@ -502,22 +502,35 @@ def test_quant_swapped_tiles_match(fmt, layout):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("tiles", [
+    {}, {"split": True}, {"split": True, "swap": True, "down_n": 64},
+], ids=["per_token", "per_slot", "per_slot_swapped"])  # fmt: skip
 @pytest.mark.parametrize(("fmt", "layout", "strided"), [
     ("fp8", "concat", False), ("fp8_ue8m0", "interleaved", False),
     ("fp8_channel", "concat", True), ("fp8", "interleaved", True),
     ("mxfp4", "concat", False), ("mxfp4", "interleaved", True),
 ])  # fmt: skip
-def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided):
+def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided, tiles):
     """Eager inference at decode sizes takes the two-launch decode path on quantised experts
     (FP8: the tokens quantised in its first kernel): the same bits as the sorted path (maps,
     a quantiser launch on FP8, GEMM1, GEMM2, finalize), biases, a dropped slot and an
     all-dropped token included; tokens as a column-major view with a per-token bias, and
-    k-major weight codes."""
+    k-major weight codes. ``tiles`` replace the tables' (``split``: the second launch one
+    program per slot, the last to arrive summing the token's terms, the tiles of experts over
+    16 MiB; ``swap``: FP8 products with the weights first, on 64 columns in the second
+    launch)."""
+    import dataclasses
+
     from moe_route import tuning
     from moe_route.kernels.triton import decode as dk
     from moe_route.plan import clear_plans
 
     monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run
+    if tiles:
+        table = tuning.quant_decode_config
+        monkeypatch.setattr(tuning, "quant_decode_config",
+                            lambda *a: dataclasses.replace(table(*a), **tiles))  # fmt: skip
+        clear_plans()
     calls = []
     run = dk.QuantDecodeLaunch.__call__
     monkeypatch.setattr(dk.QuantDecodeLaunch, "__call__",
@@ -561,7 +574,7 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
     from moe_route.plan import epilogue_for
 
     x, w1, w2, tw, ids = _case(T=3, H=272, n_inter=200, E=8, K=2)
-    cfg = moe_route.tuning.quant_decode_config(4, 2, 8, 3 * 272 * 200)
+    cfg = moe_route.tuning.quant_decode_config(4, 2, 8, 3 * 272 * 200, False, None)
     seen = {}
     for fmt in ("fp8", "fp8_ue8m0", "fp8_channel", "fp8_channel_ue8m0"):
         spec = Q.as_quant(fmt)
@@ -591,11 +604,11 @@ def test_quant_16_row_tiles_swap_on_sm90_only():
 
 
 def test_quant_decode_plans():
-    """Quantised experts of up to 16 MiB get the decode path's tiles where bf16 ones would take
-    the path (steps of 128 along both reductions, GEMM1 32 columns wide), larger ones never;
-    the FP8 sorted path keeps the quantiser launch and takes 16x128 tiles, the MXFP4 one 16x64
-    (GEMM1 16x32 while the slots number under a quarter of the experts); larger batches keep
-    the sorted path."""
+    """Quantised experts get the decode path's tiles up to ``min(16, E)`` slots, whatever their
+    size (steps of 128 along both reductions on FP8, MXFP4 experts over 16 MiB 256; the second
+    launch split per slot; FP8 products swapped on SM90 only); the FP8 sorted path keeps the
+    quantiser launch and takes 16x128 tiles, the MXFP4 one 16x64 (GEMM1 16x32 while the slots
+    number under a quarter of the experts); larger batches keep the sorted path."""
     from moe_route import tuning
     from moe_route.plan import quant_plan_for
 
@@ -605,18 +618,23 @@ def test_quant_decode_plans():
         w2q, _ = moe_route.quantize_experts(torch.randn(8, 272, 200), fmt)
         plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
         d = plan.decode
-        assert d is not None and d.up_k == d.down_k == 128 and d.up_n == 32
+        assert d is not None and d.up_k == d.down_k == 128 and d.split and not d.swap
         assert not plan.configs.in_loop and plan.configs.gemm1.block_m == 16
         assert plan.configs.gemm1.block_n == (64 if fmt == "mxfp4" else 128)
         assert plan.configs.gemm2.block_n == (64 if fmt == "mxfp4" else 128)
     few = quant_plan_for(x[:1], w1q, w2q, 1, "swiglu", "concat", Q.as_quant("mxfp4"), "triton")
     assert few.configs.gemm1.block_n == 32 and few.configs.gemm2.block_n == 64
-    assert tuning.quant_decode_config(64, 8, 128, 3 * 2048 * 768) is None
-    # experts over 16 MiB as stored keep the sorted path where bf16 ones take the decode path
-    big = 3 * 7168 * 2048
-    assert tuning.decode_config(1, 8, 256, 2 * big, torch.bfloat16) is not None
-    assert tuning.quant_decode_config(1, 8, 256, big) is None
-    assert tuning.quant_decode_config(1, 8, 256, big // 2) is None  # (MXFP4: 21 MiB)
+    small, big = 3 * 2048 * 768, 3 * 7168 * 2048
+    for mx in (False, True):
+        for size in (small, big):
+            assert tuning.quant_decode_config(2, 8, 128, size, mx, 90).split
+            assert tuning.quant_decode_config(4, 8, 128, size, mx, 90) is None  # 32 slots
+        assert tuning.quant_decode_config(2, 2, 3, small, mx, 90) is None  # (slots > E)
+    fp8_sm90 = tuning.quant_decode_config(1, 8, 256, big, False, 90)
+    assert fp8_sm90.swap and fp8_sm90.down_n >= 64  # (an FP8 MMA's 64 weight rows)
+    for cc in (None, 80, 89, 100):
+        assert not tuning.quant_decode_config(1, 8, 256, big, False, cc).swap
+    assert tuning.quant_decode_config(1, 8, 256, big // 2, True, 90).up_k == 256
     x = torch.randn(1024, 272).half()
     plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")
     assert plan.decode is None and not plan.configs.in_loop

@@ -34,13 +34,14 @@ class DecodeSweep(Sweep):
     SLOT_T = (2, 4, 8, 16, 32)
     GRIDS: ClassVar[dict] = {
         "full": {"up_n": [16, 32, 64], "up_k": [128, 256], "down_n": [16, 32],
-                 "down_k": [128, 256], "num_warps": [4], "num_stages": [3, 4]},
+                 "down_k": [128, 256], "num_warps": [4], "num_stages": [3, 4],
+                 "split": [False, True]},
         "near": {"up_n": [32, 64], "up_k": [256], "down_n": [16, 32], "down_k": [256],
-                 "num_warps": [4], "num_stages": [3, 4]},
+                 "num_warps": [4], "num_stages": [3, 4], "split": [False, True]},
         "quick": {"up_n": [16, 32], "up_k": [128], "down_n": [16, 32], "down_k": [128],
-                  "num_warps": [4], "num_stages": [4]},
+                  "num_warps": [4], "num_stages": [4], "split": [False, True]},
         "tiny": {"up_n": [16, 32], "up_k": [32], "down_n": [16], "down_k": [32],
-                 "num_warps": [4], "num_stages": [2]},
+                 "num_warps": [4], "num_stages": [2], "split": [False, True]},
     }  # fmt: skip
 
     def __init__(self, args, device):
@@ -51,7 +52,7 @@ class DecodeSweep(Sweep):
                              f"(got {', '.join('--' + m for m in modes)})")  # fmt: skip
         self.mode = modes[0] if modes else "full"
         self.calls = 2 if self.cpu else 16
-        self.base = tuning.decode_tiles(self.dtype)
+        self.base = tuning.decode_tiles(self.dtype, 0)  # (the tables' small-expert tiles)
         if self.mode in ("layouts", "slots"):
             self.configs = [self.base]
         else:
@@ -120,7 +121,7 @@ class DecodeSweep(Sweep):
         measured = []
         for cfg in self.configs:
             name = (f"up {cfg.up_n}x{cfg.up_k} down {cfg.down_n}x{cfg.down_k} w{cfg.num_warps} "
-                    f"s{cfg.num_stages}")  # fmt: skip
+                    f"s{cfg.num_stages}{' per slot' if cfg.split else ''}")  # fmt: skip
 
             def call(r, cfg=cfg):
                 return moe_decode_triton(x, w1, w2, r[0], r[1], None, None, None, epi, cfg)

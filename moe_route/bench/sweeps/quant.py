@@ -84,11 +84,16 @@ class QuantSweep(Sweep):
         "tiny": [(4, 2, 128, 32)],
     }  # fmt: skip
 
-    #: the decode path's (eager calls') GEMM1 columns, GEMM2 columns and ``K`` step
+    #: the decode path's (eager calls') GEMM1 columns, GEMM2 columns, ``K`` step and second
+    #: launch per token or per slot (``swapped_n``: GEMM2's columns where SM90's FP8 products
+    #: are swapped, 64 weight rows at least)
     DECODE_GRIDS: ClassVar[dict] = {
-        "full": {"up_n": [32, 64, 128], "down_n": [16, 32, 64], "k": [128, 256]},
-        "quick": {"up_n": [32, 64], "down_n": [16, 32], "k": [128, 256]},
-        "tiny": {"up_n": [16, 32], "down_n": [16], "k": [128]},
+        "full": {"up_n": [32, 64, 128], "down_n": [16, 32, 64], "k": [128, 256],
+                 "split": [False, True], "swapped_n": [64, 128]},
+        "quick": {"up_n": [32, 64], "down_n": [16, 32], "k": [128, 256], "split": [False, True],
+                  "swapped_n": [64]},
+        "tiny": {"up_n": [16, 32], "down_n": [16], "k": [128], "split": [False, True],
+                 "swapped_n": [64]},
     }  # fmt: skip
 
     def __init__(self, args, device):
@@ -168,10 +173,11 @@ class QuantSweep(Sweep):
         else:
             grid = "tiny" if self.cpu else "quick" if self.args.quick else "full"
             counts = ", ".join(f"{fmt} {len(self.configs(fmt, 1.0))}" for fmt in self.formats)
-            table = tuning.quant_decode_config(1, 1, 16, 0)
-            counts += "; the decode path's tiles where eager calls take it: " + ", ".join(
-                f"{fmt} {len(self.decode_configs(fmt, table))}" for fmt in self.formats
-            )
+            decode = []
+            for fmt in self.formats:
+                table = tuning.quant_decode_config(1, 1, 16, 0, fmt == "mxfp4", self.cc)
+                decode.append(f"{fmt} {len(self.decode_configs(fmt, table))}")
+            counts += f"; the decode path's tiles where eager calls take it: {', '.join(decode)}"
         return [f"tile pairs per format ({grid} grid; the first is the tables'): {counts}; "
                 f"{self.calls} routing(s) per figure"]  # fmt: skip
 
@@ -237,8 +243,11 @@ class QuantSweep(Sweep):
                     tw, ids, _maps = r
                     return launch(x, w1, w2, tw, ids, None, None, None, s1, s2)
 
-                name = (f"decode path: up {dcfg.up_n}x{dcfg.up_k} down {dcfg.down_n}x"
-                        f"{dcfg.down_k} s{dcfg.num_stages}")  # fmt: skip
+                name = (
+                    f"decode path: up {dcfg.up_n}x{dcfg.up_k} down {dcfg.down_n}x"
+                    f"{dcfg.down_k} s{dcfg.num_stages}{' per slot' if dcfg.split else ''}"
+                    f"{' swapped' if dcfg.swap else ''}"
+                )
                 variants.append((name + (" (eager calls)" if dcfg == plan.decode else ""), call,
                                  False))  # fmt: skip
         want, measured = None, []
@@ -269,15 +278,20 @@ class QuantSweep(Sweep):
 
     def decode_configs(self, fmt: str, tables: DecodeConfig) -> list[DecodeConfig]:
         """The decode path's tiles: the tables' first, then the grid's (``K`` steps of 128 on
-        FP8, whose kernels quantise per 128-column group; MXFP4 also 256)."""
+        FP8, whose kernels quantise per 128-column group; MXFP4 also 256), on SM90's FP8 both
+        unswapped and swapped."""
         grid = self.DECODE_GRIDS["tiny" if self.cpu else "quick" if self.args.quick else "full"]
+        swaps = (False, True) if fmt != "mxfp4" and self.cc == 90 else (False,)
         out = [tables]
-        for up_n, down_n, k in itertools.product(*grid.values()):
+        for up_n, k, split, swap in itertools.product(grid["up_n"], grid["k"], grid["split"],
+                                                      swaps):  # fmt: skip
             if k != 128 and fmt != "mxfp4":
                 continue
-            cfg = dataclasses.replace(tables, up_n=up_n, up_k=k, down_n=down_n, down_k=k)
-            if cfg not in out:
-                out.append(cfg)
+            for down_n in grid["swapped_n"] if swap else grid["down_n"]:
+                cfg = dataclasses.replace(tables, up_n=up_n, up_k=k, down_n=down_n, down_k=k,
+                                          split=split, swap=swap)  # fmt: skip
+                if cfg not in out:
+                    out.append(cfg)
         return out
 
 

@@ -40,7 +40,7 @@ from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
 from .mxfp4 import _mxfp4_dot
-from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot, _upcast
+from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot, _scaled_fp8_dot_t, _upcast
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -61,6 +61,12 @@ class DecodeConfig:
     down_k: int
     num_warps: int
     num_stages: int
+    #: the second launch one program per (slot, column tile) rather than per (token, column
+    #: tile), the last slot to arrive summing the token's terms
+    split: bool = False
+    #: FP8 products transposed, the weights first (SM90's FP8 MMA takes 64 weight rows by the
+    #: 16 token rows; :func:`.quant._scaled_fp8_dot_t`)
+    swap: bool = False
 
 
 @triton.jit
@@ -88,13 +94,39 @@ def _row_times(v_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION: tl.constexpr,
 
 
 @triton.jit
-def _first_row(acc, BLOCK_M: tl.constexpr):
-    return tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, acc, 0.0), axis=0)
+def _zero_arrivals(arrived_ptr, ARRIVALS):
+    """Program ``(0, 0)`` of a first launch zeroes the second launch's ``ARRIVALS`` counters
+    (its ``SPLIT`` mode; none otherwise)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for i0 in range(0, ARRIVALS, 1024):
+            i = i0 + tl.arange(0, 1024)
+            tl.store(arrived_ptr + i, tl.zeros([1024], tl.int32), mask=i < ARRIVALS)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
+def _zero_acc(ACC: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """A zero accumulator of ``BLOCK_M`` rows by ``BLOCK_N`` columns (``SWAP``: transposed)."""
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    return acc
+
+
+@triton.jit
+def _first_row(acc, BLOCK_M: tl.constexpr, SWAP: tl.constexpr = False):
+    """Row 0 of ``acc`` (``SWAP``: of ``acc.T``, column 0 of a transposed accumulator)."""
+    if SWAP:
+        row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == 0, acc, 0.0), axis=1)
+    else:
+        row = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, acc, 0.0), axis=0)
+    return row
+
+
+@triton.jit(do_not_specialize=["T", "ARRIVALS"])
 def _decode_up_kernel(
-    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, E,
+    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, arrived_ptr, ARRIVALS, T, N_OUT, KD, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_it,
     stride_ik, stride_hs, stride_hn,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
@@ -103,7 +135,8 @@ def _decode_up_kernel(
     HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]``."""
+    """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]`` (and :func:`_zero_arrivals`)."""
+    _zero_arrivals(arrived_ptr, ARRIVALS)
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -142,22 +175,24 @@ def _decode_up_kernel(
              h.to(h_ptr.dtype.element_ty), mask=col_ok)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "ARRIVALS"])
 def _decode_up_quant_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, T, N_OUT, KD, KP, E,
+    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, arrived_ptr, ARRIVALS, T, N_OUT, KD, KP, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_it, stride_ik, stride_hs,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_SOFTCAP: tl.constexpr,
     UP_SOFTCAP: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr, SN: tl.constexpr, A_QUANT: tl.constexpr, UE8M0: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)`` on quantised experts: ``h[slot, cols]``, by the
     sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row): FP8,
     the token row quantised in the main loop, ``h`` in float32; MXFP4, the 16-bit row times
     the unpacked weights, ``h`` in the tokens' dtype (GEMM2's input as the sorted path
-    stores it)."""
+    stores it); and :func:`_zero_arrivals`."""
+    _zero_arrivals(arrived_ptr, ARRIVALS)
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -172,21 +207,29 @@ def _decode_up_quant_kernel(
         stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
         stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
         INTERLEAVED, HAS_BIAS, False, MXFP4, SN, False, UE8M0, UPCAST, False, False,
-        1 if GATED else 0, A_QUANT, False, BLOCK_M, BLOCK_N, BLOCK_K,
+        1 if GATED else 0, A_QUANT, SWAP, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
 @triton.jit
 def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constexpr,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+                   UPCAST: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """:func:`_row_times` on FP8 experts: the float32 row ``h`` (one 128-column scale block)
     quantised as the sorted path's GEMM2 quantises its rows (:func:`.quant._fp8_mainloop`,
-    ``A_QUANT = 1``), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled as it scales."""
+    ``A_QUANT = 1``), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled as it scales.
+    ``SWAP``: ``w_ptrs`` address ``[BLOCK_N, BLOCK_K]`` and ``acc`` is transposed, as the
+    sorted path's swapped tiles hold them."""
     v = _row_tile(h_ptrs, k_ok, BLOCK_M)
-    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
+    a = _fp8_operand(v, a_s, UPCAST)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
-    return acc + _scaled_fp8_dot(_fp8_operand(v, a_s, UPCAST), w, a_s, w_s, UPCAST)
+    if SWAP:
+        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += _scaled_fp8_dot_t(w, a, a_s, w_s, UPCAST)
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += _scaled_fp8_dot(a, w, a_s, w_s, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -219,55 +262,67 @@ def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.co
 
 @triton.jit(do_not_specialize=["T"])
 def _decode_down_kernel(
-    h_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, T, H,
-    KD, KP, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk, stride_se,
-    stride_sn, stride_sk, stride_b2e, stride_b2n, stride_it, stride_ik, stride_wt, stride_wkk,
-    stride_bt, stride_bh, stride_ot, stride_oh,
+    h_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, terms_ptr,
+    arrived_ptr, T, H, KD, KP, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk, stride_b2e, stride_b2n, stride_it, stride_ik, stride_wt,
+    stride_wkk, stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     OUT_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
     FP8: tl.constexpr, MXFP4: tl.constexpr, SN: tl.constexpr, UE8M0: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     """Program ``(t, n-tile)``: ``out[t, cols]``, its ``K`` slots summed in order (and, with
     ``COUNTS``, program ``(0, 0)`` the slots per expert). ``FP8``: ``h`` holds float32 rows,
     quantised here per ``BLOCK_K = 128`` columns, ``W2`` e4m3 codes with block or channel
     scales (``ws``; ``SN`` rows per block, a zero k-stride per channel). ``MXFP4``: ``W2``
     packed e2m1 codes with ue8m0 scales per 32 values (``ws``), ``KP = ceil(KD / 2)`` bytes
-    per row (an argument, so that its divisibility specialises the loads)."""
+    per row (an argument, so that its divisibility specialises the loads).
+
+    ``SPLIT`` (too few tokens for ``T`` programs to stream the weights): program ``(slot,
+    n-tile)`` computes its slot's term of the sum into ``terms`` and counts itself in
+    ``arrived[t, n-tile]`` (zeroed by the first launch); the slot program that arrives last
+    sums the token's ``K`` terms in slot order, as the finalize does: the same bits. ``SWAP``
+    (FP8): each block's product transposed, the weights first (:func:`_row_times_fp8`)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
-    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    acc = _zero_acc(ACC, SWAP, BLOCK_M, BLOCK_N)
     acc_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)  # (MXFP4: the odd columns' products)
     # One loop over (slot, I-step) pairs rather than a loop per slot: the weight loads stay
     # in flight across the slots' boundaries (a loop per slot drains its pipeline K times).
     steps = tl.maximum(tl.cdiv(KD, BLOCK_K), 1)  # (I = 0: one step, for b2)
-    for i in tl.range(0, TOP_K * steps):
-        k = i // steps
-        k0 = (i - k * steps) * BLOCK_K
+    if SPLIT:
+        t = (tl.program_id(0) // TOP_K).to(tl.int64)
+        k_first = tl.program_id(0) % TOP_K
+        n_steps = steps
+    else:
+        t = tl.program_id(0).to(tl.int64)
+        k_first = 0
+        n_steps = TOP_K * steps
+    for i in tl.range(0, n_steps):
+        k = k_first + i // steps
+        k0 = (i % steps) * BLOCK_K
         e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
         # a dropped slot (or an unchecked id past the experts) adds nothing, reads nothing
         routed = (e >= 0) & (e < E)
         k_ok = (k0 + ks < KD) & routed
-        w_ptrs = (
-            w_ptr
-            + tl.maximum(e, 0).to(tl.int64) * stride_we
-            + cols[None, :].to(tl.int64) * stride_wn
-            + (k0 + ks)[:, None] * stride_wk
-        )
+        w_e = w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we
+        if SWAP:
+            w_ptrs = w_e + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :] * stride_wk
+        else:
+            w_ptrs = w_e + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None] * stride_wk
         h_ptrs = h_ptr + (t * TOP_K + k) * stride_hs + (k0 + ks) * stride_hn
         if FP8:
             step = k0 // BLOCK_K
             ws_ptrs = (ws_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se
                        + (cols // SN).to(tl.int64) * stride_sn + step * stride_sk)  # fmt: skip
             acc = _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0, UPCAST,
-                                 BLOCK_M)  # fmt: skip
+                                 SWAP, BLOCK_M)  # fmt: skip
         elif MXFP4:
             e0 = tl.maximum(e, 0).to(tl.int64)
             acc, acc_odd = _row_times_mxfp4(
@@ -281,8 +336,8 @@ def _decode_down_kernel(
             if MXFP4:
                 acc += acc_odd
                 acc_odd = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-            y = _first_row(acc, BLOCK_M)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+            y = _first_row(acc, BLOCK_M, SWAP)
+            acc = _zero_acc(ACC, SWAP, BLOCK_M, BLOCK_N)
             if HAS_B2:
                 b2 = tl.load(b2_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b2e
                              + cols * stride_b2n, mask=col_ok & routed, other=0.0)  # fmt: skip
@@ -293,10 +348,35 @@ def _decode_down_kernel(
             # the finalize's term, as it adds it: the select keeps the product rounded on its
             # own (a multiply-add contracted into one FMA rounds once, other bits)
             total += tl.where(routed, w * y, 0.0)
+    if SPLIT:
+        slot = t * TOP_K + k_first
+        tl.store(terms_ptr + slot * H + cols, total, mask=col_ok)
+        # every thread's term stored before the count (the atomic releases them at GPU scope)
+        tl.debug_barrier()
+        tile = t * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel") != TOP_K - 1:
+            return
+        total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
+        for kk in tl.static_range(TOP_K):  # 0 + the terms in slot order, as the finalize
+            total += tl.load(terms_ptr + (t * TOP_K + kk) * H + cols, mask=col_ok,
+                             cache_modifier=".cg")  # fmt: skip
     if HAS_BIAS:
         total += tl.load(bias_ptr + t * stride_bt + cols * stride_bh, mask=col_ok).to(OUT_ACC)
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, total.to(out_ptr.dtype.element_ty),
              mask=col_ok)  # fmt: skip
+
+
+def _split_scratch(split: bool, slots: int, tiles: int, out: torch.Tensor,
+                   terms_dtype: torch.dtype):  # fmt: skip
+    """``(terms, arrived, arrivals)`` of the second launch's ``SPLIT`` mode: the slots' terms
+    and, per (token, column tile) of ``out``, a count of the slots that have arrived (zeroed
+    by the first launch); without it ``out`` stands in for both, and no counter."""
+    if not split:
+        return out, out, 0
+    T, H = out.shape
+    terms = torch.empty(slots, H, dtype=terms_dtype, device=out.device)
+    arrivals = T * tiles
+    return terms, torch.empty(arrivals, dtype=torch.int32, device=out.device), arrivals
 
 
 class DecodeLaunch:
@@ -315,11 +395,14 @@ class DecodeLaunch:
         K = topk_ids.shape[1]
         E, n_inter = w1.shape[0], w2.shape[2]
         self.K, self.H, self.n_inter, self.counts = K, H, n_inter, counts
+        self.split = cfg.split
         self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
         self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
         acc = tl.float64 if x.dtype == torch.float64 else tl.float32
         precision = _precision(x.dtype, False)
-        out_acc = tl.float64 if torch.float64 in (x.dtype, topk_weights.dtype) else tl.float32
+        wide = torch.float64 in (x.dtype, topk_weights.dtype)
+        out_acc = tl.float64 if wide else tl.float32
+        self.terms_dtype = torch.float64 if wide else torch.float32
         epi = epilogue
         sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
             topk_weights.stride()  # fmt: skip
@@ -352,7 +435,7 @@ class DecodeLaunch:
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=acc, OUT_ACC=out_acc,
             DOT_PRECISION=precision, BLOCK_M=_ROWS, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
             COUNTS=counts, SLOTS=MAX_SLOTS, FP8=False, MXFP4=False, SN=1, UE8M0=False, UPCAST=False,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=cfg.split, SWAP=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
@@ -365,16 +448,22 @@ class DecodeLaunch:
             if counts is not None:
                 counts.zero_()
             return out
-        h = x.new_empty(T * self.K, self.n_inter)
+        slots = T * self.K
+        h = x.new_empty(slots, self.n_inter)
+        terms, arrived, arrivals = _split_scratch(self.split, slots, self.down_tiles, out,
+                                                  self.terms_dtype)  # fmt: skip
         if self.n_inter:  # (I = 0: no h to compute; GEMM2 still adds b2)
-            _UP.launch(self.up_key, (T * self.K, self.up_tiles),
-                       (x, w1, b1 if self.has_b1 else w1, topk_ids, h, T, *self.up_tail),
+            _UP.launch(self.up_key, (slots, self.up_tiles),
+                       (x, w1, b1 if self.has_b1 else w1, topk_ids, h, arrived, arrivals, T,
+                        *self.up_tail),
                        self.up_constexprs)  # fmt: skip
+        elif self.split:
+            arrived.zero_()
         _DOWN.launch(
-            self.down_key, (T, self.down_tiles),
+            self.down_key, (slots if self.split else T, self.down_tiles),
             (h, w2, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
-             bias if self.has_bias else out, out, counts if self.counts else out, T,
-             *self.down_tail),
+             bias if self.has_bias else out, out, counts if self.counts else out, terms,
+             arrived, T, *self.down_tail),
             self.down_constexprs,
         )  # fmt: skip
         return out
@@ -400,6 +489,8 @@ class QuantDecodeLaunch:
         E, n_inter = w1.shape[0], w1.shape[1] // 2 if epilogue.gated else w1.shape[1]
         self.K, self.H, self.n_inter = K, H, n_inter
         self.h_dtype = x.dtype if mx else torch.float32
+        self.split = cfg.split
+        self.terms_dtype = torch.float64 if topk_weights.dtype == torch.float64 else torch.float32
         self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
         self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
         out_acc = tl.float64 if topk_weights.dtype == torch.float64 else tl.float32
@@ -430,8 +521,8 @@ class QuantDecodeLaunch:
             UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
             INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, MXFP4=mx, SN=w_block_rows,
             A_QUANT=0 if mx else 1 if x_group else 2, UE8M0=ue8m0, UPCAST=upcast,
-            BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            SWAP=cfg.swap and not mx, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         self.down_key = LaunchKey((cfg, dtypes, sw2, s2, sb2, sid, stw, sbias, bias_dtype, K, H,
                                    n_inter, E, w_block_rows, ue8m0))  # fmt: skip
@@ -440,8 +531,8 @@ class QuantDecodeLaunch:
             TOP_K=K, HAS_B2=b2 is not None, HAS_BIAS=bias is not None, ACC=tl.float32,
             OUT_ACC=out_acc, DOT_PRECISION="tf32", BLOCK_M=_ROWS, BLOCK_N=cfg.down_n,
             BLOCK_K=cfg.down_k, COUNTS=False, SLOTS=MAX_SLOTS, FP8=not mx, MXFP4=mx,
-            SN=w_block_rows, UE8M0=ue8m0, UPCAST=upcast, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            SN=w_block_rows, UE8M0=ue8m0, UPCAST=upcast, SPLIT=cfg.split,
+            SWAP=cfg.swap and not mx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(self, x, w1, w2, topk_weights, topk_ids, b1, b2, bias, w1_scale,
@@ -453,15 +544,19 @@ class QuantDecodeLaunch:
             return out
         slots = T * self.K
         h = torch.empty(slots, self.n_inter, dtype=self.h_dtype, device=x.device)
-        if self.n_inter:
+        terms, arrived, arrivals = _split_scratch(self.split, slots, self.down_tiles, out,
+                                                  self.terms_dtype)  # fmt: skip
+        if self.n_inter:  # (which zeroes the counters)
             _UP_QUANT.launch(self.up_key, (slots, self.up_tiles),
-                             (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, T,
-                              *self.up_tail),
+                             (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, arrived,
+                              arrivals, T, *self.up_tail),
                              self.up_constexprs)  # fmt: skip
+        elif self.split:
+            arrived.zero_()
         _DOWN.launch(
-            self.down_key, (T, self.down_tiles),
+            self.down_key, (slots if self.split else T, self.down_tiles),
             (h, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
-             bias if self.has_bias else out, out, out, T, *self.down_tail),
+             bias if self.has_bias else out, out, out, terms, arrived, T, *self.down_tail),
             self.down_constexprs,
         )  # fmt: skip
         return out
