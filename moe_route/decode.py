@@ -7,8 +7,6 @@ cannot take as they are. ``fused_moe``'s and the layer's call memos keep the pre
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import tuning
@@ -52,8 +50,7 @@ def _moe_decode_impl(
             f"moe_decode counts at most {MAX_SLOTS} slots per call, got T*K = "
             f"{x.shape[0]}*{K}: take the sorted path (fused_moe) at this size"
         )
-    expert_bytes = (math.prod(w1.shape[1:]) + math.prod(w2.shape[1:])) * x.element_size()
-    cfg = tuning.decode_tiles(x.dtype, expert_bytes)
+    cfg = tuning.decode_tiles(x.dtype, tuning.expert_bytes(w1.shape, w2.shape, x.element_size()))
     counts = topk_ids.new_empty(E if want_counts else 0, dtype=torch.int64)
     out = moe_decode_triton(x, w1, w2, topk_weights, topk_ids, b1, b2, bias,
                             epilogue_for(activation, gate_up_layout), cfg,

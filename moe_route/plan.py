@@ -15,7 +15,6 @@ plan and every call memo.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from . import arch, tuning
@@ -79,8 +78,8 @@ def _plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, layout, p
         wgrad1=first.weight_grad, epilogue=epi, finalize=path, gather=gather,
         allow_tf32=allow_tf32,
     )  # fmt: skip
-    expert_bytes = (math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])) * dtype.itemsize
-    decode = tuning.decode_config(bucket, K, E, expert_bytes, dtype)
+    size = tuning.expert_bytes(w1_shape, w2_shape, dtype.itemsize)
+    decode = tuning.decode_config(bucket, K, E, size, dtype)
     return MoEPlan("triton", maps_chosen, cfg, path, gather, decode)
 
 
@@ -111,9 +110,8 @@ def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, lay
         x_group=max(spec.act_group, 0), ue8m0=spec.ue8m0,
         w_block_rows=spec.block[0] if spec.format == "fp8_block" else 1,
     )  # fmt: skip
-    # (bytes: one per FP8 weight, one per two MXFP4 ones, as w1 and w2 hold them)
-    expert_bytes = math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])
-    decode = tuning.quant_decode_config(bucket, K, E, expert_bytes, mx, cc)
+    size = tuning.expert_bytes(w1_shape, w2_shape)
+    decode = tuning.quant_decode_config(bucket, K, E, size, mx, cc)
     return MoEPlan("triton", maps_chosen, cfg, "standalone", True, decode)
 
 

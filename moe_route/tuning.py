@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -98,6 +99,13 @@ def persistent_override() -> int | None:
             "persistent GEMM kernel; 0 for the per-tile kernel) or nothing"
         )
     return int(value)
+
+
+def expert_bytes(w1_shape, w2_shape, itemsize: int = 1) -> int:
+    """Bytes of one expert's weights as stored, ``W1[e]`` and ``W2[e]`` (``itemsize`` per
+    element: one per FP8 weight, one per two MXFP4 ones, as their tensors hold them), the
+    size the decode tables go by."""
+    return (math.prod(w1_shape[1:]) + math.prod(w2_shape[1:])) * itemsize
 
 
 def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,

@@ -367,16 +367,18 @@ def _decode_down_kernel(
 
 
 def _split_scratch(split: bool, slots: int, tiles: int, out: torch.Tensor,
-                   terms_dtype: torch.dtype):  # fmt: skip
+                   terms_dtype: torch.dtype, first_launch: bool):  # fmt: skip
     """``(terms, arrived, arrivals)`` of the second launch's ``SPLIT`` mode: the slots' terms
     and, per (token, column tile) of ``out``, a count of the slots that have arrived (zeroed
-    by the first launch); without it ``out`` stands in for both, and no counter."""
+    by the first launch, or here where none runs); without it ``out`` stands in for both, and
+    no counter."""
     if not split:
         return out, out, 0
     T, H = out.shape
     terms = torch.empty(slots, H, dtype=terms_dtype, device=out.device)
     arrivals = T * tiles
-    return terms, torch.empty(arrivals, dtype=torch.int32, device=out.device), arrivals
+    new = torch.empty if first_launch else torch.zeros
+    return terms, new(arrivals, dtype=torch.int32, device=out.device), arrivals
 
 
 class DecodeLaunch:
@@ -451,14 +453,12 @@ class DecodeLaunch:
         slots = T * self.K
         h = x.new_empty(slots, self.n_inter)
         terms, arrived, arrivals = _split_scratch(self.split, slots, self.down_tiles, out,
-                                                  self.terms_dtype)  # fmt: skip
+                                                  self.terms_dtype, self.n_inter > 0)  # fmt: skip
         if self.n_inter:  # (I = 0: no h to compute; GEMM2 still adds b2)
             _UP.launch(self.up_key, (slots, self.up_tiles),
                        (x, w1, b1 if self.has_b1 else w1, topk_ids, h, arrived, arrivals, T,
                         *self.up_tail),
                        self.up_constexprs)  # fmt: skip
-        elif self.split:
-            arrived.zero_()
         _DOWN.launch(
             self.down_key, (slots if self.split else T, self.down_tiles),
             (h, w2, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
@@ -545,14 +545,12 @@ class QuantDecodeLaunch:
         slots = T * self.K
         h = torch.empty(slots, self.n_inter, dtype=self.h_dtype, device=x.device)
         terms, arrived, arrivals = _split_scratch(self.split, slots, self.down_tiles, out,
-                                                  self.terms_dtype)  # fmt: skip
+                                                  self.terms_dtype, self.n_inter > 0)  # fmt: skip
         if self.n_inter:  # (which zeroes the counters)
             _UP_QUANT.launch(self.up_key, (slots, self.up_tiles),
                              (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, arrived,
                               arrivals, T, *self.up_tail),
                              self.up_constexprs)  # fmt: skip
-        elif self.split:
-            arrived.zero_()
         _DOWN.launch(
             self.down_key, (slots if self.split else T, self.down_tiles),
             (h, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
