@@ -306,7 +306,7 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
                      A_QUANT=a_quant, SWAP=dec_swap, BLOCK_M=16, BLOCK_N=dec.up_n,
                      BLOCK_K=dec.up_k)  # fmt: skip
         types = dict(x_ptr="*bf16", w_ptr=w, ws_ptr=ws, b_ptr="*bf16", ids_ptr="*i32",
-                     h_ptr="*bf16" if mx else "*fp32", arrived_ptr="*i32")  # fmt: skip
+                     h_ptr="*bf16" if mx else "*fp32")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     else:  # the decode path's second kernel
         kernel = _kernel("_decode_down_kernel")
@@ -316,7 +316,7 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
                      UPCAST=False, SPLIT=dec.split, SWAP=dec_swap)  # fmt: skip
         types = dict(h_ptr="*bf16" if mx else "*fp32", w_ptr=w, ws_ptr=ws, b2_ptr="*bf16",
                      ids_ptr="*i32", tw_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
-                     counts_ptr="*i64", terms_ptr="*fp32", arrived_ptr="*i32")  # fmt: skip
+                     counts_ptr="*i64")  # fmt: skip
         warps, stages = dec.num_warps, dec.num_stages
     sig, attrs, ones = _launch_signature(kernel, types, UNIT_STRIDES, _odd(fmt))
     src = ASTSource(kernel, sig, constexprs=const | ones, attrs=attrs)

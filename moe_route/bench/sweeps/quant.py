@@ -89,11 +89,12 @@ class QuantSweep(Sweep):
     #: are swapped, 64 weight rows at least)
     DECODE_GRIDS: ClassVar[dict] = {
         "full": {"up_n": [32, 64, 128], "down_n": [16, 32, 64], "k": [128, 256],
-                 "split": [False, True], "swapped_n": [64, 128]},
+                 "split": [False, True], "swapped_n": [64, 128],
+                 "launch": [(8, 4), (4, 3), (4, 6), (8, 6)]},
         "quick": {"up_n": [32, 64], "down_n": [16, 32], "k": [128, 256], "split": [False, True],
-                  "swapped_n": [64]},
+                  "swapped_n": [64], "launch": [(8, 4), (4, 6)]},
         "tiny": {"up_n": [16, 32], "down_n": [16], "k": [128], "split": [False, True],
-                 "swapped_n": [64]},
+                 "swapped_n": [64], "launch": [(8, 4)]},
     }  # fmt: skip
 
     def __init__(self, args, device):
@@ -245,7 +246,8 @@ class QuantSweep(Sweep):
 
                 name = (
                     f"decode path: up {dcfg.up_n}x{dcfg.up_k} down {dcfg.down_n}x"
-                    f"{dcfg.down_k} s{dcfg.num_stages}{' per slot' if dcfg.split else ''}"
+                    f"{dcfg.down_k} w{dcfg.num_warps} s{dcfg.num_stages}"
+                    f"{' per slot' if dcfg.split else ''}"
                     f"{' swapped' if dcfg.swap else ''}"
                 )
                 variants.append((name + (" (eager calls)" if dcfg == plan.decode else ""), call,
@@ -277,12 +279,15 @@ class QuantSweep(Sweep):
             print(f"   {us:7.1f} us  {us / floor_us:5.2f}x  err {err:.1e}  {name}")
 
     def decode_configs(self, fmt: str, tables: DecodeConfig) -> list[DecodeConfig]:
-        """The decode path's tiles: the tables' first, then the grid's (``K`` steps of 128 on
-        FP8, whose kernels quantise per 128-column group; MXFP4 also 256), on SM90's FP8 both
-        unswapped and swapped."""
+        """The decode path's tiles: the tables' first, then the tables' tiles on the grid's other
+        warps and stages, then the grid's tiles (``K`` steps of 128 on FP8, whose kernels
+        quantise per 128-column group; MXFP4 also 256), on SM90's FP8 both unswapped and
+        swapped."""
         grid = self.DECODE_GRIDS["tiny" if self.cpu else "quick" if self.args.quick else "full"]
         swaps = (False, True) if fmt != "mxfp4" and self.cc == 90 else (False,)
         out = [tables]
+        out += [dataclasses.replace(tables, num_warps=w, num_stages=s) for w, s in grid["launch"]
+                if (w, s) != (tables.num_warps, tables.num_stages)]  # fmt: skip
         for up_n, k, split, swap in itertools.product(grid["up_n"], grid["k"], grid["split"],
                                                       swaps):  # fmt: skip
             if k != 128 and fmt != "mxfp4":

@@ -94,10 +94,18 @@ def _row_times(v_ptrs, w_ptrs, k_ok, col_ok, acc, DOT_PRECISION: tl.constexpr,
 
 
 @triton.jit
-def _zero_arrivals(arrived_ptr, ARRIVALS):
+def _past_h(h_ptr, AT, DTYPE: tl.constexpr):
+    """Element ``AT`` of a ``DTYPE`` array in ``h``'s buffer (:func:`_scratch`): the second
+    launch's ``SPLIT`` terms, or its arrival counters."""
+    return h_ptr.to(tl.pointer_type(DTYPE), bitcast=True) + AT
+
+
+@triton.jit
+def _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS):
     """Program ``(0, 0)`` of a first launch zeroes the second launch's ``ARRIVALS`` counters
-    (its ``SPLIT`` mode; none otherwise)."""
+    (its ``SPLIT`` mode; none otherwise), int32 words ``ARRIVED_AT ...`` of ``h``'s buffer."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        arrived_ptr = _past_h(h_ptr, ARRIVED_AT, tl.int32)
         for i0 in range(0, ARRIVALS, 1024):
             i = i0 + tl.arange(0, 1024)
             tl.store(arrived_ptr + i, tl.zeros([1024], tl.int32), mask=i < ARRIVALS)
@@ -124,9 +132,9 @@ def _first_row(acc, BLOCK_M: tl.constexpr, SWAP: tl.constexpr = False):
     return row
 
 
-@triton.jit(do_not_specialize=["T", "ARRIVALS"])
+@triton.jit(do_not_specialize=["T", "ARRIVED_AT", "ARRIVALS"])
 def _decode_up_kernel(
-    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, arrived_ptr, ARRIVALS, T, N_OUT, KD, E,
+    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr, ARRIVED_AT, ARRIVALS, T, N_OUT, KD, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_it,
     stride_ik, stride_hs, stride_hn,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
@@ -136,7 +144,7 @@ def _decode_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]`` (and :func:`_zero_arrivals`)."""
-    _zero_arrivals(arrived_ptr, ARRIVALS)
+    _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS)
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -175,9 +183,9 @@ def _decode_up_kernel(
              h.to(h_ptr.dtype.element_ty), mask=col_ok)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T", "ARRIVALS"])
+@triton.jit(do_not_specialize=["T", "ARRIVED_AT", "ARRIVALS"])
 def _decode_up_quant_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, arrived_ptr, ARRIVALS, T, N_OUT, KD, KP, E,
+    x_ptr, w_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, ARRIVED_AT, ARRIVALS, T, N_OUT, KD, KP, E,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_it, stride_ik, stride_hs,
     TOP_K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, ALPHA: tl.constexpr,
@@ -192,7 +200,7 @@ def _decode_up_quant_kernel(
     the token row quantised in the main loop, ``h`` in float32; MXFP4, the 16-bit row times
     the unpacked weights, ``h`` in the tokens' dtype (GEMM2's input as the sorted path
     stores it); and :func:`_zero_arrivals`."""
-    _zero_arrivals(arrived_ptr, ARRIVALS)
+    _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS)
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -260,10 +268,10 @@ def _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K: tl.co
         tl.store(counts_ptr + experts, tl.sum(hits, axis=0), mask=experts < E)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "TERMS_AT", "ARRIVED_AT"])
 def _decode_down_kernel(
-    h_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, terms_ptr,
-    arrived_ptr, T, H, KD, KP, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk,
+    h_ptr, w_ptr, ws_ptr, b2_ptr, ids_ptr, tw_ptr, bias_ptr, out_ptr, counts_ptr, TERMS_AT,
+    ARRIVED_AT, T, H, KD, KP, E, stride_hs, stride_hn, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_b2e, stride_b2n, stride_it, stride_ik, stride_wt,
     stride_wkk, stride_bt, stride_bh, stride_ot, stride_oh,
     TOP_K: tl.constexpr, HAS_B2: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
@@ -281,9 +289,11 @@ def _decode_down_kernel(
 
     ``SPLIT`` (too few tokens for ``T`` programs to stream the weights): program ``(slot,
     n-tile)`` computes its slot's term of the sum into ``terms`` and counts itself in
-    ``arrived[t, n-tile]`` (zeroed by the first launch); the slot program that arrives last
-    sums the token's ``K`` terms in slot order, as the finalize does: the same bits. ``SWAP``
-    (FP8): each block's product transposed, the weights first (:func:`_row_times_fp8`)."""
+    ``arrived[t, n-tile]`` (zeroed by the first launch), both in ``h``'s buffer past its end
+    (element ``TERMS_AT`` and int32 word ``ARRIVED_AT``: :func:`_scratch`); the slot program
+    that arrives last sums the token's ``K`` terms in slot order, as the finalize does: the
+    same bits. ``SWAP`` (FP8): each block's product transposed, the weights first
+    (:func:`_row_times_fp8`)."""
     if COUNTS:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _expert_counts(ids_ptr, counts_ptr, T, E, stride_it, stride_ik, TOP_K, SLOTS, 128)
@@ -349,11 +359,13 @@ def _decode_down_kernel(
             # own (a multiply-add contracted into one FMA rounds once, other bits)
             total += tl.where(routed, w * y, 0.0)
     if SPLIT:
+        terms_ptr = _past_h(h_ptr, TERMS_AT, OUT_ACC)
         slot = t * TOP_K + k_first
         tl.store(terms_ptr + slot * H + cols, total, mask=col_ok)
         # every thread's term stored before the count (the atomic releases them at GPU scope)
         tl.debug_barrier()
         tile = t * tl.num_programs(1) + tl.program_id(1)
+        arrived_ptr = _past_h(h_ptr, ARRIVED_AT, tl.int32)
         if tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel") != TOP_K - 1:
             return
         total = tl.zeros([BLOCK_N], dtype=OUT_ACC)
@@ -366,19 +378,24 @@ def _decode_down_kernel(
              mask=col_ok)  # fmt: skip
 
 
-def _split_scratch(split: bool, slots: int, tiles: int, out: torch.Tensor,
-                   terms_dtype: torch.dtype, first_launch: bool):  # fmt: skip
-    """``(terms, arrived, arrivals)`` of the second launch's ``SPLIT`` mode: the slots' terms
-    and, per (token, column tile) of ``out``, a count of the slots that have arrived (zeroed
-    by the first launch, or here where none runs); without it ``out`` stands in for both, and
-    no counter."""
+def _scratch(split: bool, T: int, slots: int, n_inter: int, H: int, tiles: int,
+             h_dtype: torch.dtype, terms_dtype: torch.dtype, device) -> tuple:  # fmt: skip
+    """``(h, terms_at, arrived_at, arrivals)``: one allocation for a call's scratch, ``h``
+    (``[slots, n_inter]`` rows) and, in the second launch's ``SPLIT`` mode, past its end the
+    slots' terms (``[slots, H]`` of ``terms_dtype`` from element ``terms_at``) and an int32
+    count per (token, column tile) of the slots that have arrived (``arrivals`` of them from
+    word ``arrived_at``), zeroed by the first launch, or here where none runs (``n_inter =
+    0``). One allocation rather than three: each costs an eager call host time."""
+    h_size = h_dtype.itemsize
+    h_bytes = slots * n_inter * h_size
     if not split:
-        return out, out, 0
-    T, H = out.shape
-    terms = torch.empty(slots, H, dtype=terms_dtype, device=out.device)
+        return torch.empty(slots * n_inter, dtype=h_dtype, device=device), 0, 0, 0
+    terms_at = -(-h_bytes // 16) * 16  # (bytes; 16-byte aligned, as h is)
+    arrived_at = terms_at + slots * H * terms_dtype.itemsize
     arrivals = T * tiles
-    new = torch.empty if first_launch else torch.zeros
-    return terms, new(arrivals, dtype=torch.int32, device=out.device), arrivals
+    new = torch.empty if n_inter else torch.zeros
+    h = new(-(-(arrived_at + 4 * arrivals) // h_size), dtype=h_dtype, device=device)
+    return h, terms_at // terms_dtype.itemsize, arrived_at // 4, arrivals
 
 
 class DecodeLaunch:
@@ -451,19 +468,20 @@ class DecodeLaunch:
                 counts.zero_()
             return out
         slots = T * self.K
-        h = x.new_empty(slots, self.n_inter)
-        terms, arrived, arrivals = _split_scratch(self.split, slots, self.down_tiles, out,
-                                                  self.terms_dtype, self.n_inter > 0)  # fmt: skip
+        h, terms_at, arrived_at, arrivals = _scratch(
+            self.split, T, slots, self.n_inter, self.H, self.down_tiles, x.dtype,
+            self.terms_dtype, x.device,
+        )  # fmt: skip
         if self.n_inter:  # (I = 0: no h to compute; GEMM2 still adds b2)
             _UP.launch(self.up_key, (slots, self.up_tiles),
-                       (x, w1, b1 if self.has_b1 else w1, topk_ids, h, arrived, arrivals, T,
+                       (x, w1, b1 if self.has_b1 else w1, topk_ids, h, arrived_at, arrivals, T,
                         *self.up_tail),
                        self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (slots if self.split else T, self.down_tiles),
             (h, w2, w2, b2 if self.has_b2 else w2, topk_ids, topk_weights,
-             bias if self.has_bias else out, out, counts if self.counts else out, terms,
-             arrived, T, *self.down_tail),
+             bias if self.has_bias else out, out, counts if self.counts else out, terms_at,
+             arrived_at, T, *self.down_tail),
             self.down_constexprs,
         )  # fmt: skip
         return out
@@ -543,18 +561,20 @@ class QuantDecodeLaunch:
         if T == 0 or self.H == 0:
             return out
         slots = T * self.K
-        h = torch.empty(slots, self.n_inter, dtype=self.h_dtype, device=x.device)
-        terms, arrived, arrivals = _split_scratch(self.split, slots, self.down_tiles, out,
-                                                  self.terms_dtype, self.n_inter > 0)  # fmt: skip
+        h, terms_at, arrived_at, arrivals = _scratch(
+            self.split, T, slots, self.n_inter, self.H, self.down_tiles, self.h_dtype,
+            self.terms_dtype, x.device,
+        )  # fmt: skip
         if self.n_inter:  # (which zeroes the counters)
             _UP_QUANT.launch(self.up_key, (slots, self.up_tiles),
-                             (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h, arrived,
-                              arrivals, T, *self.up_tail),
+                             (x, w1, w1_scale, b1 if self.has_b1 else w1, topk_ids, h,
+                              arrived_at, arrivals, T, *self.up_tail),
                              self.up_constexprs)  # fmt: skip
         _DOWN.launch(
             self.down_key, (slots if self.split else T, self.down_tiles),
             (h, w2, w2_scale, b2 if self.has_b2 else w2, topk_ids, topk_weights,
-             bias if self.has_bias else out, out, out, terms, arrived, T, *self.down_tail),
+             bias if self.has_bias else out, out, out, terms_at, arrived_at, T,
+             *self.down_tail),
             self.down_constexprs,
         )  # fmt: skip
         return out
