@@ -19,7 +19,8 @@
 #                                       sanitizer tools over them side by side, then the quant
 #                                       bench stage at the floor shapes (mixtral T=4096, qwen3
 #                                       T=32768, deepseek-v3 T=16384 and decode T=1/8/64;
-#                                       QUANT_BENCH="deepseek 1 8 64" picks others);
+#                                       QUANT_BENCH="deepseek 1 8 64" picks others,
+#                                       QUANT_BENCH="" none);
 #                                       quant_*.log, sanitize_*_quant.log
 #   bash scripts/gpu_check.sh tune      the quantised GEMMs' tiles at decode sizes (bench --sweep
 #                                       quant --quick: 16-row tiles and the decode path's),
@@ -150,8 +151,8 @@ if [ "$part" = quant ]; then
         fi
         rc=$(( rc || t_rc ))
     done
-    # QUANT_BENCH: "model T ..." runs separated by ';' (default: the floor shapes)
-    IFS=';' read -r -a runs <<< "${QUANT_BENCH:-mixtral 4096;qwen3 32768;deepseek 1 8 64 16384}"
+    # QUANT_BENCH: "model T ..." runs separated by ';' (unset: the floor shapes; empty: none)
+    IFS=';' read -r -a runs <<< "${QUANT_BENCH-mixtral 4096;qwen3 32768;deepseek 1 8 64 16384}"
     for run in "${runs[@]}"; do
         set -- $run
         model=$1; shift
