@@ -14,6 +14,8 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moe_cases import ACT_IDS, ACT_LAYOUTS, TOL, assert_matches, make_ids, needs_interpreter
 from moe_cases import moe_case as make_moe
 from moe_cases import moe_expected as expected
@@ -21,7 +23,7 @@ from moe_cases import run_moe as run
 
 import moe_route
 from moe_route import tuning
-from moe_route.kernels.triton.decode import DecodeLaunch
+from moe_route.kernels.triton.decode import DecodeLaunch, _scratch
 from moe_route.kernels.triton.routing_maps import MapsLaunch
 
 moe_module = importlib.import_module("moe_route.moe")
@@ -311,3 +313,35 @@ def test_zero_intermediate_size_adds_b2(sorted_path):
     fast, slow = _both(case, sorted_path)
     assert fast.abs().max() > 0
     assert torch.equal(fast, slow)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    split=st.booleans(),
+    T=st.integers(1, 9),
+    K=st.integers(1, 8),
+    n_inter=st.integers(0, 300),
+    H=st.integers(1, 300),
+    tiles=st.integers(1, 40),
+    h_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    terms_dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_scratch_layout(split, T, K, n_inter, H, tiles, h_dtype, terms_dtype):
+    """A call's one scratch allocation: ``h``, then (per slot) the terms from a 16-byte
+    boundary past ``h``'s end and the counters past the terms', all inside the buffer; the
+    counters zeroed where no first launch runs to zero them (``I = 0``)."""
+    slots = T * K
+    h, terms_at, arrived_at, arrivals = _scratch(split, T, slots, n_inter, H, tiles, h_dtype,
+                                                 terms_dtype, "cpu")  # fmt: skip
+    assert h.dtype == h_dtype and h.dim() == 1
+    if not split:
+        assert (h.numel(), terms_at, arrived_at, arrivals) == (slots * n_inter, 0, 0, 0)
+        return
+    nbytes = h.numel() * h_dtype.itemsize
+    terms_start = terms_at * terms_dtype.itemsize
+    assert terms_start % 16 == 0 and terms_start >= slots * n_inter * h_dtype.itemsize
+    assert arrived_at * 4 >= terms_start + slots * H * terms_dtype.itemsize
+    assert arrivals == T * tiles and arrived_at * 4 + 4 * arrivals <= nbytes
+    if n_inter == 0:
+        counters = h.view(torch.uint8)[arrived_at * 4 :].view(torch.int32)[:arrivals]
+        assert torch.equal(counters, torch.zeros_like(counters))
