@@ -37,10 +37,10 @@ import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv, launch_key_part
 from .activation import gated_forward, plain_forward
-from .fp8_codes import fp8_codes, fp8_scale
+from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
 from .mxfp4 import _mxfp4_dot
-from .quant import _quant_tile, _scaled_fp8_dot, _scaled_fp8_dot_t, _upcast
+from .quant import _fp8_row_operand, _quant_tile, _scaled_fp8_dot, _scaled_fp8_dot_t, _upcast
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -197,7 +197,8 @@ def _decode_up_quant_kernel(
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)`` on quantised experts: ``h[slot, cols]``, by the
     sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row): FP8,
-    the token row quantised in the main loop, ``h`` in float32; MXFP4, the 16-bit row times
+    the token row quantised in the main loop (per 128-column block: read and quantised as a
+    vector, ``ONE_ROW``), ``h`` in float32; MXFP4, the 16-bit row times
     the unpacked weights, ``h`` in the tokens' dtype (GEMM2's input as the sorted path
     stores it); and :func:`_zero_arrivals`."""
     _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS)
@@ -215,25 +216,8 @@ def _decode_up_quant_kernel(
         stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
         stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
         INTERLEAVED, HAS_BIAS, False, MXFP4, SN, False, UE8M0, UPCAST, False, False,
-        1 if GATED else 0, A_QUANT, SWAP, BLOCK_M, BLOCK_N, BLOCK_K,
+        1 if GATED else 0, A_QUANT, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, A_QUANT == 1,
     )  # fmt: skip
-
-
-@triton.jit
-def _fp8_row_operand(v, s, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``(a, a_s)``, the e4m3 operand and scales of ``[v_q; 0; ...]``: the float32 row ``v``
-    (``[BLOCK_K]``) quantised on its scale ``s`` as a vector, in the first of ``BLOCK_M`` rows,
-    every row on ``s`` (zero rows scale zeros). The first row's codes and scale are those
-    :func:`.quant._fp8_operand` gives the tile ``[v; 0; ...]``, in about 70 % of the
-    second kernel's instructions per step (one row's codes rather than ``BLOCK_M`` rows').
-    The first kernel quantises its tile whole: there the vector's layout conversions cost
-    more than they save."""
-    bits = fp8_codes(v, s, UPCAST)
-    if not UPCAST:  # (the interpreter's codes come as uint8)
-        bits = bits.to(tl.uint8, bitcast=True)
-    first = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.where(first, bits[None, :], 0).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    return a, tl.zeros([BLOCK_M], dtype=tl.float32) + s
 
 
 @triton.jit
@@ -241,9 +225,10 @@ def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constex
                    UPCAST: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """:func:`_row_times` on FP8 experts: the float32 row ``h`` (one 128-column scale block)
     quantised to the codes and scale the sorted path's GEMM2 gives its rows
-    (:func:`.quant._fp8_mainloop`, ``A_QUANT = 1``), as a vector (:func:`_fp8_row_operand`),
-    then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled as it scales. ``SWAP``: ``w_ptrs`` address ``[BLOCK_N, BLOCK_K]`` and ``acc`` is transposed, as the
-    sorted path's swapped tiles hold them."""
+    (:func:`.quant._fp8_mainloop`, ``A_QUANT = 1``), as a vector
+    (:func:`.quant._fp8_row_operand`), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled
+    as it scales. ``SWAP``: ``w_ptrs`` address ``[BLOCK_N, BLOCK_K]`` and ``acc`` is
+    transposed, as the sorted path's swapped tiles hold them."""
     v = tl.sum(_row_tile(h_ptrs, k_ok, BLOCK_M), axis=0)  # (the other rows are zeros)
     a, a_s = _fp8_row_operand(v, fp8_scale(tl.max(tl.abs(v), axis=0), UE8M0), UPCAST, BLOCK_M)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
