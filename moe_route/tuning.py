@@ -132,15 +132,20 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
 def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
                         mxfp4: bool, cc: int | None) -> DecodeConfig | None:  # fmt: skip
     """The decode path's tiles on quantised experts, up to ``min(16, E)`` slots whatever the
-    experts' size (``expert_bytes``: one per FP8 weight, one per two MXFP4 ones); past that
-    the sorted path, faster on the device by then (docs/decisions.md, "Quantised decode
-    path: per slot, FP8 swapped"). The second launch runs one program per slot and column
+    experts' size (``expert_bytes``: one per FP8 weight, one per two MXFP4 ones), FP8 experts
+    of up to 16 MiB up to ``min(32, E / 2)``; past that the sorted path, whose device time an
+    eager call then waits for rather than its host time (docs/decisions.md, "Quantised decode
+    path: per slot, FP8 swapped" and "Quantised decode path: 32 slots on small FP8
+    experts"). The second launch runs one program per slot and column
     tile (a program per token reads its slots one after another, too few loads in flight).
     FP8 steps by 128 along both reductions (its scale blocks); on SM90 its products are
     swapped, 64 weight rows by the token (an FP8 MMA rather than 16-bit ones on converted
     codes). MXFP4: GEMM1 32 columns wide, the sorted path's fastest 16-row tiles; experts
     over 16 MiB 64 columns by 256."""
-    if bucket * top_k > min(_DECODE_SLOTS, num_experts):
+    most = min(_DECODE_SLOTS, num_experts)
+    if not mxfp4 and expert_bytes <= _SMALL_EXPERT_BYTES:
+        most = max(most, min(_FP8_SMALL_SLOTS, num_experts // 2))
+    if bucket * top_k > most:
         return None
     if mxfp4:
         return _DECODE_MXFP4 if expert_bytes <= _SMALL_EXPERT_BYTES else _DECODE_MXFP4_LARGE
@@ -164,6 +169,8 @@ def decode_tiles(dtype: torch.dtype, expert_bytes: int) -> DecodeConfig:
 #: ``W1[e]`` and ``W2[e]``) up to which it takes up to :data:`MAX_SLOTS`
 _DECODE_SLOTS = 16
 _SMALL_EXPERT_BYTES = 16 << 20
+#: the slots the decode path takes on FP8 experts of up to 16 MiB (and half the experts)
+_FP8_SMALL_SLOTS = 32
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_PER_SLOT = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4,
                                 num_stages=4, split=True)  # fmt: skip

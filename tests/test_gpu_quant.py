@@ -237,6 +237,18 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, shape):
     each as the finalize kernel adds it); on FP8 within the format's end-to-end bound (FP8
     MMAs on SM90 accumulate a block with less than float32 precision, in an order the tile
     shape sets); each within that bound of the float64 product of the quantised operands."""
+    _decode_path_matches_sorted(monkeypatch, fmt, shape)
+
+
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+def test_quant_decode_path_32_slots(monkeypatch, fmt):
+    """FP8 experts of up to 16 MiB take the decode path up to ``min(32, E / 2)`` slots
+    (qwen3-30b-a3b's sizes at T = 4), as in :func:`test_quant_decode_path_matches_sorted`."""
+    _decode_path_matches_sorted(monkeypatch, fmt, (4, 2048, 768, 128, 8))
+
+
+def _decode_path_matches_sorted(monkeypatch, fmt, shape):
     from moe_route.kernels.triton import decode as dk
 
     monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run

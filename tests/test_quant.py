@@ -605,7 +605,8 @@ def test_quant_16_row_tiles_swap_on_sm90_only():
 
 def test_quant_decode_plans():
     """Quantised experts get the decode path's tiles up to ``min(16, E)`` slots, whatever their
-    size (steps of 128 along both reductions on FP8, MXFP4 experts over 16 MiB 256; the second
+    size, FP8 experts of up to 16 MiB up to ``min(32, E / 2)`` (steps of 128 along both
+    reductions on FP8, MXFP4 experts over 16 MiB 256; the second
     launch split per slot; FP8 products swapped on SM90 only); the FP8 sorted path keeps the
     quantiser launch and takes 16x128 tiles, the MXFP4 one 16x64 (GEMM1 16x32 while the slots
     number under a quarter of the experts); larger batches keep the sorted path."""
@@ -628,8 +629,12 @@ def test_quant_decode_plans():
     for mx in (False, True):
         for size in (small, big):
             assert tuning.quant_decode_config(2, 8, 128, size, mx, 90).split
-            assert tuning.quant_decode_config(4, 8, 128, size, mx, 90) is None  # 32 slots
+            fp8_small = not mx and size == small
+            assert (tuning.quant_decode_config(4, 8, 128, size, mx, 90) is not None) == fp8_small
+            assert tuning.quant_decode_config(8, 8, 128, size, mx, 90) is None  # 64 slots
         assert tuning.quant_decode_config(2, 2, 3, small, mx, 90) is None  # (slots > E)
+    assert tuning.quant_decode_config(4, 8, 48, small, False, 90) is None  # (slots > E / 2)
+    assert tuning.quant_decode_config(4, 8, 64, small, False, 90).split
     fp8_sm90 = tuning.quant_decode_config(1, 8, 256, big, False, 90)
     assert fp8_sm90.swap and fp8_sm90.down_n >= 64  # (an FP8 MMA's 64 weight rows)
     for cc in (None, 80, 89, 100):

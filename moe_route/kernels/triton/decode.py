@@ -40,7 +40,7 @@ from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_scale
 from .gemm_mainloop import GemmEpilogue, _gate_up_rows, _mma, _precision
 from .mxfp4 import _mxfp4_dot
-from .quant import _fp8_row_operand, _quant_tile, _scaled_fp8_dot, _scaled_fp8_dot_t, _upcast
+from .quant import _fp8_operand, _quant_tile, _scaled_fp8_dot, _scaled_fp8_dot_t, _upcast
 
 #: rows of the MMA tile that carries one token row (the smallest ``tl.dot`` takes)
 _ROWS = 16
@@ -197,8 +197,7 @@ def _decode_up_quant_kernel(
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)`` on quantised experts: ``h[slot, cols]``, by the
     sorted path's own tile at decode sizes (:func:`.quant._quant_tile`, one routed row): FP8,
-    the token row quantised in the main loop (per 128-column block: read and quantised as a
-    vector, ``ONE_ROW``), ``h`` in float32; MXFP4, the 16-bit row times
+    the token row quantised in the main loop, ``h`` in float32; MXFP4, the 16-bit row times
     the unpacked weights, ``h`` in the tokens' dtype (GEMM2's input as the sorted path
     stores it); and :func:`_zero_arrivals`."""
     _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS)
@@ -216,7 +215,7 @@ def _decode_up_quant_kernel(
         stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_hs, 1, 0, stride_be,
         stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
         INTERLEAVED, HAS_BIAS, False, MXFP4, SN, False, UE8M0, UPCAST, False, False,
-        1 if GATED else 0, A_QUANT, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, A_QUANT == 1,
+        1 if GATED else 0, A_QUANT, SWAP, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
@@ -224,13 +223,13 @@ def _decode_up_quant_kernel(
 def _row_times_fp8(h_ptrs, w_ptrs, ws_ptrs, k_ok, col_ok, acc, UE8M0: tl.constexpr,
                    UPCAST: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """:func:`_row_times` on FP8 experts: the float32 row ``h`` (one 128-column scale block)
-    quantised to the codes and scale the sorted path's GEMM2 gives its rows
-    (:func:`.quant._fp8_mainloop`, ``A_QUANT = 1``), as a vector
-    (:func:`.quant._fp8_row_operand`), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled
-    as it scales. ``SWAP``: ``w_ptrs`` address ``[BLOCK_N, BLOCK_K]`` and ``acc`` is
-    transposed, as the sorted path's swapped tiles hold them."""
-    v = tl.sum(_row_tile(h_ptrs, k_ok, BLOCK_M), axis=0)  # (the other rows are zeros)
-    a, a_s = _fp8_row_operand(v, fp8_scale(tl.max(tl.abs(v), axis=0), UE8M0), UPCAST, BLOCK_M)
+    quantised as the sorted path's GEMM2 quantises its rows (:func:`.quant._fp8_mainloop`,
+    ``A_QUANT = 1``), then ``acc + ([h_q; 0; ...] @ w) · h_s · w_s``, scaled as it scales.
+    ``SWAP``: ``w_ptrs`` address ``[BLOCK_N, BLOCK_K]`` and ``acc`` is transposed, as the
+    sorted path's swapped tiles hold them."""
+    v = _row_tile(h_ptrs, k_ok, BLOCK_M)
+    a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
+    a = _fp8_operand(v, a_s, UPCAST)
     w_s = tl.load(ws_ptrs, mask=col_ok, other=0.0)
     if SWAP:
         w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)

@@ -97,21 +97,6 @@ def _fp8_operand(v, s, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fp8_row_operand(v, s, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``(a, a_s)``, the e4m3 operand and scales of ``[v_q; 0; ...]``: the float32 row ``v``
-    (``[BLOCK_K]``) quantised on its scale ``s`` as a vector, in the first of ``BLOCK_M`` rows,
-    every row on ``s`` (zero rows scale zeros). The first row's codes and scale are those
-    :func:`_fp8_operand` gives the tile ``[v; 0; ...]``, in a fraction of its instructions
-    (one row's codes rather than ``BLOCK_M`` rows')."""
-    bits = fp8_codes(v, s, UPCAST)
-    if not UPCAST:  # (the interpreter's codes come as uint8)
-        bits = bits.to(tl.uint8, bitcast=True)
-    first = tl.arange(0, BLOCK_M)[:, None] == 0
-    a = tl.where(first, bits[None, :], 0).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    return a, tl.zeros([BLOCK_M], dtype=tl.float32) + s
-
-
-@triton.jit
 def _scaled_fp8_dot(a, w, a_s, w_s, UPCAST: tl.constexpr):
     """One scale block's product in float32: ``(a @ w) · a_s[:, None] · w_s[None, :]``."""
     if UPCAST:
@@ -141,7 +126,7 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
                   A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
                   A_QUANT: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr,
                   SWAP: tl.constexpr, BLOCK_M: tl.constexpr, WN: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr = False):  # fmt: skip
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     """``Σ_k (A[rows, k] @ W[e][w_rows, k].T) · a_s[rows, k] · w_s[w_rows, k]`` over the
     ``BLOCK_K = 128`` blocks ``k`` of ``KD``, in float32: each block one FP8 product, scaled and
     added (the module doc). ``A`` through ``a_desc`` (rows ``first_row ...``, past the expert
@@ -154,11 +139,8 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
     :func:`.quantize_rows._quantize_rows_kernel` (or :func:`_quant_tile`'s ``OUT_FP8``
     epilogue) does: the same codes and scales, so the same products. ``1``, each block on its
     own scale; ``2``, one scale per row, from a first pass over the row. Else ``A`` holds e4m3
-    codes and ``as_ptr`` their scales. ``ONE_ROW`` (with ``A_QUANT = 1``; the decode path's
-    tiles, one routed row): row ``first_row`` alone is read, a ``[BLOCK_K]`` vector a step
-    ahead, and quantised as a vector (:func:`_fp8_row_operand`). ``SWAP``: each block's
-    product as ``(W @ A.T).T`` (:func:`_scaled_fp8_dot_t`), the accumulator ``[WN, BLOCK_M]``
-    until the end."""
+    codes and ``as_ptr`` their scales. ``SWAP``: each block's product as ``(W @ A.T).T``
+    (:func:`_scaled_fp8_dot_t`), the accumulator ``[WN, BLOCK_M]`` until the end."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     if SWAP:  # [WN, BLOCK_K]: the weights are the product's first operand
@@ -178,20 +160,9 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
         acc = tl.zeros([WN, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, WN], dtype=tl.float32)
-    if ONE_ROW:
-        row_ptrs = a_ptr + first_row.to(tl.int64) * stride_am + ks * stride_ak
-        row = tl.load(row_ptrs, mask=ks < KD, other=0.0)
     for k0 in range(0, KD, BLOCK_K):
         k_ok = k0 + ks < KD
-        if ONE_ROW:
-            v = row.to(tl.float32)
-            # the next block's, a step ahead: Triton pipelines the loads that feed a product,
-            # not this one
-            row = tl.load(row_ptrs + (k0 + BLOCK_K) * stride_ak, mask=k0 + BLOCK_K + ks < KD,
-                          other=0.0)  # fmt: skip
-            s = fp8_scale(tl.max(tl.abs(v), axis=0), UE8M0)
-            a, a_s = _fp8_row_operand(v, s, UPCAST, BLOCK_M)
-        elif A_DESC:
+        if A_DESC:
             a = a_desc.load([first_row.to(tl.int32), k0])
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -208,14 +179,14 @@ def _fp8_mainloop(a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, 
             w = tl.load(w_ptrs, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
-        if A_QUANT and not ONE_ROW:
+        if A_QUANT:
             v = a.to(tl.float32)
             if A_QUANT == 1:  # noqa: SIM108 (constexpr branches; row_s exists in one)
                 a_s = fp8_scale(tl.max(tl.abs(v), axis=1), UE8M0)
             else:
                 a_s = row_s
             a = _fp8_operand(v, a_s, UPCAST)
-        elif not A_QUANT:
+        else:
             a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
         w_s = tl.load(ws_ptrs, mask=w_ok, other=0.0)
         if SWAP:
@@ -259,11 +230,11 @@ def _quant_tile(
     MXFP4: tl.constexpr, SN: tl.constexpr, OUT_FP8: tl.constexpr, UE8M0: tl.constexpr,
     UPCAST: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, SPLIT: tl.constexpr,
     A_QUANT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr = False,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``'s rows ``[first_row, row_end)``:
     main loop, bias, activation, store (with ``OUT_FP8`` as e4m3 codes and one scale per row
-    of the tile). ``ONE_ROW``: the tile's one routed row is its first (:func:`_fp8_mainloop`)."""
+    of the tile)."""
     rows = first_row + tl.arange(0, BLOCK_M)
     n0 = n_tile * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -286,7 +257,7 @@ def _quant_tile(
             a_ptr, a_desc, as_ptr, w_base, w_desc, ws_base, e, first_row, a_rows, row_ok,
             w_rows, w_ok, n0, KD, stride_am, stride_ak, stride_asm, stride_ask, stride_wn,
             stride_wk, stride_sn, stride_sk, SN, A_DESC, W_DESC, SPLIT, A_QUANT, UE8M0, UPCAST,
-            SWAP, BLOCK_M, WN, BLOCK_K, ONE_ROW,
+            SWAP, BLOCK_M, WN, BLOCK_K,
         )  # fmt: skip
         if GATED and SPLIT == 2:  # columns: gate, up, gate, up, ...
             acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
