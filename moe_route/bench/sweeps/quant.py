@@ -92,7 +92,7 @@ class QuantSweep(Sweep):
                  "split": [False, True], "swapped_n": [64, 128],
                  "launch": [(8, 4), (4, 3), (4, 6), (8, 6)]},
         "quick": {"up_n": [32, 64], "down_n": [16, 32], "k": [128, 256], "split": [False, True],
-                  "swapped_n": [64], "launch": [(8, 4), (4, 6)]},
+                  "swapped_n": [64, 128], "launch": [(8, 4), (4, 6)]},
         "tiny": {"up_n": [16, 32], "down_n": [16], "k": [128], "split": [False, True],
                  "swapped_n": [64], "launch": [(8, 4)]},
     }  # fmt: skip
