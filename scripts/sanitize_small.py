@@ -12,7 +12,8 @@ rows per expert: the split activation backward's row pass on Hopper); ``--store`
 only (1024 rows per expert in its bucket: the TMA stores and 4-stage GEMM1 on Hopper);
 ``--quant``: only the quantised experts (every format, odd sizes with partial scale blocks and
 TMA-fed sizes, a dropped slot, an expert without rows; inference twice, also through the
-decode path, then a backward; the activation quantiser alone); ``--ep``: only expert
+decode path, then a backward; the activation quantiser alone; the FP8 decode path at 32
+slots); ``--ep``: only expert
 parallelism's rank maps, with which every other run ends."""
 
 import sys
@@ -70,6 +71,16 @@ if "--quant" in sys.argv:
             torch.autograd.grad(out.float().sum(), xx)
             if fmt != "mxfp4":
                 moe_route.quantize_activations(x[:, :131], fmt)
+    # the FP8 decode path at its most slots on small experts: 32 (min(32, E / 2))
+    T, H, inter, E, K = 4, 200, 136, 64, 8
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    (w1q, s1), (w2q, s2) = (moe_route.quantize_experts(torch.randn(E, n, k, device="cuda") * 0.05,
+                                                       "fp8")
+                            for n, k in ((2 * inter, H), (H, inter)))  # fmt: skip
+    tw, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
+    ids[1, 3] = -1
+    with torch.no_grad():
+        moe_route.fused_moe(x, w1q, w2q, tw, ids, quant="fp8", w1_scale=s1, w2_scale=s2)
     torch.cuda.synchronize()
     print("sanitize_small done")
     sys.exit(0)
