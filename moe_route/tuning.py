@@ -121,12 +121,18 @@ def decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
     """
     if dtype == torch.float64:
         return None
-    most = min(_DECODE_SLOTS, num_experts)
-    if expert_bytes <= _SMALL_EXPERT_BYTES:
-        most = max(most, min(MAX_SLOTS, num_experts // 2))
-    if bucket * top_k > most:
+    small = MAX_SLOTS if expert_bytes <= _SMALL_EXPERT_BYTES else 0
+    if not _decode_takes(bucket * top_k, num_experts, small):
         return None
     return decode_tiles(dtype, expert_bytes)
+
+
+def _decode_takes(slots: int, num_experts: int, small_slots: int) -> bool:
+    """Whether the decode path takes ``slots`` slots: up to ``min(16, E)``, or up to
+    ``min(small_slots, E / 2)`` where that is more (experts small enough for the slots that
+    share one to find its tiles in L2; 0 where they are not)."""
+    most = min(_DECODE_SLOTS, num_experts)
+    return slots <= max(most, min(small_slots, num_experts // 2))
 
 
 def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes: int,
@@ -142,10 +148,8 @@ def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes:
     swapped, 64 weight rows by the token (an FP8 MMA rather than 16-bit ones on converted
     codes). MXFP4: GEMM1 32 columns wide, the sorted path's fastest 16-row tiles; experts
     over 16 MiB 64 columns by 256."""
-    most = min(_DECODE_SLOTS, num_experts)
-    if not mxfp4 and expert_bytes <= _SMALL_EXPERT_BYTES:
-        most = max(most, min(_FP8_SMALL_SLOTS, num_experts // 2))
-    if bucket * top_k > most:
+    small = _FP8_SMALL_SLOTS if not mxfp4 and expert_bytes <= _SMALL_EXPERT_BYTES else 0
+    if not _decode_takes(bucket * top_k, num_experts, small):
         return None
     if mxfp4:
         return _DECODE_MXFP4 if expert_bytes <= _SMALL_EXPERT_BYTES else _DECODE_MXFP4_LARGE

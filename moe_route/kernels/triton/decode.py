@@ -508,10 +508,11 @@ class QuantDecodeLaunch:
         self.K, self.H, self.n_inter = K, H, n_inter
         self.h_dtype = x.dtype if mx else torch.float32
         self.split = cfg.split
-        self.terms_dtype = torch.float64 if topk_weights.dtype == torch.float64 else torch.float32
+        wide = topk_weights.dtype == torch.float64
+        self.terms_dtype = torch.float64 if wide else torch.float32
         self.has_b1, self.has_b2, self.has_bias = b1 is not None, b2 is not None, bias is not None
         self.up_tiles, self.down_tiles = cdiv(n_inter, cfg.up_n), cdiv(H, cfg.down_n)
-        out_acc = tl.float64 if topk_weights.dtype == torch.float64 else tl.float32
+        out_acc = tl.float64 if wide else tl.float32
         upcast = _upcast(mx, x.dtype)
         epi = epilogue
         sx, sw1, sw2, sid, stw = x.stride(), w1.stride(), w2.stride(), topk_ids.stride(), \
