@@ -20,8 +20,10 @@ def decode_planned(plan: MoEPlan, gradient: bool) -> bool:
     call: ``fused_moe``'s memo, the layer's): a decode plan, eager inference (``gradient``:
     whether the call records a graph, :func:`moe_route._dispatch.wants_grad`).
 
-    The decode path saves host time but not device time, so CUDA-graph capture and
-    torch.compile keep the sorted path (docs/decisions.md, "Decode path threshold").
+    The decode path saves host time but in general not device time, so CUDA-graph capture
+    and torch.compile keep the sorted path (docs/decisions.md, "Decode path threshold"),
+    except under capture where the plan's tiles say the path is faster on the device too
+    (:attr:`~moe_route.kernels.triton.decode.DecodeConfig.graphs`).
     """
     return not (plan.decode is None or gradient or torch.compiler.is_compiling())
 

@@ -153,7 +153,8 @@ def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes:
         return None
     if mxfp4:
         return _DECODE_MXFP4 if expert_bytes <= _SMALL_EXPERT_BYTES else _DECODE_MXFP4_LARGE
-    return _DECODE_FP8_SM90 if cc == 90 else _DECODE_FP8
+    cfg = _DECODE_FP8_SM90 if cc == 90 else _DECODE_FP8
+    return dataclasses.replace(cfg, graphs=True) if bucket * top_k <= _GRAPH_SLOTS else cfg
 
 
 def decode_tiles(dtype: torch.dtype, expert_bytes: int) -> DecodeConfig:
@@ -175,6 +176,8 @@ _DECODE_SLOTS = 16
 _SMALL_EXPERT_BYTES = 16 << 20
 #: the slots the decode path takes on FP8 experts of up to 16 MiB (and half the experts)
 _FP8_SMALL_SLOTS = 32
+#: the most slots at which FP8's decode path serves CUDA-graph capture too
+_GRAPH_SLOTS = 8
 _DECODE = DecodeConfig(up_n=64, up_k=256, down_n=32, down_k=256, num_warps=4, num_stages=3)
 _DECODE_PER_SLOT = DecodeConfig(up_n=32, up_k=128, down_n=32, down_k=128, num_warps=4,
                                 num_stages=4, split=True)  # fmt: skip

@@ -248,7 +248,8 @@ def test_quant_decode_path_32_slots(monkeypatch, fmt):
     _decode_path_matches_sorted(monkeypatch, fmt, (4, 2048, 768, 128, 8))
 
 
-def _decode_path_matches_sorted(monkeypatch, fmt, shape):
+def _counting_decode_calls(monkeypatch) -> list:
+    """A list that gets an item per call of the quantised decode path's launch."""
     from moe_route.kernels.triton import decode as dk
 
     monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run
@@ -256,23 +257,69 @@ def _decode_path_matches_sorted(monkeypatch, fmt, shape):
     run = dk.QuantDecodeLaunch.__call__
     monkeypatch.setattr(dk.QuantDecodeLaunch, "__call__",
                         lambda self, *a: calls.append(1) or run(self, *a))  # fmt: skip
+    return calls
+
+
+def _decode_path_matches_sorted(monkeypatch, fmt, shape):
+    from moe_route import tuning
+    from moe_route.plan import clear_plans
+
+    calls = _counting_decode_calls(monkeypatch)
     x, w1, w2, tw, ids = _case(*shape)
     w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
     kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
     with torch.no_grad():
         out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
         assert calls == [1]
-        graph, graph_out = capture_cuda_graph(
-            lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=1
-        )
-        graph.replay()
-        torch.cuda.synchronize()
+        # the graph on the sorted path, also where the decode path serves capture
+        with monkeypatch.context() as m:
+            m.setattr(tuning, "_GRAPH_SLOTS", 0)
+            clear_plans()
+            try:
+                graph, graph_out = capture_cuda_graph(
+                    lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=1
+                )
+                graph.replay()
+                torch.cuda.synchronize()
+            finally:
+                clear_plans()
     assert len(calls) == 2  # (the warm-up on the side stream; not the capture)
     if fmt == "mxfp4":
         assert torch.equal(graph_out, out)
     assert _rel(graph_out, out) < 2e-2
     ref = _expected64(x, w1q, s1, w2q, s2, tw, ids, Q.as_quant(fmt))
     assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2048, 768, 128, 8), (1, 7168, 2048, 8, 8), (2, 2048, 768, 128, 8)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+def test_quant_decode_path_in_graphs(monkeypatch, fmt, shape):
+    """Up to 8 slots FP8's decode path serves CUDA-graph capture too (faster on the device
+    than the sorted path's five launches): the graph replays the eager call's bits; from 9
+    slots a graph runs the sorted path."""
+    calls = _counting_decode_calls(monkeypatch)
+    x, w1, w2, tw, ids = _case(*shape)
+    w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
+    kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
+    with torch.no_grad():
+        out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+        graph, graph_out = capture_cuda_graph(
+            lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=1
+        )
+        graph_out.fill_(float("nan"))  # (poisoned: the replay writes every element)
+        graph.replay()
+        torch.cuda.synchronize()
+    in_graphs = ids.numel() <= 8
+    assert len(calls) == (3 if in_graphs else 2)  # eager, the warm-up(, the capture)
+    if in_graphs:
+        assert torch.equal(graph_out, out)
+    else:
+        assert _rel(graph_out, out) < 2e-2
 
 
 def _near_midpoints(amax: float) -> torch.Tensor:

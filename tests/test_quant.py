@@ -637,6 +637,11 @@ def test_quant_decode_plans():
     assert tuning.quant_decode_config(4, 8, 64, small, False, 90).split
     fp8_sm90 = tuning.quant_decode_config(1, 8, 256, big, False, 90)
     assert fp8_sm90.swap and fp8_sm90.down_n >= 64  # (an FP8 MMA's 64 weight rows)
+    # up to 8 slots FP8's decode path serves CUDA-graph capture too, MXFP4's never
+    for mx, bucket, k, graphs in ((False, 1, 8, True), (False, 4, 2, True), (False, 2, 8, False),
+                                  (True, 1, 8, False)):  # fmt: skip
+        for cc in (90, None):
+            assert tuning.quant_decode_config(bucket, k, 256, big, mx, cc).graphs == graphs
     for cc in (None, 80, 89, 100):
         assert not tuning.quant_decode_config(1, 8, 256, big, False, cc).swap
     assert tuning.quant_decode_config(1, 8, 256, big // 2, True, 90).up_k == 256
