@@ -67,8 +67,8 @@ class DecodeConfig:
     #: FP8 products transposed, the weights first (SM90's FP8 MMA takes 64 weight rows by the
     #: 16 token rows; :func:`.quant._scaled_fp8_dot_t`)
     swap: bool = False
-    #: the path serves CUDA-graph capture too, where it is also faster on the device than the
-    #: sorted path's launches (the maps, the quantiser and the finalize besides the GEMMs)
+    #: the path serves CUDA-graph capture too: where its two launches take no longer on the
+    #: device than the sorted path's experts step, which also waits for the maps' launch
     graphs: bool = False
 
 
