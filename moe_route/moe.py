@@ -250,7 +250,7 @@ class FusedCall:
         self.cuda = x.is_cuda
         # The decode path, where this signature takes it (an inference call: gradients are part
         # of the signature; eager), prepared; CUDA-graph capture is asked per call, unless the
-        # path serves capture too (``graphs``: faster on the device as well).
+        # path serves capture too (``graphs``: no slower on the device either).
         self.decode, self.graphs = None, False
         args = (x, w1, w2, topk_weights, ids, b1, b2, bias)
         gradient = wants_grad(x, w1, w2, topk_weights, b1, b2, bias)
