@@ -25,7 +25,8 @@ from ._dispatch import (
 from .activations import Activation, as_activation
 from .decode import DECODE, decode_planned
 from .experts import compile_ahead, program_for, quant_program_for, runs_direct
-from .kernels.triton.decode import DecodeLaunch, QuantDecodeLaunch
+from .kernels.triton.decode import DecodeLaunch
+from .kernels.triton.decode_quant import QuantDecodeLaunch
 from .kernels.triton.gemm_mainloop import MAX_EXPERTS
 from .maps import MapsCall
 from .plan import moe_plan, quant_plan_for

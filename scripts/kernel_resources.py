@@ -42,6 +42,7 @@ from moe_route.activations import KIND_CODES
 from moe_route.kernels.triton import (
     KERNELS,
     decode,
+    decode_quant,
     gemm_act_backward,
     gemm_finalize,
     grouped_gemm,
@@ -49,7 +50,7 @@ from moe_route.kernels.triton import (
 )
 
 #: The modules of the kernels compiled here: importing one registers its ``ThinKernel``s.
-KERNEL_MODULES = (grouped_gemm, gemm_act_backward, gemm_finalize, quant, decode)
+KERNEL_MODULES = (grouped_gemm, gemm_act_backward, gemm_finalize, quant, decode, decode_quant)
 
 
 def _kernel(name: str):

@@ -250,7 +250,7 @@ def test_quant_decode_path_32_slots(monkeypatch, fmt):
 
 def _counting_decode_calls(monkeypatch) -> list:
     """A list that gets an item per call of the quantised decode path's launch."""
-    from moe_route.kernels.triton import decode as dk
+    from moe_route.kernels.triton import decode_quant as dk
 
     monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run
     calls = []

@@ -522,7 +522,7 @@ def test_quant_decode_path_matches_sorted(monkeypatch, fmt, layout, strided, til
     import dataclasses
 
     from moe_route import tuning
-    from moe_route.kernels.triton import decode as dk
+    from moe_route.kernels.triton import decode_quant as dk
     from moe_route.plan import clear_plans
 
     monkeypatch.setenv("MOE_ROUTE_COMPILE_AHEAD", "0")  # count only the calls that run
@@ -570,7 +570,7 @@ def test_quant_decode_launch_keys_tell_their_variants_apart():
     """The decode launches on FP8 experts, prepared for each scale format: where two share a
     launch key they share every constexpr (a thin launch reuses the variant its key first
     compiled; on a GPU a missing part runs the wrong kernel)."""
-    from moe_route.kernels.triton import decode as dk
+    from moe_route.kernels.triton import decode_quant as dk
     from moe_route.plan import epilogue_for
 
     x, w1, w2, tw, ids = _case(T=3, H=272, n_inter=200, E=8, K=2)

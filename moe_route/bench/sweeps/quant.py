@@ -17,7 +17,8 @@ from typing import ClassVar
 import torch
 
 from moe_route import tuning
-from moe_route.kernels.triton.decode import DecodeConfig, QuantDecodeLaunch
+from moe_route.kernels.triton.decode import DecodeConfig
+from moe_route.kernels.triton.decode_quant import QuantDecodeLaunch
 from moe_route.kernels.triton.gemm_mainloop import GemmConfig
 from moe_route.kernels.triton.moe import moe_forward_quant_triton
 from moe_route.plan import quant_plan_for
