@@ -260,29 +260,39 @@ def _counting_decode_calls(monkeypatch) -> list:
     return calls
 
 
-def _decode_path_matches_sorted(monkeypatch, fmt, shape):
-    from moe_route import tuning
-    from moe_route.plan import clear_plans
-
+def _eager_decode_call(monkeypatch, fmt, shape) -> tuple:
+    """``(calls, call, out, operands)``: an eager call on ``fmt`` experts of ``shape``, its
+    output, the call itself (``call()``) and the decode path's launches counted in ``calls``;
+    ``operands`` = ``(x, w1q, s1, w2q, s2, tw, ids)``."""
     calls = _counting_decode_calls(monkeypatch)
     x, w1, w2, tw, ids = _case(*shape)
     w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
     kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
+
+    def call():
+        return moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
+
     with torch.no_grad():
-        out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
-        assert calls == [1]
-        # the graph on the sorted path, also where the decode path serves capture
-        with monkeypatch.context() as m:
-            m.setattr(tuning, "_GRAPH_SLOTS", 0)
+        out = call()
+    return calls, call, out, (x, w1q, s1, w2q, s2, tw, ids)
+
+
+def _decode_path_matches_sorted(monkeypatch, fmt, shape):
+    from moe_route import tuning
+    from moe_route.plan import clear_plans
+
+    calls, call, out, (x, w1q, s1, w2q, s2, tw, ids) = _eager_decode_call(monkeypatch, fmt, shape)
+    assert calls == [1]
+    # the graph on the sorted path, also where the decode path serves capture
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(tuning, "_GRAPH_SLOTS", 0)
+        clear_plans()
+        try:
+            graph, graph_out = capture_cuda_graph(call, warmup=1)
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
             clear_plans()
-            try:
-                graph, graph_out = capture_cuda_graph(
-                    lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=1
-                )
-                graph.replay()
-                torch.cuda.synchronize()
-            finally:
-                clear_plans()
     assert len(calls) == 2  # (the warm-up on the side stream; not the capture)
     if fmt == "mxfp4":
         assert torch.equal(graph_out, out)
@@ -302,19 +312,13 @@ def test_quant_decode_path_in_graphs(monkeypatch, fmt, shape):
     """Up to 8 slots FP8's decode path serves CUDA-graph capture too (no slower on the device
     than the sorted path's experts step, and no maps launch): the graph replays the eager
     call's bits; from 9 slots a graph runs the sorted path."""
-    calls = _counting_decode_calls(monkeypatch)
-    x, w1, w2, tw, ids = _case(*shape)
-    w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
-    kw = dict(quant=fmt, w1_scale=s1, w2_scale=s2)
+    calls, call, out, operands = _eager_decode_call(monkeypatch, fmt, shape)
     with torch.no_grad():
-        out = moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw)
-        graph, graph_out = capture_cuda_graph(
-            lambda: moe_route.fused_moe(x, w1q, w2q, tw, ids, **kw), warmup=1
-        )
+        graph, graph_out = capture_cuda_graph(call, warmup=1)
         graph_out.fill_(float("nan"))  # (poisoned: the replay writes every element)
         graph.replay()
         torch.cuda.synchronize()
-    in_graphs = ids.numel() <= 8
+    in_graphs = operands[-1].numel() <= 8
     assert len(calls) == (3 if in_graphs else 2)  # eager, the warm-up(, the capture)
     if in_graphs:
         assert torch.equal(graph_out, out)

@@ -115,6 +115,16 @@ def _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS):
 
 
 @triton.jit
+def _routed_slot(ids_ptr, stride_it, stride_ik, TOP_K: tl.constexpr):
+    """``(slot, t, e)`` of a first launch's program: its slot ``t*K + k`` and the slot's
+    expert id (negative where dropped)."""
+    slot = tl.program_id(0)
+    t = slot // TOP_K
+    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    return slot, t, e
+
+
+@triton.jit
 def _zero_acc(ACC: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
     """A zero accumulator of ``BLOCK_M`` rows by ``BLOCK_N`` columns (``SWAP``: transposed)."""
@@ -148,9 +158,7 @@ def _decode_up_kernel(
 ):  # fmt: skip
     """Program ``(slot = t*K + k, n-tile)``: ``h[slot, cols]`` (and :func:`_zero_arrivals`)."""
     _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS)
-    slot = tl.program_id(0)
-    t = slot // TOP_K
-    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    slot, t, e = _routed_slot(ids_ptr, stride_it, stride_ik, TOP_K)
     if (e < 0) | (e >= E):  # dropped (or an unchecked id past the experts): h never read
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

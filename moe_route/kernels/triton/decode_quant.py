@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import LaunchKey, ThinKernel, cdiv
-from .decode import _DOWN, _ROWS, MAX_SLOTS, DecodeConfig, _scratch, _zero_arrivals
+from .decode import _DOWN, _ROWS, MAX_SLOTS, DecodeConfig, _routed_slot, _scratch, _zero_arrivals
 from .gemm_mainloop import GemmEpilogue
 from .quant import _quant_tile, _upcast
 
@@ -38,9 +38,7 @@ def _decode_up_quant_kernel(
     the unpacked weights, ``h`` in the tokens' dtype (GEMM2's input as the sorted path
     stores it); and :func:`.decode._zero_arrivals`."""
     _zero_arrivals(h_ptr, ARRIVED_AT, ARRIVALS)
-    slot = tl.program_id(0)
-    t = slot // TOP_K
-    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    slot, t, e = _routed_slot(ids_ptr, stride_it, stride_ik, TOP_K)
     if (e < 0) | (e >= E):  # dropped (or an unchecked id past the experts): h never read
         return
     # The tile's rows are `slot ...` (one routed); row `slot` of A is x[t]: A's base shifted
