@@ -147,7 +147,8 @@ def quant_decode_config(bucket: int, top_k: int, num_experts: int, expert_bytes:
     FP8 steps by 128 along both reductions (its scale blocks); on SM90 its products are
     swapped, 64 weight rows by the token (an FP8 MMA rather than 16-bit ones on converted
     codes). MXFP4: GEMM1 32 columns wide, the sorted path's fastest 16-row tiles; experts
-    over 16 MiB 64 columns by 256."""
+    over 16 MiB 64 columns by 256. Up to 8 slots FP8's path serves CUDA-graph capture too
+    (``DecodeConfig.graphs``; docs/decisions.md, "FP8 decode path in CUDA graphs")."""
     small = _FP8_SMALL_SLOTS if not mxfp4 and expert_bytes <= _SMALL_EXPERT_BYTES else 0
     if not _decode_takes(bucket * top_k, num_experts, small):
         return None
