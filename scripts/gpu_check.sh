@@ -112,13 +112,13 @@ if [ "$part" = quant ]; then
     # benchmarks alone on the GPU; each bounded, so that the part fits one 10-minute job.
     # Every error is printed, and each tool's are counted per kernel.
     # the two test files side by side, the larger in two halves (compiles are CPU-bound;
-    # beside the sanitizers, the whole file alone outran the bound)
-    halves="forward_against or gemm_stages"
+    # beside the sanitizers the whole file does not fit the bound)
+    first_half="forward_against or gemm_stages"
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
-        -k "$halves" -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
+        -k "$first_half" -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
     tests_pid=$!
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
-        -k "not ($halves)" -p no:cacheprovider --tb=short > "$out/quant_tests_rest.log" 2>&1 &
+        -k "not ($first_half)" -p no:cacheprovider --tb=short > "$out/quant_tests_rest.log" 2>&1 &
     rest_pid=$!
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_decode.py \
         -p no:cacheprovider --tb=short > "$out/quant_tests_decode.log" 2>&1 &
