@@ -280,6 +280,13 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     return GemmConfig(128, 128, 128, 8, 8, 4, tma)
 
 
+def quant_in_loop(rows_per_expert: float, mxfp4: bool, cc: int | None) -> bool:
+    """Whether FP8 GEMM1 quantises the tokens in its main loop rather than reading a quantiser
+    launch's codes (``QuantConfigs.in_loop``): never yet (``bench --sweep quant`` times both
+    on the tables' tiles)."""
+    return False
+
+
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,
                         kd: int | None = None):  # fmt: skip
     """Step 1 of the backward (GEMM2's input gradient with the activation's backward): the fused

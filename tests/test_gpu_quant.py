@@ -119,10 +119,9 @@ def _per_expert(rows, W, offsets):
 def test_quant_gemm_stages(fmt, shape, in_loop):
     """Each GEMM against float64 products of the very operands it read: GEMM1's float32
     pre-activation, its quantised output within one e4m3 step of the float64 value, GEMM2 on
-    GEMM1's own codes and scales, each within 2e-3. ``in_loop`` (FP8 at decode sizes, the
-    tiles' alternative ``bench --sweep quant`` times): the GEMMs quantise their inputs in their
-    main loops (the tokens, GEMM1's float32 output), and the reference quantiser's codes of
-    the same rows are the operands."""
+    GEMM1's own codes and scales, each within 2e-3. ``in_loop`` (FP8 at decode sizes,
+    ``QuantConfigs.in_loop``): GEMM1 quantises the 16-bit tokens in its main loop, and the
+    reference quantiser's codes of the same rows are the operands."""
     from moe_route.kernels.triton.gemm_mainloop import IDENTITY
     from moe_route.kernels.triton.quant import QuantGemmLaunch
     from moe_route.plan import epilogue_for
@@ -136,7 +135,7 @@ def test_quant_gemm_stages(fmt, shape, in_loop):
     M, n = d2s.numel(), int(offsets[-1])
     cfg = moe_route.tuning.quant_gemm_config(M / E, True, not spec.fp8, 90)
     if in_loop and (not spec.fp8 or cfg.block_m != 16):
-        pytest.skip("quantising in the main loops: FP8 at 16-row tiles (decode sizes) only")
+        pytest.skip("GEMM1 quantising the tokens: FP8 at 16-row tiles (decode sizes) only")
     a_quant = (1 if spec.act_group else 2) if in_loop else 0
     sn = spec.block[0] if spec.format == "fp8_block" else 1
     if spec.fp8:
@@ -156,14 +155,12 @@ def test_quant_gemm_stages(fmt, shape, in_loop):
                     sn, spec.ue8m0, a_quant)(a1, a1_s, w1q, s1, offsets, h32, None, None, d2s,
                                              M)  # fmt: skip
     assert _rel(h32[:n], h64) < 2e-3
-    if in_loop:
-        hq, hs = Q.quantize_fp8_rows(h32[:n], 128, ue8m0=spec.ue8m0)
-        a2, a2_s, h_in = h32, None, Q.dequantize_fp8_rows(hq, hs, 128).double()
-    elif spec.fp8:
+    if spec.fp8:
         hq = torch.empty(M, n_inter, device=CUDA, dtype=torch.float8_e4m3fn)
         hs = torch.empty(M, -(-n_inter // 128), device=CUDA)
-        QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,
-                        spec.ue8m0)(a, a_s, w1q, s1, offsets, hq, hs, None, d2s, M)  # fmt: skip
+        QuantGemmLaunch(a1, a1_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,
+                        spec.ue8m0, a_quant)(a1, a1_s, w1q, s1, offsets, hq, hs, None, d2s,
+                                             M)  # fmt: skip
         hk = Q.dequantize_fp8_rows(hq[:n], hs[:n], 128).double()
         # half an e4m3 step (2^-4 relative), plus the product's error (float32 sums of FP8
         # tensor-core partials) relative to the row's largest value
@@ -176,8 +173,7 @@ def test_quant_gemm_stages(fmt, shape, in_loop):
     cfg2 = moe_route.tuning.quant_gemm_config(M / E, False, not spec.fp8, 90)
     y = torch.empty(M, H, device=CUDA)
     QuantGemmLaunch(a2, a2_s, w2q, s2, n_inter, cfg2, IDENTITY, None, False, y.dtype, False,
-                    not spec.fp8, sn, spec.ue8m0, 1 if in_loop else 0)(a2, a2_s, w2q, s2, offsets,
-                                                                       y)  # fmt: skip
+                    not spec.fp8, sn, spec.ue8m0)(a2, a2_s, w2q, s2, offsets, y)  # fmt: skip
     y64 = _per_expert(h_in, W2, offsets)
     assert _rel(y[:n], y64) < 2e-3
 

@@ -423,38 +423,54 @@ def test_e2m1_ptx_unpacks_every_byte():
     [("fp8", False), ("fp8_ue8m0", True), ("fp8_channel", False), ("fp8_channel", True)],
 )
 def test_quant_in_loop_matches_codes(fmt, swap):
-    """Quantised in the main loops (decode sizes: GEMM1 on the 16-bit tokens writing float32,
-    GEMM2 on that) against the codes a quantiser and GEMM1's FP8 epilogue write, on the same
-    tiles: GEMM1's float32 output quantised by the reference quantiser gives the epilogue's
-    codes and scales, and GEMM2 the same bits; the operands swapped or not (``swap``)."""
-    from moe_route.kernels.triton.gemm_mainloop import IDENTITY, GemmConfig
+    """GEMM1 quantising the 16-bit tokens in its main loop (``QuantConfigs.in_loop``) against
+    GEMM1 on a quantiser's codes, on the same tiles: the same codes and scales of GEMM2's
+    input, bit for bit (dropped rows included), the operands swapped or not (``swap``)."""
+    from moe_route.kernels.triton.gemm_mainloop import GemmConfig
     from moe_route.kernels.triton.quant import QuantGemmLaunch
     from moe_route.plan import epilogue_for
 
-    spec, sn, x, (w1q, s1, w2q, s2), (d2s, offsets), (a, a_s) = _gemm_case(fmt, 7, 272, 200)
-    H, n_inter, M = x.shape[1], w2q.shape[2], d2s.numel()
+    spec, sn, x, (w1q, s1, _w2q, _s2), (d2s, offsets), (a, a_s) = _gemm_case(fmt, 7, 272, 200)
+    H, M = x.shape[1], d2s.numel()
+    n_inter = w1q.shape[1] // 2
     epi = epilogue_for("swiglu", "concat")
     cfg = GemmConfig(16, 128, 128, 1, 4, 2, swap_ab=swap)
-    hq = torch.empty(M, n_inter, dtype=torch.float8_e4m3fn)
-    hs = torch.empty(M, 2)
-    QuantGemmLaunch(a, a_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False, sn,
-                    spec.ue8m0)(a, a_s, w1q, s1, offsets, hq, hs, None, d2s, M)  # fmt: skip
-    h32 = torch.full((M, n_inter), float("nan"))
     a_quant = 1 if spec.act_group else 2
-    g1 = QuantGemmLaunch(x, None, w1q, s1, H, cfg, epi, None, True, h32.dtype, False, False, sn,
-                         spec.ue8m0, a_quant)  # fmt: skip
-    g1(x, None, w1q, s1, offsets, h32, None, None, d2s, M)
-    n = int(offsets[-1])  # (the dropped rows past it: zeros, and zero scales in hs)
-    rq, rs = Q.quantize_fp8_rows(h32[:n], 128, ue8m0=spec.ue8m0)
-    assert torch.equal(rq.view(torch.uint8), hq[:n].view(torch.uint8))
-    assert torch.equal(rs, hs[:n]) and not h32.isnan().any()
-    ys = []
-    for a2, a2_s, aq in ((hq, hs, 0), (h32, None, 1)):
-        y = torch.full((M, H), float("nan"), dtype=x.dtype)
-        QuantGemmLaunch(a2, a2_s, w2q, s2, n_inter, cfg, IDENTITY, None, False, y.dtype, False,
-                        False, sn, spec.ue8m0, aq)(a2, a2_s, w2q, s2, offsets, y)  # fmt: skip
-        ys.append(y)
-    assert torch.equal(ys[0], ys[1]) and not ys[0].isnan().any()
+    got = []
+    for rows, rows_s, aq in ((a, a_s, 0), (x, None, a_quant)):
+        hq = torch.full((M, n_inter), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        hs = torch.full((M, 2), float("nan"))
+        QuantGemmLaunch(rows, rows_s, w1q, s1, H, cfg, epi, None, True, hq.dtype, True, False,
+                        sn, spec.ue8m0, aq)(rows, rows_s, w1q, s1, offsets, hq, hs, None, d2s,
+                                            M)  # fmt: skip
+        got.append((hq.view(torch.uint8), hs))
+    (codes, scales), (loop_codes, loop_scales) = got
+    assert not scales.isnan().any() and not (codes == 0x7F).any()
+    assert torch.equal(loop_codes, codes) and torch.equal(loop_scales, scales)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+def test_quant_forward_in_loop_same_bits(fmt):
+    """The sorted path with GEMM1 quantising the tokens in its main loop gives the bits of the
+    path with a quantiser launch, a dropped slot included."""
+    import dataclasses
+
+    from moe_route.kernels.triton.moe import moe_forward_quant_triton
+    from moe_route.plan import quant_plan_for
+
+    x, w1, w2, tw, ids = _case(T=5, H=272, n_inter=200, E=4, K=2)
+    ids[1, 0] = -1
+    w1q, s1 = moe_route.quantize_experts(w1, fmt)
+    w2q, s2 = moe_route.quantize_experts(w2, fmt)
+    maps = moe_route.build_routing_maps(ids, 4).tensors()
+    plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant(fmt), "triton")
+    outs = [
+        moe_forward_quant_triton(x, w1q, s1, w2q, s2, tw, None, None, None, maps,
+                                 dataclasses.replace(plan.configs, in_loop=in_loop))
+        for in_loop in (False, True)
+    ]  # fmt: skip
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.interpreter

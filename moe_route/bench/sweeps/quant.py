@@ -71,7 +71,7 @@ class QuantSweep(Sweep):
     GRIDS: ClassVar[dict] = {
         "full": {"gemm1_n": [32, 64, 128], "gemm2_n": [64, 128], "block_k": [128, 256],
                  "num_stages": [3, 4]},
-        "quick": {"gemm1_n": [32, 64], "gemm2_n": [64, 128], "block_k": [128],
+        "quick": {"gemm1_n": [32, 64, 128], "gemm2_n": [64, 128], "block_k": [128],
                   "num_stages": [4]},
         "tiny": {"gemm1_n": [16, 32], "gemm2_n": [16, 32], "block_k": [128],
                  "num_stages": [2]},
@@ -108,14 +108,17 @@ class QuantSweep(Sweep):
         self.calls = 1 if self.prefill else 2 if self.cpu else 16
 
     def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
-        """``(gemm1, gemm2, in_loop)``: the tables' first (the tokens quantised by a launch of
-        their own on FP8, GEMM1 writing GEMM2's codes), then the grid's tiles, each once, on
-        FP8 each GEMM quantising its input in its main loop (``in_loop``), its operands
-        swapped where the tables swap them. FP8 then: the unswapped 16x128 tiles, and the
-        swapped ones of :attr:`SWAPPED`, both GEMMs and each beside the other unswapped."""
+        """``(gemm1, gemm2, in_loop)``: the tables' first, then on FP8 the same tiles with
+        the other source of the tokens' codes (a quantiser launch, or GEMM1's main loop:
+        ``in_loop``), then the grid's tiles, each once (FP8: GEMM1 128 columns wide, the
+        group its epilogue quantises), their operands swapped where the tables swap them.
+        FP8 then: the unswapped 16x128 tiles, and the swapped ones of :attr:`SWAPPED`, both
+        GEMMs and each beside the other unswapped."""
         mx = fmt == "mxfp4"
-        out = [(tuning.quant_gemm_config(rows, True, mx, self.cc),
-                tuning.quant_gemm_config(rows, False, mx, self.cc), False)]  # fmt: skip
+        first = (tuning.quant_gemm_config(rows, True, mx, self.cc),
+                 tuning.quant_gemm_config(rows, False, mx, self.cc))  # fmt: skip
+        in_loop = tuning.quant_in_loop(rows, mx, self.cc)
+        out = [(*first, in_loop)] + ([] if mx else [(*first, not in_loop)])
         if self.prefill:
             gemm1, gemm2 = out[0][:2]
             tiles = self.PREFILL_TILES
@@ -128,10 +131,10 @@ class QuantSweep(Sweep):
             return out
         swap = out[0][0].swap_ab
         for n1, n2, bk, stages in itertools.product(*self.grid.values()):
-            if bk != 128 and not mx:
+            if not mx and (bk != 128 or n1 != 128):
                 continue
             tiles = (GemmConfig(16, n1, bk, 1, 4, stages, swap_ab=swap),
-                     GemmConfig(16, n2, bk, 1, 4, stages, swap_ab=swap), not mx)  # fmt: skip
+                     GemmConfig(16, n2, bk, 1, 4, stages, swap_ab=swap), in_loop)  # fmt: skip
             if tiles not in out:
                 out.append(tiles)
         if mx:
@@ -139,14 +142,14 @@ class QuantSweep(Sweep):
         # FP8: the weights as the products' first operand (MMAs of 64 weight rows on SM90),
         # beside the tiles the tables take where they do not swap
         u1, u2 = (tuning.quant_gemm_config(rows, gated, False, None) for gated in (True, False))
-        if (u1, u2, False) not in out:
-            out.append((u1, u2, False))
+        if (u1, u2, in_loop) not in out:
+            out.append((u1, u2, in_loop))
         for warps, stages, n1, n2 in self.SWAPPED["tiny" if self.cpu else "full"]:
             s1 = dataclasses.replace(u1, block_n=n1, num_warps=warps, num_stages=stages,
                                      swap_ab=True)  # fmt: skip
             s2 = dataclasses.replace(u2, block_n=n2, num_warps=warps, num_stages=stages,
                                      swap_ab=True)  # fmt: skip
-            for pair in ((s1, s2, False), (s1, u2, False), (u1, s2, False)):
+            for pair in ((s1, s2, in_loop), (s1, u2, in_loop), (u1, s2, in_loop)):
                 if pair not in out:
                     out.append(pair)
         return out
@@ -224,7 +227,7 @@ class QuantSweep(Sweep):
             cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
             name = f"gemm1 {_tile(gemm1)} gemm2 {_tile(gemm2)}"
             if in_loop:
-                name += ", quantising in the loops"
+                name += ", GEMM1 quantising the tokens"
 
             def call(r, cfg=cfg):
                 tw, _ids, maps = r

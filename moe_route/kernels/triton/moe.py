@@ -302,20 +302,19 @@ class QuantConfigs:
     #: rows per scale block of the FP8 weights (1: per channel)
     w_block_rows: int
     ue8m0: bool
-    #: FP8 at decode sizes: each GEMM quantises its input rows in its main loop (GEMM1 the
-    #: gathered 16-bit tokens, GEMM2 GEMM1's float32 output): no quantiser launch, and GEMM1's
-    #: tiles may be narrower than the 128-column group of GEMM2's input. The tables leave it
-    #: off (a quantiser launch and 16x128 tiles ran faster); ``bench --sweep quant`` times it
+    #: FP8: GEMM1 quantises the gathered 16-bit tokens in its main loop (the quantiser's codes
+    #: and scales, so the same products) instead of reading a quantiser launch's codes: one
+    #: launch and two buffers fewer per call, each token quantised once per column tile
     in_loop: bool = False
 
 
 def moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2, bias, maps,
                              cfg: QuantConfigs, launches=None) -> torch.Tensor:  # fmt: skip
     """``out [T, H]`` of the experts on quantised weights (:mod:`.quant`): on FP8, the tokens
-    quantised once (``[T, H]``), GEMM1 gathering their codes and writing GEMM2's input as FP8
-    codes and scales, GEMM2 writing 16-bit rows (with ``cfg.in_loop``, the same codes made in
-    the GEMMs' main loops instead); on MXFP4, 16-bit rows throughout. Then the standalone
-    finalize. ``launches``: see :func:`prepared`."""
+    quantised once (``[T, H]``; with ``cfg.in_loop``, by GEMM1's main loop instead), GEMM1
+    gathering their codes and writing GEMM2's input as FP8 codes and scales, GEMM2 writing
+    16-bit rows; on MXFP4, 16-bit rows throughout. Then the standalone finalize.
+    ``launches``: see :func:`prepared`."""
     L = {} if launches is None else launches
     src_to_dest, dest_to_src, expert_for_src, offsets = maps
     M = dest_to_src.numel()
@@ -323,29 +322,28 @@ def moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2
     K = topk_weights.shape[1]
     n_inter = w1.shape[1] // 2 if cfg.epilogue.gated else w1.shape[1]
     fp8 = torch.float8_e4m3fn
-    a_quant = (1 if cfg.x_group else 2) if cfg.in_loop else 0
+    a_quant = (1 if cfg.x_group else 2) if cfg.fp8 and cfg.in_loop else 0
     rows, rows_s, hs = x, None, None
     if not cfg.fp8:
         h = x.new_empty(M, n_inter)
-    elif cfg.in_loop:
-        h = torch.empty(M, n_inter, dtype=torch.float32, device=x.device)
     else:
-        groups = 1 if cfg.x_group == 0 else cdiv(H, cfg.x_group)
-        rows = torch.empty(T, H, dtype=fp8, device=x.device)
-        rows_s = torch.empty(T, groups, dtype=torch.float32, device=x.device)
-        prepared(L, "quant_x", QuantizeRowsLaunch, x, cfg.x_group, cfg.ue8m0)(x, rows, rows_s)
+        if not a_quant:
+            groups = 1 if cfg.x_group == 0 else cdiv(H, cfg.x_group)
+            rows = torch.empty(T, H, dtype=fp8, device=x.device)
+            rows_s = torch.empty(T, groups, dtype=torch.float32, device=x.device)
+            quant_x = prepared(L, "quant_x", QuantizeRowsLaunch, x, cfg.x_group, cfg.ue8m0)
+            quant_x(x, rows, rows_s)
         h = torch.empty(M, n_inter, dtype=fp8, device=x.device)
         hs = torch.empty(M, cdiv(n_inter, SCALE_K), dtype=torch.float32, device=x.device)
-    out_fp8 = h.dtype == fp8
     gemm1 = prepared(L, "gemm1", QuantGemmLaunch, rows, rows_s, w1, w1_scale, x.shape[1],
-                     cfg.gemm1, cfg.epilogue, b1, True, h.dtype, out_fp8, not cfg.fp8,
+                     cfg.gemm1, cfg.epilogue, b1, True, h.dtype, cfg.fp8, not cfg.fp8,
                      cfg.w_block_rows, cfg.ue8m0, a_quant)  # fmt: skip
     gemm1(rows, rows_s, w1, w1_scale, offsets, h, hs, b1, dest_to_src, M)
     del rows, rows_s
     y = x.new_empty(M, H)
     gemm2 = prepared(L, "gemm2", QuantGemmLaunch, h, hs, w2, w2_scale, n_inter, cfg.gemm2,
                      IDENTITY, b2, False, y.dtype, False, not cfg.fp8, cfg.w_block_rows,
-                     cfg.ue8m0, 1 if a_quant else 0)  # fmt: skip
+                     cfg.ue8m0)  # fmt: skip
     gemm2(h, hs, w2, w2_scale, offsets, y, None, b2)
     del h, hs
     out = x.new_empty(T, H)
