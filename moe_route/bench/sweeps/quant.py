@@ -1,11 +1,11 @@
 """``bench --sweep quant``: the tiles of the grouped GEMMs on quantised experts per
-configuration, the experts step of ``fused_moe`` (maps given) in CUDA graphs, against the
-tables' tiles (``tuning.quant_gemm_config``). By default the 16-row tiles (up to 16 rows per
-expert: decode) on FP8 (128-block) and MXFP4 weights, and where eager calls of the size take
-the two-launch decode path its tiles too, 16 routings per graph, against the touched weights'
-read time at the copy rate; ``--prefill`` the MXFP4 tiles of prefill sizes
-(the FP8 ones run the SM90 kernel's fixed tiles there), GEMM1's tiles then GEMM2's, against
-the same FLOPs at the dense bf16 matmul rate."""
+configuration, the experts step of ``fused_moe`` (maps given) in CUDA graphs and the host time
+of its eager call, against the tables' tiles (``tuning.quant_gemm_config``). By default the
+16-row tiles (up to 16 rows per expert: decode) on FP8 (128-block) and MXFP4 weights, and
+where eager calls of the size take the two-launch decode path its tiles too, 16 routings per
+graph, against the touched weights' read time at the copy rate; ``--prefill`` the MXFP4 tiles
+of prefill sizes (the FP8 ones run the SM90 kernel's fixed tiles there), GEMM1's tiles then
+GEMM2's, against the same FLOPs at the dense bf16 matmul rate."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from moe_route.plan import quant_plan_for
 from moe_route.quant import as_quant
 
 from ..shapes import model_shape
+from ..timing import time_host
 from .common import Sweep, rel_err, short_error, tiny_shapes
 
 
@@ -229,13 +230,15 @@ class QuantSweep(Sweep):
             if in_loop:
                 name += ", GEMM1 quantising the tokens"
 
-            def call(r, cfg=cfg):
+            prepared = {}  # the variant's prepared launches, kept as an eager call keeps them
+
+            def call(r, cfg=cfg, launches=prepared):
                 tw, _ids, maps = r
                 tables = (maps.expanded_source_row_to_expanded_dest_row,
                           maps.expanded_dest_row_to_expanded_source_row,
                           maps.expert_for_source_row, maps.expert_first_token_offset)  # fmt: skip
                 return moe_forward_quant_triton(x, w1, s1, w2, s2, tw, None, None, None, tables,
-                                                cfg)  # fmt: skip
+                                                cfg, launches)  # fmt: skip
 
             variants.append((name, call, i == 0))
         if plan.decode is not None:  # eager calls of this size take the two-launch decode path
@@ -266,21 +269,31 @@ class QuantSweep(Sweep):
                     err = 0.0 if want is None else rel_err(out, want)
                     want = out if want is None else want
                     us = self.time_calls_us([lambda r=r, c=call: c(r) for r in routings])
+                    host_us = self.host_us(lambda c=call: c(routings[0]))
             except Exception as exc:  # a config that does not compile
                 print(f"   {name}: {short_error(exc, 80)}")
                 failed = f"FAILED {short_error(exc, 80)}"
                 self.record(shape, format=fmt, config=name, us=math.nan, rel_err=math.nan,
-                            over_floor=math.nan, status=failed)  # fmt: skip
+                            over_floor=math.nan, host_us=math.nan, status=failed)  # fmt: skip
                 continue
             status = "current" if current else "ok" if err < tol else "MISMATCH"
             self.record(shape, format=fmt, config=name, us=us, rel_err=err,
-                        over_floor=us / floor_us, status=status)  # fmt: skip
-            measured.append((us, err, name, current))
+                        over_floor=us / floor_us, host_us=host_us, status=status)  # fmt: skip
+            measured.append((us, err, name, current, host_us))
         measured.sort(key=lambda r: r[0])
         now = next((r[0] for r in measured if r[3]), float("nan"))
         print(f"   tables' tiles {now:.1f} us ({now / floor_us:.2f}x {what})")
-        for us, err, name, _ in measured[:8]:
-            print(f"   {us:7.1f} us  {us / floor_us:5.2f}x  err {err:.1e}  {name}")
+        for us, err, name, _, host_us in measured[:8]:
+            print(f"   {us:7.1f} us  {us / floor_us:5.2f}x  host {host_us:6.1f} us  "
+                  f"err {err:.1e}  {name}")  # fmt: skip
+
+    def host_us(self, fn) -> float:
+        """Host time of one eager call of ``fn`` (its launches prepared by a first call), over
+        five loops of 32 calls, well inside CUDA's launch queue; NaN on the CPU, where the
+        interpreter runs the kernels."""
+        if self.cpu:
+            return math.nan
+        return time_host(fn, self.device, calls=32, repeats=5, warmup=2).median_s * 1e6
 
     def decode_configs(self, fmt: str, tables: DecodeConfig) -> list[DecodeConfig]:
         """The decode path's tiles: the tables' first, then the tables' tiles on the grid's other
