@@ -23,7 +23,9 @@
 #                                       QUANT_BENCH="" none);
 #                                       quant_*.log, sanitize_*_quant.log
 #   bash scripts/gpu_check.sh tune      the quantised GEMMs' tiles at decode sizes (bench --sweep
-#                                       quant --quick: 16-row tiles and the decode path's),
+#                                       quant --quick: 16-row tiles and the decode path's;
+#                                       extra arguments go to the sweep, e.g. --shapes
+#                                       deepseek-v3 --tokens 8 64),
 #                                       then the cold start of a new token bucket
 #                                       (bench/bench_cold_start.py); quant_sweep_decode.csv,
 #                                       tune_*.log
@@ -178,7 +180,7 @@ if [ "$part" = tune ] || [ "$part" = tune_prefill ]; then
     [ "$part" = tune_prefill ] && runs=("prefill|--prefill|420")
     for run in "${runs[@]}"; do
         IFS='|' read -r name flags bound <<< "$run"
-        timeout "$bound" python3 -m moe_route bench --sweep quant $flags --out "$out" \
+        timeout "$bound" python3 -m moe_route bench --sweep quant $flags "$@" --out "$out" \
             --name "quant_sweep_$name" > "$out/tune_$name.log" 2>&1
         b_rc=$?
         echo "== sweep quant $name (rc=$b_rc)"
