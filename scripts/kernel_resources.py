@@ -268,13 +268,14 @@ def _odd(fmt: str) -> frozenset:
 
 
 def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
-                         swap: bool | None = None):  # fmt: skip
+                         swap: bool | None = None, in_loop: bool = False):  # fmt: skip
     """One kernel of decode sizes on quantised experts, as ``moe_route`` launches it (16-row
     tiles of the sorted path's GEMMs, FP8 ones reading the codes of a quantiser launch and of
     GEMM1's epilogue; the decode path's two kernels, FP8 ones quantising in their main
     loops), gated SwiGLU; ``fmt``: ``"fp8"`` (128-row weight blocks), ``"fp8_channel"`` or
     ``"mxfp4"`` (bf16 activations); ``swap``: the FP8 products' operands swapped or not,
-    whatever the tables say."""
+    whatever the tables say; ``in_loop``: FP8 GEMM1 quantising the bf16 tokens in its main
+    loop (``QuantConfigs.in_loop``)."""
     mx = fmt == "mxfp4"
     gemm1 = tuning.quant_gemm_config(8, True, mx, arch)
     gemm2 = tuning.quant_gemm_config(8, False, mx, arch)
@@ -292,12 +293,13 @@ def compile_quant_decode(name: str, *, arch: int, experts: int, fmt: str,
         kernel = _kernel("_quant_gemm_kernel")
         const = dict(act, ACT=KIND_CODES["silu"] if gated else 0, GATED=gated, GATHER=gated,
                      MXFP4=mx, OUT_FP8=gated and not mx, A_DESC=False, W_DESC=False,
-                     SPLIT=1 if gated else 0, A_QUANT=0,
+                     SPLIT=1 if gated else 0, A_QUANT=a_quant if gated and in_loop else 0,
                      SWAP=cfg.swap_ab and not mx if swap is None else swap,
                      E_POW2=triton.next_power_of_2(experts + 1), BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
         rows = "*bf16" if mx else "*fp8e4nv"  # the tokens, GEMM1's output and GEMM2's input
-        types = dict(a_ptr=rows, a_desc=rows, as_ptr="*fp32", w_ptr=w, w_desc=w, ws_ptr=ws,
+        a = "*bf16" if gated and in_loop else rows
+        types = dict(a_ptr=a, a_desc=a, as_ptr="*fp32", w_ptr=w, w_desc=w, ws_ptr=ws,
                      bias_ptr="*bf16", out_ptr=rows if gated else "*bf16", os_ptr="*fp32",
                      offsets_ptr="*i64", dest_to_src_ptr="*i32")  # fmt: skip
         warps, stages = cfg.num_warps, cfg.num_stages
