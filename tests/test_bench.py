@@ -32,6 +32,7 @@ from moe_route.bench import (
     shapes,
     stages,
     suite,
+    tables,
     timing,
 )
 from moe_route.bench.harness import Ceilings, Row, Timing, add_speedups, make_row
@@ -831,7 +832,7 @@ def test_quant_tables_render_gpu_rows():
         row("quant-dec", "moe_route fp8", 375.0, 3e8, 0.0, quant="fp8", touched=64,
             weight_bytes=3e8, over_floor=1.25, x_bf16=1.8, rel_err=0.06),
         row("quant-host", "fused_moe fp8", 50.0, 0, 0, quant="fp8", eager_us=120.0,
-            graph_us=110.0, over_ref=1.1),
+            graph_us=110.0, over_ref=1.1, path="sorted"),
     ]  # fmt: skip
     env = {"gpu": "G", "fp8_mm_TFLOP_s": 1500.0, "copy_TB_s": 3.0, "bf16_mm_TFLOP_s": 700.0}
     skipped = [{"stage": "quant", "shape": "m T=4096", "impl": "transformers fp8 grouped_mm",
@@ -845,7 +846,11 @@ def test_quant_tables_render_gpu_rows():
         "| m T=4096 | moe_route fp8 | 375 µs | 64 | 286 MiB | 300 µs |" in md
         and "| 1.25× | 1.80× |" in md
     )
-    assert "| m T=4096 | fused_moe fp8 | 50.0 µs | 1.10× | 120 µs | 110 µs |" in md
+    assert "| m T=4096 | fused_moe fp8 | sorted | 50.0 µs | 1.10× | 120 µs | 110 µs |" in md
+    # rows written before the eager path was recorded: no such column
+    unrecorded = row("quant-host", "fused_moe fp8", 50.0, 0, 0, quant="fp8", over_ref=1.1)
+    old_table = tables.quant_host_table([unrecorded])
+    assert "eager path" not in old_table and "| fused_moe fp8 | 50.0 µs | 1.10× |" in old_table
     assert "- quant / m T=4096 / transformers fp8 grouped_mm: ImportError: no kernels" in md
     src = report.Source("x.json", {"gpu": "G"}, rows)
     assert report.plot_roofline([src], "unused.png") is None  # tables of their own

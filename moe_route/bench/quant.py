@@ -40,10 +40,11 @@ in that format, scales included (``weight_bytes``), over the measured copy bandw
 one eager call (``time.perf_counter`` around calls issued with no synchronisation, as the
 ``host`` stage times them, the implementations in turns over five loops of 32 calls) of
 ``fused_moe fp8`` and ``fused_moe mxfp4`` against ``fused_moe bf16`` (``over_ref``), with
-``eager_us`` and ``graph_us`` as in the ``host`` stage. A loop of 32 calls never fills CUDA's
-launch queue, so unlike the ``host`` stage's it does not wait for the device, and no row is
-flagged device-bound: where ``graph_us`` exceeds the host time, an eager call's latency is the
-device's.
+``eager_us`` and ``graph_us`` as in the ``host`` stage and the path the eager call takes
+(``path``: ``"decode"``, two launches and no maps, or ``"sorted"``). A loop of 32 calls
+never fills CUDA's launch queue, so unlike the ``host`` stage's it does not wait for the
+device, and no row is flagged device-bound: where ``graph_us`` exceeds the host time, an eager
+call's latency is the device's.
 
 Weights are quantised by ``moe_route.quantize_experts``, a few experts at a time.
 """
@@ -56,6 +57,8 @@ from dataclasses import replace
 import torch
 
 import moe_route
+from moe_route.plan import moe_plan, quant_plan_for
+from moe_route.quant import as_quant
 
 from . import baselines as B
 from .context import Context, Entry, Inputs, rel_err
@@ -119,6 +122,18 @@ class _Weights:
     def nbytes(self, fmt) -> int:
         return _touched_bytes([t for t in self.by[fmt] if t is not None], self.inp.shape.E,
                               self.inp.touched)  # fmt: skip
+
+    def eager_path(self, fmt, backend: str) -> str:
+        """``"decode"`` or ``"sorted"``: the path an eager ``fused_moe`` call on the experts of
+        ``fmt`` takes (the plan's decision, as :meth:`fused`'s calls are planned)."""
+        inp = self.inp
+        x, K = inp.x, inp.shape.K
+        w1, w2 = self.by[fmt][:2]
+        if fmt is None:
+            plan = moe_plan(x, w1, w2, K, "swiglu", "concat", "auto", True, None, False, backend)
+        else:
+            plan = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), backend)
+        return "decode" if plan.decode is not None else "sorted"
 
     def fused(self, fmt, backend: str):
         """``fused_moe`` on the experts of ``fmt`` (looked up per call: a dropped format's
@@ -382,12 +397,13 @@ def _decode(shape: Shape, ctx: Context) -> None:
             _ratio(rows, f"x_{dtype_name(ctx.dtype)}", ref_impl, impl)
     calls = {f"fused_moe {fmt or dtype_name(ctx.dtype)}": (fmt, weights.fused(fmt, ctx.backend))
              for fmt in (None, *DECODE_FORMATS) if fmt in weights.by}  # fmt: skip
-    _host(shape, ctx, calls)
+    paths = {name: weights.eager_path(fmt, ctx.backend) for name, (fmt, _) in calls.items()}
+    _host(shape, ctx, calls, paths)
 
 
-def _host(shape: Shape, ctx: Context, calls: dict) -> None:
+def _host(shape: Shape, ctx: Context, calls: dict, paths: dict) -> None:
     """``quant-host`` rows: host time per eager call, the calls in turns (five loops of
-    :data:`HOST_QUEUE_CALLS` calls each)."""
+    :data:`HOST_QUEUE_CALLS` calls each), and the path each eager call takes (``paths``)."""
     eager = {}
     for name, (_, fn) in calls.items():
         try:
@@ -410,7 +426,7 @@ def _host(shape: Shape, ctx: Context, calls: dict) -> None:
         fmt, fn = calls[name]
         timing = _summarise(samples[name])
         extra = {"quant": fmt or dtype_name(ctx.dtype), "calls": n,
-                 "eager_us": eager[name] * 1e6}  # fmt: skip
+                 "eager_us": eager[name] * 1e6, "path": paths[name]}  # fmt: skip
         try:
             graph_us = _graph_us(fn, ctx)
         except Exception as exc:  # not capturable

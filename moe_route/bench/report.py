@@ -73,7 +73,9 @@ STAGE_NOTES = {
     "in that format, scales included, over the measured copy bandwidth.",
     QUANT_HOST: "Host time per eager call of `fused_moe` on quantised experts against the bf16 "
     "call (`time.perf_counter()` around calls with no synchronisation, as the host stage, the "
-    "calls in turns; device-bound: the CUDA-graph latency is at least 80 % of it).",
+    "calls in turns; device-bound: the CUDA-graph latency is at least 80 % of it). Eager path: "
+    "`decode` (two launches, no routing maps) or `sorted` (the maps, then the grouped GEMMs "
+    "and the finalize; on FP8 a quantiser launch too).",
     "backward": "Device time per backward call of each step, from `torch.profiler` (kernels "
     "grouped by name, moe_route/bench/backward.py), and in brackets its roofline fraction "
     "(the step's own bytes and FLOPs); `other` are kernels no pattern matched, `total` all. "

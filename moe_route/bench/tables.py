@@ -260,14 +260,16 @@ def quant_host_table(rows: list[Row], stage: str = QUANT_HOST) -> str:
     """The quant stage's host times: quantised ``fused_moe`` calls against the bf16 call."""
     rows = [r for r in rows if r.stage == stage]
     ref, _ = _ref_key(rows)
-    lines = [
-        f"| shape | call | host time / call | ÷ {ref} call | eager | CUDA graph |",
-        "|---|---|---|---|---|---|",
-    ]
+    # the eager path's column where the rows record it (data from before it was recorded: none)
+    paths = any("path" in r.extra for r in rows)
+    head = ["shape", "call", *(["eager path"] if paths else []), "host time / call",
+            f"÷ {ref} call", "eager", "CUDA graph"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         e = r.extra
         graph = "capture failed" if "graph" in e else _cell(e, "graph_us", fmt_time)
-        cells = [r.shape, r.impl, fmt_time(r.median_us), _cell(e, "over_ref", _fmt_ratio),
+        cells = [r.shape, r.impl, *([e.get("path", "—")] if paths else []),
+                 fmt_time(r.median_us), _cell(e, "over_ref", _fmt_ratio),
                  _cell(e, "eager_us", fmt_time), graph]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
