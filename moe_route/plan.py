@@ -104,14 +104,14 @@ def _quant_plan(device, dtype, w1_shape, w2_shape, E, K, bucket, activation, lay
     cc = arch.compute_capability(device)
     rows = bucket * K / E
     mx = spec.format == "mxfp4"
+    size = tuning.expert_bytes(w1_shape, w2_shape)
     cfg = QuantConfigs(
         gemm1=tuning.quant_gemm_config(rows, epi.gated, mx, cc),
         gemm2=tuning.quant_gemm_config(rows, False, mx, cc), epilogue=epi, fp8=spec.fp8,
         x_group=max(spec.act_group, 0), ue8m0=spec.ue8m0,
         w_block_rows=spec.block[0] if spec.format == "fp8_block" else 1,
-        in_loop=tuning.quant_in_loop(rows, mx, cc),
+        in_loop=tuning.quant_in_loop(rows, mx, cc, size),
     )  # fmt: skip
-    size = tuning.expert_bytes(w1_shape, w2_shape)
     decode = tuning.quant_decode_config(bucket, K, E, size, mx, cc)
     return MoEPlan("triton", maps_chosen, cfg, "standalone", True, decode)
 

@@ -280,11 +280,16 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
     return GemmConfig(128, 128, 128, 8, 8, 4, tma)
 
 
-def quant_in_loop(rows_per_expert: float, mxfp4: bool, cc: int | None) -> bool:
+def quant_in_loop(rows_per_expert: float, mxfp4: bool, cc: int | None,
+                  expert_bytes: int) -> bool:  # fmt: skip
     """Whether FP8 GEMM1 quantises the tokens in its main loop rather than reading a quantiser
-    launch's codes (``QuantConfigs.in_loop``): never yet (``bench --sweep quant`` times both
-    on the tables' tiles)."""
-    return False
+    launch's codes (``QuantConfigs.in_loop``): on SM90's swapped 16-row tiles (up to 16 rows
+    per expert) for experts of up to 16 MiB (``expert_bytes``), whose eager calls wait on the
+    host. It saves a launch and two buffers, 13-63 µs of host time per call, and costs 1-3 %
+    of device time; larger experts keep the device time (docs/decisions.md, "FP8 sorted path:
+    the tokens' codes from GEMM1's main loop")."""
+    return (not mxfp4 and cc == 90 and rows_per_expert <= 16
+            and expert_bytes <= _SMALL_EXPERT_BYTES)  # fmt: skip
 
 
 def act_backward_config(rows_per_expert: float, dtype: torch.dtype, cc: int | None,

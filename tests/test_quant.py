@@ -664,6 +664,14 @@ def test_quant_decode_plans():
     x = torch.randn(1024, 272).half()
     plan = quant_plan_for(x, w1q, w2q, 2, "swiglu", "concat", Q.as_quant("fp8"), "triton")
     assert plan.decode is None and not plan.configs.in_loop
+    # GEMM1 quantises the tokens on SM90's 16-row FP8 tiles of experts up to 16 MiB
+    assert tuning.quant_in_loop(0.5, False, 90, small)
+    assert tuning.quant_in_loop(16, False, 90, 16 << 20)
+    assert not tuning.quant_in_loop(0.5, False, 90, big)  # (the device time kept)
+    assert not tuning.quant_in_loop(17, False, 90, small)
+    assert not tuning.quant_in_loop(0.5, True, 90, small)
+    for cc in (None, 80, 89, 100):
+        assert not tuning.quant_in_loop(0.5, False, cc, small)
 
 
 @pytest.mark.interpreter

@@ -108,17 +108,19 @@ class QuantSweep(Sweep):
         self.formats = ("mxfp4",) if self.prefill else ("fp8", "mxfp4")
         self.calls = 1 if self.prefill else 2 if self.cpu else 16
 
-    def configs(self, fmt: str, rows: float) -> list[tuple[GemmConfig, GemmConfig, bool]]:
-        """``(gemm1, gemm2, in_loop)``: the tables' first, then on FP8 the same tiles with
-        the other source of the tokens' codes (a quantiser launch, or GEMM1's main loop:
-        ``in_loop``), then the grid's tiles, each once (FP8: GEMM1 128 columns wide, the
-        group its epilogue quantises), their operands swapped where the tables swap them.
-        FP8 then: the unswapped 16x128 tiles, and the swapped ones of :attr:`SWAPPED`, both
-        GEMMs and each beside the other unswapped."""
+    def configs(self, fmt: str, rows: float,
+                expert_bytes: int = 0) -> list[tuple[GemmConfig, GemmConfig, bool]]:  # fmt: skip
+        """``(gemm1, gemm2, in_loop)`` (``expert_bytes``: as :func:`tuning.expert_bytes`): the
+        tables' first, then on FP8 the same tiles with the other source of the tokens' codes
+        (a quantiser launch, or GEMM1's main loop: ``in_loop``), then the grid's tiles, each
+        once (FP8: GEMM1 128 columns wide, the group its epilogue quantises), their operands
+        swapped where the tables swap them, the tokens' codes from where the tables take
+        them. FP8 then: the unswapped 16x128 tiles, and the swapped ones of :attr:`SWAPPED`,
+        both GEMMs and each beside the other unswapped."""
         mx = fmt == "mxfp4"
         first = (tuning.quant_gemm_config(rows, True, mx, self.cc),
                  tuning.quant_gemm_config(rows, False, mx, self.cc))  # fmt: skip
-        in_loop = tuning.quant_in_loop(rows, mx, self.cc)
+        in_loop = tuning.quant_in_loop(rows, mx, self.cc, expert_bytes)
         out = [(*first, in_loop)] + ([] if mx else [(*first, not in_loop)])
         if self.prefill:
             gemm1, gemm2 = out[0][:2]
@@ -224,7 +226,8 @@ class QuantSweep(Sweep):
             print(f"== {label}: touched weights {touched_bytes / 1e6:.0f} MB per call, "
                   f"{floor_us:.1f} us at the copy rate")  # fmt: skip
         variants = []  # (name, call on a routing, the tables' choice)
-        for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E)):
+        size = tuning.expert_bytes(w1.shape, w2.shape)
+        for i, (gemm1, gemm2, in_loop) in enumerate(self.configs(fmt, T * K / E, size)):
             cfg = dataclasses.replace(base, gemm1=gemm1, gemm2=gemm2, in_loop=in_loop)
             name = f"gemm1 {_tile(gemm1)} gemm2 {_tile(gemm2)}"
             if in_loop:
