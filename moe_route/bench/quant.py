@@ -57,6 +57,7 @@ from dataclasses import replace
 import torch
 
 import moe_route
+from moe_route.decode import decode_planned
 from moe_route.plan import moe_plan, quant_plan_for
 from moe_route.quant import as_quant
 
@@ -133,7 +134,7 @@ class _Weights:
             plan = moe_plan(x, w1, w2, K, "swiglu", "concat", "auto", True, None, False, backend)
         else:
             plan = quant_plan_for(x, w1, w2, K, "swiglu", "concat", as_quant(fmt), backend)
-        return "decode" if plan.decode is not None else "sorted"
+        return "decode" if decode_planned(plan, False) else "sorted"
 
     def fused(self, fmt, backend: str):
         """``fused_moe`` on the experts of ``fmt`` (looked up per call: a dropped format's

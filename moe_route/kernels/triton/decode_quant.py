@@ -17,7 +17,7 @@ import triton.language as tl
 from . import LaunchKey, ThinKernel, cdiv
 from .decode import _DOWN, _ROWS, MAX_SLOTS, DecodeConfig, _routed_slot, _scratch, _zero_arrivals
 from .gemm_mainloop import GemmEpilogue
-from .quant import _quant_tile, _upcast
+from .quant import _quant_tile, _upcast, in_loop_quant
 
 
 @triton.jit(do_not_specialize=["T", "ARRIVED_AT", "ARRIVALS"])
@@ -106,7 +106,7 @@ class QuantDecodeLaunch:
             TOP_K=K, ACT=epi.act, GATED=epi.gated, ALPHA=epi.alpha, LIMIT=epi.limit,
             UP_OFFSET=epi.up_offset, GATE_SOFTCAP=epi.gate_softcap, UP_SOFTCAP=epi.up_softcap,
             INTERLEAVED=epi.interleaved, HAS_BIAS=b1 is not None, MXFP4=mx, SN=w_block_rows,
-            A_QUANT=0 if mx else 1 if x_group else 2, UE8M0=ue8m0, UPCAST=upcast,
+            A_QUANT=0 if mx else in_loop_quant(x_group), UE8M0=ue8m0, UPCAST=upcast,
             SWAP=cfg.swap and not mx, BLOCK_M=_ROWS, BLOCK_N=cfg.up_n, BLOCK_K=cfg.up_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

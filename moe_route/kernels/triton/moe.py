@@ -47,7 +47,7 @@ from .gemm_act_backward import ActBackwardLaunch
 from .gemm_finalize import grouped_gemm_finalize_triton
 from .gemm_mainloop import IDENTITY, GemmConfig, GemmEpilogue
 from .grouped_gemm import GemmLaunch, grouped_gemm_triton
-from .quant import SCALE_K, QuantGemmLaunch
+from .quant import SCALE_K, QuantGemmLaunch, in_loop_quant
 from .quantize_rows import QuantizeRowsLaunch
 from .router_grad import RouterGradLaunch
 from .tma import TMA_DTYPES
@@ -322,7 +322,7 @@ def moe_forward_quant_triton(x, w1, w1_scale, w2, w2_scale, topk_weights, b1, b2
     K = topk_weights.shape[1]
     n_inter = w1.shape[1] // 2 if cfg.epilogue.gated else w1.shape[1]
     fp8 = torch.float8_e4m3fn
-    a_quant = (1 if cfg.x_group else 2) if cfg.fp8 and cfg.in_loop else 0
+    a_quant = in_loop_quant(cfg.x_group) if cfg.fp8 and cfg.in_loop else 0
     rows, rows_s, hs = x, None, None
     if not cfg.fp8:
         h = x.new_empty(M, n_inter)

@@ -335,6 +335,12 @@ def _upcast(mxfp4: bool, a_dtype: torch.dtype) -> bool:
     return INTERPRETING or (mxfp4 and a_dtype != torch.bfloat16)
 
 
+def in_loop_quant(x_group: int) -> int:
+    """The ``a_quant`` (``A_QUANT``) of 16-bit tokens quantised in a main loop with a scale per
+    ``x_group`` columns: 1 (per group), or 2 for ``x_group = 0`` (per row)."""
+    return 1 if x_group else 2
+
+
 class QuantGemmLaunch:
     """GEMM1 / GEMM2 on quantised weights, prepared from the operands' layouts (as
     :class:`.grouped_gemm.GemmLaunch` is for 16-bit weights).
