@@ -98,10 +98,11 @@ def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, offse
               M_ROWS, M_TILES, N_OUT, N_W, T, n_kb, stride_am, GATED: gl.constexpr,
               GATHER: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
-    """One warp: for each of the program's tiles, fills slot ``c % STAGES`` with block ``kb``
-    of ``A`` (``A_ROWS`` rows) and ``W`` (``W_ROWS`` rows: gated, the gate rows' box then the
-    up rows') once the math has freed it; ``c`` counts the blocks over the program's tiles,
-    so the ring runs on into the next tile while the math finishes this one."""
+    """One warp (a warpgroup in the persistent grid): for each of the program's tiles, fills
+    slot ``c % STAGES`` with block ``kb`` of ``A`` (``A_ROWS`` rows) and ``W`` (``W_ROWS``
+    rows: gated, the gate rows' box then the up rows') once the math has freed it; ``c``
+    counts the blocks over the program's tiles, so the ring runs on into the next tile while
+    the math finishes this one."""
     A_ROWS: gl.constexpr = WG_M if GATED else 2 * WG_M
     m_tiles, count = _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT, A_ROWS)
     pid = gl.program_id(0)
@@ -114,26 +115,28 @@ def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, offse
             if e < E:
                 c = _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty,
                           first_row, row_end, T, e * N_W + n_tile * WG_N, N_OUT, n_kb, c,
-                          stride_am, GATED, GATHER, STAGES)  # fmt: skip
+                          stride_am, GATED, GATHER, STAGES,
+                          PERSISTENT_PRODUCER_WARPS)  # fmt: skip
     elif pid < count:
         e, first_row, row_end, n_tile = _tile(pid, offsets_ptr, E, m_tiles, N_OUT, A_ROWS,
                                               E_POW2, GROUP_M, PRODUCER_WARPS)  # fmt: skip
         if e < E:
             _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row,
                   row_end, T, e * N_W + n_tile * WG_N, N_OUT, n_kb, 0, stride_am, GATED, GATHER,
-                  STAGES)  # fmt: skip
+                  STAGES, PRODUCER_WARPS)  # fmt: skip
 
 
 @gluon.jit
 def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, row_end, T,
           w_row0, n_up, n_kb, c, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
-          STAGES: gl.constexpr):  # fmt: skip
-    """One tile's ``n_kb`` blocks into the ring from slot count ``c``; returns the count after."""
+          STAGES: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """One tile's ``n_kb`` blocks into the ring from slot count ``c`` (by the producer's
+    ``WARPS`` warps); returns the count after."""
     A_ROWS: gl.constexpr = WG_M if GATED else 2 * WG_M
     W_BYTES: gl.constexpr = (2 * WG_N if GATED else WG_N) * BLOCK_K
     if GATHER:
         gl.static_assert(GATED)
-        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
         r = a_row0 + gl.arange(0, A_ROWS, layout=gl.SliceLayout(1, lay))
         src = gl.load(d2s_ptr + r, mask=r < row_end, other=0) % T
         a_ptrs = (
@@ -255,13 +258,13 @@ def _mainloop(a_bufs, w_bufs, full, empty, as_ptrs, ws_ptrs, row_ok, n_kb, c, st
 
 
 @gluon.jit
-def _exchange(acc, x_smem, xbar, WG: gl.constexpr, mma64: gl.constexpr):
+def _exchange(acc, x_smem, xbar, phase, WG: gl.constexpr, mma64: gl.constexpr):
     """Gated: warpgroup 0 holds the gate and warpgroup 1 the up products of 128 columns; each
     then takes both of 64 of them (its half), through shared memory."""
     x_smem.slice(WG * WG_M, WG_M).store(acc)
     gl.thread_barrier()
     mbarrier.arrive(xbar)
-    mbarrier.wait(xbar, 0)
+    mbarrier.wait(xbar, phase)
     half = x_smem.slice(WG * (WG_N // 2), WG_N // 2, dim=1)
     gate = half.slice(0, WG_M).load(mma64)
     up = half.slice(WG_M, WG_M).load(mma64)
@@ -284,9 +287,9 @@ def _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, 
     m_tiles, count = _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT, BLOCK_M)
     pid = gl.program_id(0)
     if PERSISTENT:
-        c = 0
+        done = 0
         for t in range(pid, count, gl.num_programs(0)):
-            c = _math_at(t, c, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr,
+            done = _math_at(t, done, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr,
                          ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS,
                          m_tiles, N_OUT, T, n_kb, stride_asm, stride_ask, stride_se, stride_sn,
                          stride_sk, stride_om, stride_osm, stride_be, stride_bn, ACT, GATED,
@@ -302,7 +305,7 @@ def _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, 
 
 
 @gluon.jit
-def _math_at(t, c, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
+def _math_at(t, done, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
              os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, m_tiles, N_OUT, T, n_kb,
              stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
              stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr,
@@ -310,21 +313,24 @@ def _math_at(t, c, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr,
              UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, GATHER: gl.constexpr,
              SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, E_POW2: gl.constexpr,
              STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Tile ``t`` from the ring's block ``c``; returns the ring's count after it."""
+    """Tile ``t``, after ``done`` tiles of the program's that held rows (each took ``n_kb``
+    blocks from the ring and, gated, one phase of the exchange barrier, two with ``OUT_FP8``);
+    returns the count after it."""
     BLOCK_M: gl.constexpr = WG_M if GATED else 2 * WG_M
+    PHASES: gl.constexpr = 2 if OUT_FP8 else 1
     e, first_row, row_end, n_tile = _tile(t, offsets_ptr, E, m_tiles, N_OUT, BLOCK_M, E_POW2,
                                           GROUP_M, 4)  # fmt: skip
     if e < E:
         _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
                    os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n_tile * WG_N, n_tile, n_kb,
-                   c, N_OUT, T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk,
-                   stride_om, stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT,
-                   UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0,
-                   STAGES, WG)  # fmt: skip
+                   done * n_kb, done * PHASES, N_OUT, T, stride_asm, stride_ask, stride_se,
+                   stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn, ACT,
+                   GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER,
+                   SN, OUT_FP8, UE8M0, STAGES, WG)  # fmt: skip
     else:
         _zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_osm,
                    GATED, OUT_FP8, WG)  # fmt: skip
-    return c + (e < E).to(gl.int32) * n_kb
+    return done + (e < E).to(gl.int32)
 
 
 @gluon.jit
@@ -348,16 +354,15 @@ def _zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, str
 
 @gluon.jit
 def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
-               os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, c, N_OUT, T,
-               stride_asm,
-          stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
-          stride_bn, ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr,
-          LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr,
-          UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, GATHER: gl.constexpr,
-          SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, STAGES: gl.constexpr,
-          WG: gl.constexpr):  # fmt: skip
+               os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, c, u, N_OUT,
+               T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
+               stride_osm, stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr,
+               ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr,
+               GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+               GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
+               UE8M0: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Math warpgroup ``WG`` on one tile: its main loop (the module doc) from the ring's block
-    ``c``, and epilogue."""
+    ``c``, and epilogue; gated, the warpgroups' exchange barrier has completed ``u`` phases."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, WG_N, 32])  # fmt: skip
     a_off: gl.constexpr = 0 if GATED else WG * WG_M
@@ -386,7 +391,7 @@ def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_
         out_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WG_N // 2, 32]
         )
-        acc, acc_up = _exchange(acc, x_smem, xbar, WG, out_l)
+        acc, acc_up = _exchange(acc, x_smem, xbar, u & 1, WG, out_l)
         c0 = n0 + WG * (WG_N // 2)
         PN: gl.constexpr = WG_N // 2
     else:
@@ -417,7 +422,7 @@ def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_
             amax_smem.slice(WG * WG_M, WG_M).store(amax)
             gl.thread_barrier()
             mbarrier.arrive(xbar)
-            mbarrier.wait(xbar, 1)
+            mbarrier.wait(xbar, (u + 1) & 1)
             amax = gl.maximum(amax, amax_smem.slice((1 - WG) * WG_M, WG_M).load(row_l))
         sc = fp8_scale(amax, UE8M0)
         gl.store(out_ptrs, fp8_codes(h, sc[:, None], False), mask=mask)
@@ -481,8 +486,8 @@ def _fp8_sm90_kernel(
     x_smem = gl.allocate_shared_memory(gl.float32, [2 * X_ROWS, WG_N], x_layout)
     # a slot fills with the producer's expect-tx arrive and, gathering, one cp.async arrive per
     # producer thread
-    FULL_ARRIVALS: gl.constexpr = 1 + 32 * PRODUCER_WARPS if GATHER else 1
-    gl.static_assert(not (PERSISTENT and (GATED or GATHER)))
+    P_WARPS: gl.constexpr = PERSISTENT_PRODUCER_WARPS if PERSISTENT else PRODUCER_WARPS
+    FULL_ARRIVALS: gl.constexpr = 1 + 32 * P_WARPS if GATHER else 1
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=FULL_ARRIVALS)
         mbarrier.init(empty.index(i), count=2)  # both math warpgroups
@@ -507,7 +512,7 @@ def _fp8_sm90_kernel(
                          offsets_ptr, E, M_ROWS, M_TILES, N_OUT, N_W, T, n_kb, stride_am,
                          GATED, GATHER, E_POW2, GROUP_M, STAGES, PERSISTENT)),
         ],
-        [4, PERSISTENT_PRODUCER_WARPS if PERSISTENT else PRODUCER_WARPS],
+        [4, P_WARPS],
         [232, 56 if GATHER else 40],
     )  # fmt: skip
 
@@ -543,9 +548,9 @@ class Fp8Sm90Launch:
                  block_n_scale, ue8m0, group_m, persistent=False):  # fmt: skip
         E, n_w, _ = w.shape
         self.E, self.kd, self.n_w, self.gather = E, kd, n_w, gather
-        # one program per SM over the tiles, where the kernel allows (not gated: a gated
-        # program takes one tile)
-        self.persistent = persistent and not epilogue.gated and not gather
+        # one program per SM over the tiles; gated only where the epilogue's second exchange
+        # (the row maxima of GEMM2's codes) orders the next tile's after this one's reads
+        self.persistent = persistent and (out_fp8 or not epilogue.gated)
         self.n_out = n_w // 2 if epilogue.gated else n_w
         ss = w_scale.stride()
         s_w = (ss[0], ss[1], 0) if w_scale.dim() == 2 else ss
