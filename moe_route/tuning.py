@@ -273,13 +273,11 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
         if cc == 90:  # the weights first: FP8 MMAs of 64 weight rows by 16 token rows
             return GemmConfig(16, 128 if gated else 64, 128, 1, 4, 4, swap_ab=True)
         return GemmConfig(16, 128, 128, 1, 4, 4)
-    # GEMM2 on SM90's warp-specialised kernel: one program per SM over the tiles
-    persistent = int(cc == 90 and not gated)
     if rows_per_expert <= 64 and not gated:
-        return GemmConfig(64, 128, 128, 8, 4, 3, tma, persistent)
+        return GemmConfig(64, 128, 128, 8, 4, 3, tma)
     if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
         return GemmConfig(64, 128, 128, 8, 8, 4, tma)
-    return GemmConfig(128, 128, 128, 8, 8, 4, tma, persistent)
+    return GemmConfig(128, 128, 128, 8, 8, 4, tma)
 
 
 def quant_in_loop(rows_per_expert: float, mxfp4: bool, cc: int | None,

@@ -348,11 +348,10 @@ def compile_mxfp4_prefill(gated: bool, *, arch: int, experts: int):
                                        num_stages=cfg.num_stages))  # fmt: skip
 
 
-def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, experts: int,
-                     persistent: bool = False):  # fmt: skip
+def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, experts: int):
     """The warp-specialised FP8 GEMM (Gluon, ``kernels/triton/quant_sm90.py``) as its launch
-    specialises it: gated GEMM1 (gathering the token codes or not) or GEMM2 (``persistent``:
-    over a grid of one program per SM), 128-row block or per-channel weight scales."""
+    specialises it: gated GEMM1 (gathering the token codes or not) or GEMM2, 128-row block or
+    per-channel weight scales."""
     from triton.experimental.gluon import _runtime
     from triton.experimental.gluon import language as gl
 
@@ -369,7 +368,7 @@ def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, exp
                  UP_OFFSET=0.0, GATE_SOFTCAP=0.0, UP_SOFTCAP=0.0, HAS_BIAS=False,
                  GATHER=gather, SN=1 if channel else q.BLOCK_K.value, OUT_FP8=gated,
                  UE8M0=False, E_POW2=triton.next_power_of_2(experts + 1), STAGES=4,
-                 GROUP_M=8, PERSISTENT=persistent)  # fmt: skip
+                 GROUP_M=8)  # fmt: skip
     types = dict(a_desc="*fp8e4nv" if gather else desc(a_rows), w_desc=desc(w_rows),
                  a_ptr="*fp8e4nv", out_ptr="*fp8e4nv" if gated else "*bf16",
                  bias_ptr="*bf16", offsets_ptr="*i64", d2s_ptr="*i32")  # fmt: skip

@@ -218,50 +218,6 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
         assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_ue8m0", "fp8_channel"])
-def test_quant_sm90_persistent_matches_per_tile(monkeypatch, fmt):
-    """GEMM2 on SM90's warp-specialised kernel over a persistent grid, here three programs so
-    that each takes dozens of tiles (the ring of operand slots running on from one tile into
-    the next; tiles of an expert without rows and of the dropped rows among them), against
-    one program per tile: the same bits on every row, the dropped rows' zeros included."""
-    import dataclasses
-
-    from moe_route import tuning
-    from moe_route.kernels.triton.gemm_mainloop import IDENTITY, num_sms
-    from moe_route.kernels.triton.quant import QuantGemmLaunch
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised FP8 kernel runs on SM90 only")
-    spec = Q.as_quant(fmt)
-    # I = 208: GEMM2's FP8 rows 16-byte multiples, so TMA can address them
-    _x, w1, w2, _tw, ids = _case(700, 264, 208, 16, 4)
-    E, H, n_inter = w2.shape
-    _w1q, _s1, w2q, s2 = _quantised(w1, w2, fmt)
-    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
-    M = d2s.numel()
-    assert int(offsets[-1]) < M  # a dropped row
-    g = torch.Generator(device=CUDA).manual_seed(1)
-    h = (torch.randn(M, n_inter, device=CUDA, generator=g) * 64).to(torch.float8_e4m3fn)
-    hs = torch.rand(M, -(-n_inter // 128), device=CUDA, generator=g) + 0.5
-    sn = spec.block[0] if spec.format == "fp8_block" else 1
-    cfg = tuning.quant_gemm_config(M / E, False, False, 90)
-    assert cfg.persistent
-    monkeypatch.setenv("MOE_ROUTE_COMM_SMS", str(num_sms(h.device) - 3))
-    outs = []
-    for persistent in (0, 1):
-        tiles = dataclasses.replace(cfg, persistent=persistent)
-        launch = QuantGemmLaunch(h, hs, w2q, s2, n_inter, tiles, IDENTITY, None, False,
-                                 torch.bfloat16, False, False, sn, spec.ue8m0)  # fmt: skip
-        assert launch.sm90 is not None and launch.sm90.persistent == bool(persistent)
-        assert launch.sm90.descriptors(h, w2q) is not None
-        y = torch.full((M, H), float("nan"), device=CUDA, dtype=torch.bfloat16)
-        launch(h, hs, w2q, s2, offsets, y)
-        outs.append(y)
-    assert torch.isfinite(outs[1]).all()
-    assert (outs[1][int(offsets[-1]) :] == 0).all()
-    assert torch.equal(outs[0], outs[1])
-
-
 @pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize(
     "shape",

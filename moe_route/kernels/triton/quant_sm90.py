@@ -26,19 +26,10 @@ of the weights are one number per product and block (its rows lie in one 128-row
 block-scaled gated GEMM1s need ``I % 128 == 0``); per-channel weight scales multiply after the
 loop.
 
-Grid: one program per tile, or for GEMM2 a persistent grid of one program per SM, each taking
-tiles ``pid, pid + programs, ...``. Every partition walks the same tiles and counts the ring's
-blocks across them, so the producer streams the next tile's first blocks while the math
-warpgroups scale the last products and store this one (a short reduction, as Qwen3's
-``K = 768``, otherwise pays a pipeline fill per tile); the expert of each tile is found by
-each partition on its own lanes, the producer's a warpgroup so that the lookup fits its
-registers.
-
 The products, and the epilogue (:mod:`.activation`, :mod:`.fp8_codes`), are those of
 :func:`.quant._quant_tile`; a block's scaling takes one multiply of the row's and the weight's
 scale (two in :func:`.quant._fp8_mainloop`), so the kernels agree within float32 rounding.
-docs/decisions.md, "FP8 prefill: a warp-specialised kernel" and "FP8 prefill: a persistent
-GEMM2".
+docs/decisions.md, "FP8 prefill: a warp-specialised kernel".
 """
 
 from __future__ import annotations
@@ -57,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import LaunchKey, ThinKernel, cdiv, next_pow2
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_codes, fp8_scale
-from .gemm_mainloop import _m_tiles, _swizzle, _tile_expert_lanes, num_sms
+from .gemm_mainloop import _beyond_tiles, _m_tiles, _program_tile, _tile_expert_lanes
 from .tma import GluonDescriptor, layout_ok, tma_ok
 
 #: Token rows and weight rows of one warpgroup's product.
@@ -65,78 +56,22 @@ WG_M = gl.constexpr(64)
 WG_N = gl.constexpr(128)
 #: The reduction block (the FP8 scale block).
 BLOCK_K = gl.constexpr(128)
-#: Warps of the producer partition: one, or a warpgroup in the persistent grid, whose expert
-#: lookup per tile (:func:`_tile`) would spill in one warp's registers. Registers are given in
-#: whole warpgroups, so the four cost none.
+#: Warps of the producer partition.
 PRODUCER_WARPS = gl.constexpr(1)
-PERSISTENT_PRODUCER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT, BLOCK_M: gl.constexpr):
-    """``(m_tiles, count)``: the m-tiles that hold rows (at most ``M_TILES``, known from
-    ``offset[E]``: :func:`.gemm_mainloop._beyond_tiles`) and the tiles over every n-tile."""
-    routed = gl.load(offsets_ptr + E)
-    most = gl.cdiv(routed, BLOCK_M) + gl.minimum(routed, E) + gl.cdiv(M_ROWS - routed, BLOCK_M)
-    m_tiles = gl.minimum(most, M_TILES)
-    return m_tiles, m_tiles * gl.cdiv(N_OUT, WG_N)
-
-
-@gluon.jit
-def _tile(t, offsets_ptr, E, m_tiles, N_OUT, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr,
-          GROUP_M: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """``(e, first_row, row_end, n_tile)`` of flat tile ``t`` (``e == E``: dropped rows), on
-    lanes of the calling partition's ``WARPS`` warps."""
-    m_tile, n_tile = _swizzle(t, m_tiles, gl.cdiv(N_OUT, WG_N), GROUP_M)
-    ex = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    e, first_row, row_end = _tile_expert_lanes(offsets_ptr, m_tile, E, ex, BLOCK_M, E_POW2)
-    return e, first_row, row_end, n_tile
-
-
-@gluon.jit
-def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, offsets_ptr, E,
-              M_ROWS, M_TILES, N_OUT, N_W, T, n_kb, stride_am, GATED: gl.constexpr,
-              GATHER: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
-    """One warp (a warpgroup in the persistent grid): for each of the program's tiles, fills
-    slot ``c % STAGES`` with block ``kb`` of ``A`` (``A_ROWS`` rows) and ``W`` (``W_ROWS``
-    rows: gated, the gate rows' box then the up rows') once the math has freed it; ``c``
-    counts the blocks over the program's tiles, so the ring runs on into the next tile while
-    the math finishes this one."""
-    A_ROWS: gl.constexpr = WG_M if GATED else 2 * WG_M
-    m_tiles, count = _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT, A_ROWS)
-    pid = gl.program_id(0)
-    if PERSISTENT:
-        c = 0
-        for t in range(pid, count, gl.num_programs(0)):
-            e, first_row, row_end, n_tile = _tile(t, offsets_ptr, E, m_tiles, N_OUT, A_ROWS,
-                                                  E_POW2, GROUP_M,
-                                                  PERSISTENT_PRODUCER_WARPS)  # fmt: skip
-            if e < E:
-                c = _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty,
-                          first_row, row_end, T, e * N_W + n_tile * WG_N, N_OUT, n_kb, c,
-                          stride_am, GATED, GATHER, STAGES,
-                          PERSISTENT_PRODUCER_WARPS)  # fmt: skip
-    elif pid < count:
-        e, first_row, row_end, n_tile = _tile(pid, offsets_ptr, E, m_tiles, N_OUT, A_ROWS,
-                                              E_POW2, GROUP_M, PRODUCER_WARPS)  # fmt: skip
-        if e < E:
-            _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row,
-                  row_end, T, e * N_W + n_tile * WG_N, N_OUT, n_kb, 0, stride_am, GATED, GATHER,
-                  STAGES, PRODUCER_WARPS)  # fmt: skip
-
-
-@gluon.jit
-def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, row_end, T,
-          w_row0, n_up, n_kb, c, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
-          STAGES: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """One tile's ``n_kb`` blocks into the ring from slot count ``c`` (by the producer's
-    ``WARPS`` warps); returns the count after."""
+def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, row_end, T,
+              w_row0, n_up, n_kb, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """One warp: fills slot ``kb % STAGES`` with block ``kb`` of ``A`` (``A_ROWS`` rows) and
+    ``W`` (``W_ROWS`` rows: gated, the gate rows' box then the up rows') once the math has
+    freed it."""
     A_ROWS: gl.constexpr = WG_M if GATED else 2 * WG_M
     W_BYTES: gl.constexpr = (2 * WG_N if GATED else WG_N) * BLOCK_K
     if GATHER:
         gl.static_assert(GATED)
-        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
         r = a_row0 + gl.arange(0, A_ROWS, layout=gl.SliceLayout(1, lay))
         src = gl.load(d2s_ptr + r, mask=r < row_end, other=0) % T
         a_ptrs = (
@@ -147,8 +82,8 @@ def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, r
     a_row0 = a_row0.to(gl.int32)
     w_row0 = w_row0.to(gl.int32)
     for kb in range(n_kb):
-        s = (c + kb) % STAGES
-        mbarrier.wait(empty.index(s), (((c + kb) // STAGES) & 1) ^ 1)
+        s = kb % STAGES
+        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
         bar = full.index(s)
         k = kb * BLOCK_K
         if GATHER:
@@ -167,16 +102,15 @@ def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, r
                                             w_buf.slice(WG_N, WG_N))  # fmt: skip
         else:
             tma.async_copy_global_to_shared(w_desc, [w_row0, k], bar, w_buf)
-    return c + n_kb
 
 
 @gluon.jit
-def _issue(a_bufs, w_bufs, full, c, into, a_off: gl.constexpr, w_off: gl.constexpr,
+def _issue(a_bufs, w_bufs, full, kb, into, a_off: gl.constexpr, w_off: gl.constexpr,
            GATED: gl.constexpr, GATHER: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Once the ring's block ``c`` is in its slot, issue its product asynchronously into the
-    registers of ``into``, which hold nothing live."""
-    s = c % STAGES
-    mbarrier.wait(full.index(s), (c // STAGES) & 1)
+    """Once block ``kb`` is in its slot, issue its product asynchronously into the registers
+    of ``into``, which hold nothing live."""
+    s = kb % STAGES
+    mbarrier.wait(full.index(s), (kb // STAGES) & 1)
     if GATHER:  # cp.async wrote the token rows through the generic proxy
         fence_async_shared()
     a = a_bufs.index(s)
@@ -187,12 +121,12 @@ def _issue(a_bufs, w_bufs, full, c, into, a_off: gl.constexpr, w_off: gl.constex
 
 
 @gluon.jit
-def _retire(empty, c, p, acc, a_s, w_s, NEWER: gl.constexpr, SN: gl.constexpr,
+def _retire(empty, kb, p, acc, a_s, w_s, NEWER: gl.constexpr, SN: gl.constexpr,
             STAGES: gl.constexpr):  # fmt: skip
-    """Wait for the ring's block ``c``'s product (``NEWER`` blocks' stay in flight), free its
-    slot, scale it into the accumulator. Returns the accumulator and the spent product."""
+    """Wait for block ``kb``'s product (``NEWER`` blocks' stay in flight), free its slot,
+    scale it into the accumulator. Returns the accumulator and the spent product."""
     p = warpgroup_mma_wait(num_outstanding=NEWER, deps=(p,))
-    mbarrier.arrive(empty.index(c % STAGES))
+    mbarrier.arrive(empty.index(kb % STAGES))
     acc = _promote(acc, p, a_s, w_s, SN)
     # The spent product's registers take the next block's product: a wait on nothing new,
     # through which the accumulator passes, keeps LLVM from moving the scaling below that
@@ -224,7 +158,7 @@ def _promote(acc, part, a_s, w_s, SN: gl.constexpr):
 
 
 @gluon.jit
-def _mainloop(a_bufs, w_bufs, full, empty, as_ptrs, ws_ptrs, row_ok, n_kb, c, stride_ask,
+def _mainloop(a_bufs, w_bufs, full, empty, as_ptrs, ws_ptrs, row_ok, n_kb, stride_ask,
               stride_sk, a_off: gl.constexpr, w_off: gl.constexpr, GATED: gl.constexpr,
               GATHER: gl.constexpr, SN: gl.constexpr, STAGES: gl.constexpr,
               mma: gl.constexpr):  # fmt: skip
@@ -233,38 +167,38 @@ def _mainloop(a_bufs, w_bufs, full, empty, as_ptrs, ws_ptrs, row_ok, n_kb, c, st
     Block ``kb``'s product is issued into the registers of a product already scaled (the
     spare), so that no register of a product in flight is ever copied (ptxas would then
     serialise every wgmma): the loop takes the blocks two at a time, the two products'
-    registers swapping roles. ``c`` counts the ring's blocks before this tile's first."""
+    registers swapping roles."""
     zero = gl.zeros([WG_M, WG_N], gl.float32, mma)
-    p = _issue(a_bufs, w_bufs, full, c, zero, a_off, w_off, GATED, GATHER, STAGES)
+    p = _issue(a_bufs, w_bufs, full, 0, zero, a_off, w_off, GATED, GATHER, STAGES)
     acc = zero
     a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, 0, stride_ask, stride_sk, SN)
     spare = zero
     for kb in range(1, n_kb - 1, 2):
-        q = _issue(a_bufs, w_bufs, full, c + kb, spare, a_off, w_off, GATED, GATHER, STAGES)
-        acc, spare = _retire(empty, c + kb - 1, p, acc, a_s, w_s, 1, SN, STAGES)
+        q = _issue(a_bufs, w_bufs, full, kb, spare, a_off, w_off, GATED, GATHER, STAGES)
+        acc, spare = _retire(empty, kb - 1, p, acc, a_s, w_s, 1, SN, STAGES)
         a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, kb, stride_ask, stride_sk, SN)
-        p = _issue(a_bufs, w_bufs, full, c + kb + 1, spare, a_off, w_off, GATED, GATHER, STAGES)
-        acc, spare = _retire(empty, c + kb, q, acc, a_s, w_s, 1, SN, STAGES)
+        p = _issue(a_bufs, w_bufs, full, kb + 1, spare, a_off, w_off, GATED, GATHER, STAGES)
+        acc, spare = _retire(empty, kb, q, acc, a_s, w_s, 1, SN, STAGES)
         a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, kb + 1, stride_ask, stride_sk, SN)
     last = n_kb - 1
     if last % 2 == 1:  # blocks 0 ... last - 1 retired but the one in flight, then last
-        q = _issue(a_bufs, w_bufs, full, c + last, spare, a_off, w_off, GATED, GATHER, STAGES)
-        acc, _ = _retire(empty, c + last - 1, p, acc, a_s, w_s, 1, SN, STAGES)
+        q = _issue(a_bufs, w_bufs, full, last, spare, a_off, w_off, GATED, GATHER, STAGES)
+        acc, _ = _retire(empty, last - 1, p, acc, a_s, w_s, 1, SN, STAGES)
         a_s, w_s = _scales(as_ptrs, ws_ptrs, row_ok, last, stride_ask, stride_sk, SN)
-        acc, _ = _retire(empty, c + last, q, acc, a_s, w_s, 0, SN, STAGES)
+        acc, _ = _retire(empty, last, q, acc, a_s, w_s, 0, SN, STAGES)
     else:
-        acc, _ = _retire(empty, c + last, p, acc, a_s, w_s, 0, SN, STAGES)
+        acc, _ = _retire(empty, last, p, acc, a_s, w_s, 0, SN, STAGES)
     return acc
 
 
 @gluon.jit
-def _exchange(acc, x_smem, xbar, phase, WG: gl.constexpr, mma64: gl.constexpr):
+def _exchange(acc, x_smem, xbar, WG: gl.constexpr, mma64: gl.constexpr):
     """Gated: warpgroup 0 holds the gate and warpgroup 1 the up products of 128 columns; each
     then takes both of 64 of them (its half), through shared memory."""
     x_smem.slice(WG * WG_M, WG_M).store(acc)
     gl.thread_barrier()
     mbarrier.arrive(xbar)
-    mbarrier.wait(xbar, phase)
+    mbarrier.wait(xbar, 0)
     half = x_smem.slice(WG * (WG_N // 2), WG_N // 2, dim=1)
     gate = half.slice(0, WG_M).load(mma64)
     up = half.slice(WG_M, WG_M).load(mma64)
@@ -273,96 +207,14 @@ def _exchange(acc, x_smem, xbar, phase, WG: gl.constexpr, mma64: gl.constexpr):
 
 @gluon.jit
 def _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
-          bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES, N_OUT, T, n_kb, stride_asm,
+          bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm,
           stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
           stride_bn, ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr,
           LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr,
           UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, GATHER: gl.constexpr,
-          SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, E_POW2: gl.constexpr,
-          STAGES: gl.constexpr, GROUP_M: gl.constexpr, PERSISTENT: gl.constexpr,
+          SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, STAGES: gl.constexpr,
           WG: gl.constexpr):  # fmt: skip
-    """Math warpgroup ``WG`` over the program's tiles, in the producer's order; a tile of the
-    dropped rows ``[offset[E], M)`` is written as zeros (codes and scales)."""
-    BLOCK_M: gl.constexpr = WG_M if GATED else 2 * WG_M
-    m_tiles, count = _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT, BLOCK_M)
-    pid = gl.program_id(0)
-    if PERSISTENT:
-        done = 0
-        for t in range(pid, count, gl.num_programs(0)):
-            done = _math_at(t, done, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr,
-                         ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS,
-                         m_tiles, N_OUT, T, n_kb, stride_asm, stride_ask, stride_se, stride_sn,
-                         stride_sk, stride_om, stride_osm, stride_be, stride_bn, ACT, GATED,
-                         ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN,
-                         OUT_FP8, UE8M0, E_POW2, STAGES, GROUP_M, WG)  # fmt: skip
-    elif pid < count:
-        _math_at(pid, 0, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr,
-                 out_ptr, os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, m_tiles, N_OUT, T,
-                 n_kb, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
-                 stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
-                 GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, E_POW2, STAGES,
-                 GROUP_M, WG)  # fmt: skip
-
-
-@gluon.jit
-def _math_at(t, done, a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
-             os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, m_tiles, N_OUT, T, n_kb,
-             stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
-             stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr,
-             LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr,
-             UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, GATHER: gl.constexpr,
-             SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, E_POW2: gl.constexpr,
-             STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Tile ``t``, after ``done`` tiles of the program's that held rows (each took ``n_kb``
-    blocks from the ring and, gated, one phase of the exchange barrier, two with ``OUT_FP8``);
-    returns the count after it."""
-    BLOCK_M: gl.constexpr = WG_M if GATED else 2 * WG_M
-    PHASES: gl.constexpr = 2 if OUT_FP8 else 1
-    e, first_row, row_end, n_tile = _tile(t, offsets_ptr, E, m_tiles, N_OUT, BLOCK_M, E_POW2,
-                                          GROUP_M, 4)  # fmt: skip
-    if e < E:
-        _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
-                   os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n_tile * WG_N, n_tile, n_kb,
-                   done * n_kb, done * PHASES, N_OUT, T, stride_asm, stride_ask, stride_se,
-                   stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn, ACT,
-                   GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER,
-                   SN, OUT_FP8, UE8M0, STAGES, WG)  # fmt: skip
-    else:
-        _zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_osm,
-                   GATED, OUT_FP8, WG)  # fmt: skip
-    return done + (e < E).to(gl.int32)
-
-
-@gluon.jit
-def _zero_rows(out_ptr, os_ptr, first_row, n_tile, M_ROWS, N_OUT, stride_om, stride_osm,
-               GATED: gl.constexpr, OUT_FP8: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Warpgroup ``WG``'s part of a tile of dropped rows: zeros (and zero scales)."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    a_off: gl.constexpr = 0 if GATED else WG * WG_M
-    PN: gl.constexpr = WG_N // 2 if GATED else WG_N
-    c0 = n_tile * WG_N + (WG * PN if GATED else 0)
-    r = first_row + a_off + gl.arange(0, WG_M, layout=gl.SliceLayout(1, lay))
-    cols = c0 + gl.arange(0, PN, layout=gl.SliceLayout(0, lay))
-    row_ok = r < M_ROWS
-    gl.store(out_ptr + r.to(gl.int64)[:, None] * stride_om + cols[None, :],
-             gl.zeros([WG_M, PN], out_ptr.dtype.element_ty, lay),
-             mask=row_ok[:, None] & (cols < N_OUT)[None, :])  # fmt: skip
-    if OUT_FP8 and (WG == 0 or not GATED):
-        gl.store(os_ptr + r.to(gl.int64) * stride_osm + n_tile,
-                 gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, lay)), mask=row_ok)  # fmt: skip
-
-
-@gluon.jit
-def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
-               os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, c, u, N_OUT,
-               T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
-               stride_osm, stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr,
-               ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr,
-               GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr,
-               GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
-               UE8M0: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Math warpgroup ``WG`` on one tile: its main loop (the module doc) from the ring's block
-    ``c``, and epilogue; gated, the warpgroups' exchange barrier has completed ``u`` phases."""
+    """Math warpgroup ``WG``: its main loop (the module doc) and epilogue."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, WG_N, 32])  # fmt: skip
     a_off: gl.constexpr = 0 if GATED else WG * WG_M
@@ -377,9 +229,8 @@ def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_
     w_off: gl.constexpr = WG * WG_N if GATED else 0  # and where they lie in the slot's W tile
     ws_base = ws_ptr + e.to(gl.int64) * stride_se
     acc = _mainloop(a_bufs, w_bufs, full, empty, as_ptr + a_rows,
-                    ws_base + (w_row0 // SN).to(gl.int64) * stride_sn, row_ok, n_kb, c,
-                    stride_ask, stride_sk, a_off, w_off, GATED, GATHER, SN, STAGES,
-                    mma)  # fmt: skip
+                    ws_base + (w_row0 // SN).to(gl.int64) * stride_sn, row_ok, n_kb, stride_ask,
+                    stride_sk, a_off, w_off, GATED, GATHER, SN, STAGES, mma)  # fmt: skip
     if SN == 1:  # per channel: the rows' scales
         j = gl.arange(0, WG_N, layout=gl.SliceLayout(0, mma))
         col_s = gl.load(ws_base + (w_row0 + j).to(gl.int64) * stride_sn, mask=n0 + j < N_OUT,
@@ -391,7 +242,7 @@ def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_
         out_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WG_N // 2, 32]
         )
-        acc, acc_up = _exchange(acc, x_smem, xbar, u & 1, WG, out_l)
+        acc, acc_up = _exchange(acc, x_smem, xbar, WG, out_l)
         c0 = n0 + WG * (WG_N // 2)
         PN: gl.constexpr = WG_N // 2
     else:
@@ -422,7 +273,7 @@ def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_
             amax_smem.slice(WG * WG_M, WG_M).store(amax)
             gl.thread_barrier()
             mbarrier.arrive(xbar)
-            mbarrier.wait(xbar, (u + 1) & 1)
+            mbarrier.wait(xbar, 1)
             amax = gl.maximum(amax, amax_smem.slice((1 - WG) * WG_M, WG_M).load(row_l))
         sc = fp8_scale(amax, UE8M0)
         gl.store(out_ptrs, fp8_codes(h, sc[:, None], False), mask=mask)
@@ -434,20 +285,19 @@ def _math_tile(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_
 
 @gluon.jit
 def _math_worker(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr,
-                 os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES, N_OUT, T, n_kb,
+                 os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
                  stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
                  stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr,
                  ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr,
                  GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr,
                  GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
-                 UE8M0: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+                 UE8M0: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The second math warpgroup (a worker partition)."""
     _math(a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
-          bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES, N_OUT, T, n_kb, stride_asm,
+          bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm,
           stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
           stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS,
-          GATHER, SN, OUT_FP8, UE8M0, E_POW2, STAGES, GROUP_M, PERSISTENT, 1)  # fmt: skip
+          GATHER, SN, OUT_FP8, UE8M0, STAGES, 1)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["M_ROWS", "M_TILES", "T"])
@@ -460,14 +310,37 @@ def _fp8_sm90_kernel(
     UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
     HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
     UE8M0: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, PERSISTENT: gl.constexpr,
+    GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    """``[BLOCK_M, BLOCK_N]`` output tiles (``128 x 128``, gated ``64 x 128``) of the experts'
-    rows, as :func:`.quant._quant_gemm_kernel` computes them, tile ``pid, pid + programs,
-    ...`` of the tiles that hold rows: one per program, or (not gated) a persistent grid whose
-    producer streams the next tile's blocks while the math finishes this one. A gated program
-    takes one tile (its warpgroups swap halves through shared memory once per tile)."""
+    """One ``[BLOCK_M, BLOCK_N]`` output tile per program (``128 x 128``, gated ``64 x 128``)
+    of expert ``e``'s rows, as :func:`.quant._quant_gemm_kernel` computes it; the dropped
+    rows' tiles are written as zeros (codes and scales)."""
     BLOCK_M: gl.constexpr = WG_M if GATED else 2 * WG_M
+    BLOCK_N: gl.constexpr = WG_N
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ex = gl.arange(0, E_POW2, layout=lanes)
+    e, first_row, row_end = _tile_expert_lanes(offsets_ptr, m_tile, E, ex, BLOCK_M, E_POW2)
+    n0 = n_tile * BLOCK_N
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        r = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
+        c = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+        ok = (r < M_ROWS)[:, None] & (c < N_OUT)[None, :]
+        gl.store(
+            out_ptr + r.to(gl.int64)[:, None] * stride_om + c[None, :],
+            gl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty, lay),
+            mask=ok,
+        )
+        if OUT_FP8:
+            c_tiles = gl.cdiv(N_OUT, WG_N)
+            gl.store(os_ptr + r.to(gl.int64)[:, None] * stride_osm + (n0 // WG_N)
+                     + gl.arange(0, BLOCK_N // WG_N, layout=gl.SliceLayout(0, lay))[None, :],
+                     gl.zeros([BLOCK_M, BLOCK_N // WG_N], gl.float32, lay),
+                     mask=(r < M_ROWS)[:, None] & (n0 // WG_N < c_tiles))  # fmt: skip
+        return
     W_ROWS: gl.constexpr = 2 * WG_N if GATED else WG_N
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
                                                                   gl.float8e4nv)  # fmt: skip
@@ -486,33 +359,30 @@ def _fp8_sm90_kernel(
     x_smem = gl.allocate_shared_memory(gl.float32, [2 * X_ROWS, WG_N], x_layout)
     # a slot fills with the producer's expect-tx arrive and, gathering, one cp.async arrive per
     # producer thread
-    P_WARPS: gl.constexpr = PERSISTENT_PRODUCER_WARPS if PERSISTENT else PRODUCER_WARPS
-    FULL_ARRIVALS: gl.constexpr = 1 + 32 * P_WARPS if GATHER else 1
+    FULL_ARRIVALS: gl.constexpr = 1 + 32 * PRODUCER_WARPS if GATHER else 1
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=FULL_ARRIVALS)
         mbarrier.init(empty.index(i), count=2)  # both math warpgroups
     mbarrier.init(xbar, count=2)
     n_kb = gl.cdiv(KD, BLOCK_K)
+    w_row0 = e * N_W + n0
     gl.warp_specialize(
         [
             (_math, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr, ws_ptr,
-                     out_ptr, os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES, N_OUT,
-                     T, n_kb, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
+                     out_ptr, os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb,
+                     N_OUT, T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
                      stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
-                     GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, E_POW2,
-                     STAGES, GROUP_M, PERSISTENT, 0)),
+                     GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES, 0)),
             (_math_worker, (a_bufs, w_bufs, full, empty, xbar, x_smem, amax_smem, as_ptr,
-                            ws_ptr, out_ptr, os_ptr, bias_ptr, offsets_ptr, d2s_ptr, E, M_ROWS,
-                            M_TILES, N_OUT, T, n_kb, stride_asm, stride_ask, stride_se,
+                            ws_ptr, out_ptr, os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end,
+                            n0, n_tile, n_kb, N_OUT, T, stride_asm, stride_ask, stride_se,
                             stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
                             ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
-                            HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, E_POW2, STAGES, GROUP_M,
-                            PERSISTENT)),
-            (_producer, (a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty,
-                         offsets_ptr, E, M_ROWS, M_TILES, N_OUT, N_W, T, n_kb, stride_am,
-                         GATED, GATHER, E_POW2, GROUP_M, STAGES, PERSISTENT)),
+                            HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES)),
+            (_producer, (a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row,
+                         row_end, T, w_row0, N_OUT, n_kb, stride_am, GATED, GATHER, STAGES)),
         ],
-        [4, P_WARPS],
+        [4, PRODUCER_WARPS],
         [232, 56 if GATHER else 40],
     )  # fmt: skip
 
@@ -530,7 +400,7 @@ class Fp8Sm90Launch:
     through a ``[BLOCK_M, 128]`` box or gathered; descriptors are built per call (they hold
     addresses) and encoded once per address by the thin launch."""
 
-    __slots__ = ("E", "cx", "gather", "kd", "key", "n_out", "n_w", "persistent", "strides")
+    __slots__ = ("E", "cx", "gather", "kd", "key", "n_out", "n_w", "strides")
 
     @staticmethod
     def serves(w, epilogue, n_out: int, block_n_scale: int) -> bool:
@@ -545,12 +415,9 @@ class Fp8Sm90Launch:
         return not epilogue.interleaved and (block_n_scale == 1 or n_out % WG_N.value == 0)
 
     def __init__(self, a, a_scale, w, w_scale, kd, epilogue, bias, gather, out_dtype, out_fp8,
-                 block_n_scale, ue8m0, group_m, persistent=False):  # fmt: skip
+                 block_n_scale, ue8m0, group_m):  # fmt: skip
         E, n_w, _ = w.shape
         self.E, self.kd, self.n_w, self.gather = E, kd, n_w, gather
-        # one program per SM over the tiles; gated only where the epilogue's second exchange
-        # (the row maxima of GEMM2's codes) orders the next tile's after this one's reads
-        self.persistent = persistent and (out_fp8 or not epilogue.gated)
         self.n_out = n_w // 2 if epilogue.gated else n_w
         ss = w_scale.stride()
         s_w = (ss[0], ss[1], 0) if w_scale.dim() == 2 else ss
@@ -566,7 +433,7 @@ class Fp8Sm90Launch:
             UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
             UP_SOFTCAP=epilogue.up_softcap, HAS_BIAS=bias is not None, GATHER=gather,
             SN=block_n_scale, OUT_FP8=out_fp8, UE8M0=ue8m0, E_POW2=next_pow2(E + 1),
-            STAGES=4, GROUP_M=group_m, PERSISTENT=self.persistent, num_warps=4,
+            STAGES=4, GROUP_M=group_m, num_warps=4,
         )  # fmt: skip
 
     def descriptors(self, a, w):
@@ -592,8 +459,6 @@ class Fp8Sm90Launch:
         bm = WG_M.value if self.cx["GATED"] else 2 * WG_M.value
         m_tiles = _m_tiles(M, self.E, bm)
         grid = m_tiles * cdiv(self.n_out, WG_N.value)
-        if self.persistent:
-            grid = min(grid, num_sms(a.device))
         o_s = out_scale if out_scale is not None else out
         b = bias if bias is not None else out
         d2s = dest_to_src if self.gather else offsets
