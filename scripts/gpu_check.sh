@@ -113,14 +113,18 @@ if [ "$part" = quant ]; then
     # The tests and the four sanitizer tools side by side (correctness only), then the
     # benchmarks alone on the GPU; each bounded, so that the part fits one 10-minute job.
     # Every error is printed, and each tool's are counted per kernel.
-    # the two test files side by side, the larger in two halves (compiles are CPU-bound;
-    # beside the sanitizers the whole file does not fit the bound)
+    # the two test files side by side, the larger in three parts (compiles are CPU-bound;
+    # beside the sanitizers neither the whole file nor its second half fits the bound)
     first_half="forward_against or gemm_stages"
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
         -k "$first_half" -p no:cacheprovider --tb=short > "$out/quant_tests.log" 2>&1 &
     tests_pid=$!
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
-        -k "not ($first_half)" -p no:cacheprovider --tb=short > "$out/quant_tests_rest.log" 2>&1 &
+        -k "decode_path" -p no:cacheprovider --tb=short > "$out/quant_tests_path.log" 2>&1 &
+    path_pid=$!
+    timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_quant.py \
+        -k "not ($first_half or decode_path)" -p no:cacheprovider --tb=short \
+        > "$out/quant_tests_rest.log" 2>&1 &
     rest_pid=$!
     timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu_decode.py \
         -p no:cacheprovider --tb=short > "$out/quant_tests_decode.log" 2>&1 &
@@ -131,8 +135,8 @@ if [ "$part" = quant ]; then
             python3 scripts/sanitize_small.py --quant > "$out/sanitize_${tool}_quant.log" 2>&1 &
         san_pids+=($!)
     done
-    for job in "$tests_pid|quant_tests" "$rest_pid|quant_tests_rest" \
-               "$decode_pid|quant_tests_decode"; do
+    for job in "$tests_pid|quant_tests" "$path_pid|quant_tests_path" \
+               "$rest_pid|quant_tests_rest" "$decode_pid|quant_tests_decode"; do
         IFS='|' read -r pid log <<< "$job"
         wait "$pid"
         t_rc=$?
