@@ -24,6 +24,7 @@ from moe_route.kernels.triton.moe import moe_forward_quant_triton
 from moe_route.plan import quant_plan_for
 from moe_route.quant import as_quant
 
+from ..quant import HOST_QUEUE_CALLS
 from ..shapes import model_shape
 from ..timing import time_host
 from .common import Sweep, rel_err, short_error, tiny_shapes
@@ -292,11 +293,12 @@ class QuantSweep(Sweep):
 
     def host_us(self, fn) -> float:
         """Host time of one eager call of ``fn`` (its launches prepared by a first call), over
-        five loops of 32 calls, well inside CUDA's launch queue; NaN on the CPU, where the
-        interpreter runs the kernels."""
+        five loops of the ``quant`` stage's :data:`.quant.HOST_QUEUE_CALLS` calls; NaN on the
+        CPU, where the interpreter runs the kernels."""
         if self.cpu:
             return math.nan
-        return time_host(fn, self.device, calls=32, repeats=5, warmup=2).median_s * 1e6
+        return time_host(fn, self.device, calls=HOST_QUEUE_CALLS, repeats=5,
+                         warmup=2).median_s * 1e6  # fmt: skip
 
     def decode_configs(self, fmt: str, tables: DecodeConfig) -> list[DecodeConfig]:
         """The decode path's tiles: the tables' first, then the tables' tiles on the grid's other
