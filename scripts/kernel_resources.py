@@ -358,7 +358,7 @@ def compile_fp8_sm90(gated: bool, gather: bool, channel: bool, *, arch: int, exp
     from moe_route.kernels.triton import quant_sm90 as q
 
     fn = q._fp8_sm90_kernel
-    a_rows, w_rows = (q.WG_M.value if gated else 2 * q.WG_M.value), q.WG_N.value
+    a_rows, w_rows = 2 * q.WG_M.value, (q.GATE_N.value if gated else q.WG_N.value)
 
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, q.BLOCK_K.value], gl.float8e4nv)

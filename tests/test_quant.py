@@ -753,8 +753,8 @@ def test_quant_bad_input():
 @pytest.mark.parametrize(
     ("gated", "interleaved", "n_out", "block_rows", "served"),
     [
-        (True, False, 256, 128, True),  # the gate, or up, rows of 128 columns per warpgroup
-        (True, False, 192, 128, False),  # the up rows' 128 would straddle two scale blocks
+        (True, False, 256, 128, True),  # a pass's 64 gate rows and 64 up rows, each one box
+        (True, False, 192, 128, False),  # the up rows' boxes would straddle two scale blocks
         (True, True, 256, 128, False),  # interleaved gate/up rows: one box cannot split them
         (True, False, 200, 1, True),  # per channel: any width
         (False, False, 200, 128, True),  # plain: 128-row tiles, one scale block each
@@ -763,7 +763,7 @@ def test_quant_bad_input():
 )
 def test_fp8_sm90_kernel_serves(gated, interleaved, n_out, block_rows, served):
     """Which FP8 GEMMs the warp-specialised SM90 kernel takes (the Triton kernel the rest), and
-    the TMA views it reads: ``W`` as ``[E * N, K]`` in 128-row boxes, ``A``
+    the TMA views it reads: ``W`` as ``[E * N, K]`` in 128-row boxes (gated 64), ``A``
     through a box unless gathered; None where TMA cannot address an operand."""
     from moe_route.kernels.triton.gemm_mainloop import IDENTITY
     from moe_route.kernels.triton.quant_sm90 import Fp8Sm90Launch
@@ -781,14 +781,15 @@ def test_fp8_sm90_kernel_serves(gated, interleaved, n_out, block_rows, served):
     a_s = torch.ones(64, K // 128)
     out_dtype = torch.float8_e4m3fn if gated else torch.bfloat16
     launch = Fp8Sm90Launch(a, a_s, w, ws, K, epi, None, gated, out_dtype, gated, block_rows,
-                           False, 8)  # fmt: skip
+                           False, 1024)  # fmt: skip
     a_desc, w_desc = launch.descriptors(a, w)
     assert w_desc.shape == (E * n_w, K) and w_desc.strides == (K, 1)
-    assert w_desc.block_shape == (128, 128)
+    assert w_desc.block_shape == ((64, 128) if gated else (128, 128))
+    assert launch.cx["GROUP_M"] == 8  # 1024 rows of 128-row tiles
     if gated:  # gathered: the token codes themselves, in whole 128-column blocks
         assert a_desc is a
         short = Fp8Sm90Launch(a, a_s, w, ws, K - 56, epi, None, True, out_dtype, True,
-                              block_rows, False, 8)  # fmt: skip
+                              block_rows, False, 1024)  # fmt: skip
         assert short.descriptors(a, w) is None
     else:
         assert a_desc.block_shape == (128, 128) and a_desc.shape == (64, K)
