@@ -430,9 +430,7 @@ class Fp8Sm90Launch:
         return not epilogue.interleaved and (block_n_scale == 1 or n_out % WG_N.value == 0)
 
     def __init__(self, a, a_scale, w, w_scale, kd, epilogue, bias, gather, out_dtype, out_fp8,
-                 block_n_scale, ue8m0, group_rows):  # fmt: skip
-        """``group_rows``: the token rows of the m-tiles that run in turn on an n-tile's
-        weights (the tiles' swizzle), as the caller's tiles group them."""
+                 block_n_scale, ue8m0, group_m):  # fmt: skip
         E, n_w, _ = w.shape
         self.E, self.kd, self.n_w, self.gather = E, kd, n_w, gather
         self.n_out = n_w // 2 if epilogue.gated else n_w
@@ -441,7 +439,6 @@ class Fp8Sm90Launch:
         sa_s = (a_scale.stride(0), 0 if a_scale.shape[1] == 1 else a_scale.stride(1))
         sb = bias.stride() if bias is not None else (0, 0)
         sos = cdiv(self.n_out, WG_N.value) if out_fp8 else 0
-        group_m = max(1, group_rows // (2 * WG_M.value))
         self.strides = (a.stride(0), *sa_s, *s_w, self.n_out, sos, *sb)
         self.key = LaunchKey(("sm90", epilogue, bias.dtype if bias is not None else None,
                               out_dtype, self.strides, gather, out_fp8, block_n_scale, ue8m0, E,
