@@ -277,10 +277,7 @@ def quant_gemm_config(rows_per_expert: float, gated: bool, mxfp4: bool,
         return GemmConfig(64, 128, 128, 8, 4, 3, tma)
     if gated:  # gate, up and a block's product live at once: 64 rows on 8 warps
         return GemmConfig(64, 128, 128, 8, 8, 4, tma)
-    # GEMM2 on SM90's warp-specialised kernel: one program per SM over the tiles, so that a
-    # short reduction does not pay a pipeline fill per tile (docs/decisions.md, "FP8 prefill:
-    # a persistent grid for the warp-specialised kernel")
-    return GemmConfig(128, 128, 128, 8, 8, 4, tma, persistent=int(cc == 90))
+    return GemmConfig(128, 128, 128, 8, 8, 4, tma)
 
 
 def quant_in_loop(rows_per_expert: float, mxfp4: bool, cc: int | None,

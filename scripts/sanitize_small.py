@@ -13,10 +13,9 @@ only (1024 rows per expert in its bucket: the TMA stores and 4-stage GEMM1 on Ho
 ``--quant``: only the quantised experts (every format, odd sizes with partial scale blocks and
 TMA-fed sizes, a dropped slot, an expert without rows; inference twice, also through the
 decode path, then a backward; the activation quantiser alone; the FP8 decode path at 32
-slots; the persistent grids on three programs); ``--ep``: only expert
+slots); ``--ep``: only expert
 parallelism's rank maps, with which every other run ends."""
 
-import os
 import sys
 
 import torch
@@ -48,9 +47,6 @@ if "--ep" in sys.argv:
     torch.cuda.synchronize()
     sys.exit(0)
 if "--quant" in sys.argv:
-    # the persistent grids on three programs, so that each takes many tiles
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    os.environ["MOE_ROUTE_COMM_SMS"] = str(sms - 3)
     # odd sizes (partial scale blocks, pointer-fed; about 11 rows per expert: the 16-row
     # tiles); TMA-fed sizes at 128 rows per expert (on SM90 the warp-specialised kernel: an
     # odd block count; per channel also a partial column tile, where 128-row blocks take the

@@ -218,69 +218,6 @@ def test_quant_tma_matches_pointers(monkeypatch, fmt, shape, layout):
         assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["gemm2", "gemm1"])
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_ue8m0", "fp8_channel"])
-def test_quant_sm90_persistent_matches_per_tile(monkeypatch, fmt, gated):
-    """SM90's warp-specialised kernel over a persistent grid, here three programs so that each
-    takes dozens of tiles (the ring of operand slots running on from one tile into the next;
-    tiles of an expert without rows and of the dropped rows among them), against one program
-    per tile: the same bits on every row, the dropped rows' zeros (and scales) included. GEMM2
-    writes 16-bit rows; the gated GEMM1 gathers the tokens' codes and writes GEMM2's."""
-    import dataclasses
-
-    from moe_route import tuning
-    from moe_route.kernels.triton.gemm_mainloop import IDENTITY, num_sms
-    from moe_route.kernels.triton.quant import QuantGemmLaunch
-    from moe_route.plan import epilogue_for
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised FP8 kernel runs on SM90 only")
-    spec = Q.as_quant(fmt)
-    # I = 256: whole scale blocks of gate and up rows (block-scaled gated GEMM1s need
-    # I % 128 == 0); H = 384: whole 128-column blocks of token codes to gather
-    x, w1, w2, _tw, ids = _case(700, 384, 256, 16, 4)
-    H = x.shape[1]
-    E, n_inter = w2.shape[0], w2.shape[2]
-    w1q, s1, w2q, s2 = _quantised(w1, w2, fmt)
-    _s2d, d2s, _efs, offsets = moe_route.build_routing_maps(ids, E).tensors()
-    M = d2s.numel()
-    assert int(offsets[-1]) < M  # a dropped row
-    sn = spec.block[0] if spec.format == "fp8_block" else 1
-    cfg = tuning.quant_gemm_config(M / E, gated, False, 90)
-    assert cfg.persistent == (not gated)
-    monkeypatch.setenv("MOE_ROUTE_COMM_SMS", str(num_sms(x.device) - 3))
-    g = torch.Generator(device=CUDA).manual_seed(1)
-    if gated:
-        a, a_s = moe_route.quantize_activations(x, fmt)
-        w, w_s, kd, epi = w1q, s1, H, epilogue_for("swiglu", "concat")
-        out_dtype, width = torch.float8_e4m3fn, n_inter
-    else:
-        a = (torch.randn(M, n_inter, device=CUDA, generator=g) * 64).to(torch.float8_e4m3fn)
-        a_s = torch.rand(M, -(-n_inter // 128), device=CUDA, generator=g) + 0.5
-        w, w_s, kd, epi = w2q, s2, n_inter, IDENTITY
-        out_dtype, width = torch.bfloat16, H
-    outs = []
-    for persistent in (0, 1):
-        tiles = dataclasses.replace(cfg, persistent=persistent)
-        launch = QuantGemmLaunch(a, a_s, w, w_s, kd, tiles, epi, None, gated, out_dtype, gated,
-                                 False, sn, spec.ue8m0)  # fmt: skip
-        assert launch.sm90 is not None and launch.sm90.persistent == bool(persistent)
-        assert launch.sm90.descriptors(a, w) is not None
-        y = torch.full((M, width), float("nan"), device=CUDA).to(out_dtype)
-        y_s = torch.full((M, -(-width // 128)), float("nan"), device=CUDA) if gated else None
-        launch(a, a_s, w, w_s, offsets, y, y_s, None, d2s if gated else None, M)
-        outs.append((y.view(torch.uint8) if gated else y, y_s))
-    (y0, s0), (y1, s1_) = outs
-    dropped = int(offsets[-1])
-    if gated:
-        assert torch.isfinite(s1_).all() and (s1_[dropped:] == 0).all()
-        assert torch.equal(s0, s1_)
-    else:
-        assert torch.isfinite(y1).all()
-    assert (y1[dropped:] == 0).all()
-    assert torch.equal(y0, y1)
-
-
 @pytest.mark.isolated  # a failed capture would break the tests after it (tests/conftest.py)
 @pytest.mark.parametrize(
     "shape",

@@ -66,9 +66,9 @@ class GemmConfig:
     num_stages: int
     #: Load the non-gathered operands through TMA descriptors (SM90+, 16-bit, aligned).
     use_tma: bool = False
-    #: GEMM1 / GEMM2 (:func:`.grouped_gemm.grouped_gemm_triton`) and SM90's FP8 kernel
-    #: (:mod:`.quant_sm90`, 1) only: programs per SM of the persistent kernel (0: one program
-    #: per tile). The other kernels take the per-tile grid whatever this says.
+    #: GEMM1 / GEMM2 (:func:`.grouped_gemm.grouped_gemm_triton`) only: programs per SM of the
+    #: persistent kernel (0: one program per tile). The other kernels take the per-tile grid
+    #: whatever this says.
     persistent: int = 0
     #: With ``persistent`` and every operand read through TMA: a warp-specialised loop.
     warp_specialize: bool = False

@@ -402,7 +402,7 @@ class QuantGemmLaunch:
             if Fp8Sm90Launch.serves(w, epilogue, n_out, block_n_scale):
                 self.sm90 = Fp8Sm90Launch(a, a_scale, w, w_scale, kd, epilogue, bias, gather,
                                           out_dtype, out_fp8, block_n_scale, ue8m0,
-                                          cfg.group_m, cfg.persistent)  # fmt: skip
+                                          cfg.group_m)  # fmt: skip
         # without TMA nothing depends on the addresses: one key for every call
         tma = cfg.use_tma and self.fp8
         self.key = None if tma else LaunchKey((*self.static, False, False, self._split(None)))

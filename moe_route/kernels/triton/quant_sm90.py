@@ -52,14 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import LaunchKey, ThinKernel, cdiv, next_pow2
 from .activation import gated_forward, plain_forward
 from .fp8_codes import fp8_codes, fp8_scale
-from .gemm_mainloop import (
-    _beyond_tiles,
-    _m_tiles,
-    _program_tile,
-    _swizzle,
-    _tile_expert_lanes,
-    num_sms,
-)
+from .gemm_mainloop import _beyond_tiles, _m_tiles, _program_tile, _tile_expert_lanes
 from .tma import GluonDescriptor, layout_ok, tma_ok
 
 #: Token rows and weight rows of one warpgroup's product.
@@ -69,68 +62,18 @@ WG_N = gl.constexpr(128)
 BLOCK_K = gl.constexpr(128)
 #: Output columns of a gated tile's pass (its gate and up rows: one 128-row product).
 GATE_N = gl.constexpr(64)
-#: Token rows of a tile (64 per math warpgroup).
-TILE_M = gl.constexpr(128)
 #: Warps of the producer partition (its registers are a warpgroup's either way; four gather
-#: the tile's 128 token rows with 8 copies a thread per block, and look up each tile's
-#: expert without spilling).
+#: the tile's 128 token rows with 8 copies a thread per block).
 PRODUCER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT):
-    """``(m_tiles, count)``: the m-tiles that hold rows (at most ``M_TILES``, known from
-    ``offset[E]``: :func:`.gemm_mainloop._beyond_tiles`) and the tiles over every n-tile."""
-    routed = gl.load(offsets_ptr + E)
-    most = gl.cdiv(routed, TILE_M) + gl.minimum(routed, E) + gl.cdiv(M_ROWS - routed, TILE_M)
-    m_tiles = gl.minimum(most, M_TILES)
-    return m_tiles, m_tiles * gl.cdiv(N_OUT, WG_N)
-
-
-@gluon.jit
-def _tile(t, offsets_ptr, E, m_tiles, N_OUT, E_POW2: gl.constexpr, GROUP_M: gl.constexpr,
-          WARPS: gl.constexpr):  # fmt: skip
-    """``(e, first_row, row_end, n_tile)`` of flat tile ``t`` (``e == E``: dropped rows),
-    found on the lanes of the calling partition's ``WARPS`` warps."""
-    m_tile, n_tile = _swizzle(t, m_tiles, gl.cdiv(N_OUT, WG_N), GROUP_M)
-    ex = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    e, first_row, row_end = _tile_expert_lanes(offsets_ptr, m_tile, E, ex, TILE_M, E_POW2)
-    return e, first_row, row_end, n_tile
-
-
-@gluon.jit
-def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, e, first_row,
-              row_end, n_tile, offsets_ptr, E, M_ROWS, M_TILES, N_OUT, N_W, T, n_kb, stride_am,
-              GATED: gl.constexpr, GATHER: gl.constexpr, E_POW2: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              PERSISTENT: gl.constexpr):  # fmt: skip
-    """Fills the ring's slots (:func:`_fill`) with the program's tile (``e``, its rows
-    ``first_row ... row_end`` and ``n_tile``) or, ``PERSISTENT``, with each of its tiles that
-    holds rows, the ring counting on from one tile into the next: the producer loads the next
-    tile's first blocks while the math finishes this one."""
-    if PERSISTENT:
-        m_tiles, count = _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT)
-        c = 0
-        for t in range(gl.program_id(0), count, gl.num_programs(0)):
-            e_t, row0_t, end_t, n_t = _tile(t, offsets_ptr, E, m_tiles, N_OUT, E_POW2, GROUP_M,
-                                            PRODUCER_WARPS)  # fmt: skip
-            if e_t < E:
-                c = _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, row0_t,
-                          end_t, T, e_t * N_W + n_t * WG_N, N_OUT, n_kb, c, stride_am, GATED,
-                          GATHER, STAGES)  # fmt: skip
-    else:
-        _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row, row_end,
-              T, e * N_W + n_tile * WG_N, N_OUT, n_kb, 0, stride_am, GATED, GATHER,
-              STAGES)  # fmt: skip
-
-
-@gluon.jit
-def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, row_end, T,
-          w_row0, n_up, n_kb, c0, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
-          STAGES: gl.constexpr):  # fmt: skip
-    """Fills the ring's slots in turn from its block ``c0``, once the math has freed each,
-    with a block of ``A``'s 128 rows and of 128 weight rows (gated: the pass's 64 gate rows'
-    box, then their up rows'): block ``kb`` of each pass. Returns the ring's count after."""
+def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, row_end, T,
+              w_row0, n_up, n_kb, stride_am, GATED: gl.constexpr, GATHER: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """Fills the ring's slots in turn, once the math has freed each, with a block of ``A``'s
+    128 rows and of 128 weight rows (gated: the pass's 64 gate rows' box, then their up
+    rows'): block ``kb`` of each pass, the ring counting on across the passes."""
     A_ROWS: gl.constexpr = 2 * WG_M
     W_BYTES: gl.constexpr = WG_N * BLOCK_K
     PASSES: gl.constexpr = 2 if GATED else 1
@@ -146,16 +89,15 @@ def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, r
         )
     a_row0 = a_row0.to(gl.int32)
     w_row0 = w_row0.to(gl.int32)
-    for i in range(PASSES * n_kb):
-        p = i // n_kb
-        c = c0 + i
+    for c in range(PASSES * n_kb):
+        p = c // n_kb
         s = c % STAGES
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
         bar = full.index(s)
-        k = (i - p * n_kb) * BLOCK_K
+        k = (c - p * n_kb) * BLOCK_K
         if GATHER:
-            # rows of the token codes through cp.async: each of the producer's threads
-            # arrives on the slot's barrier once its copies land
+            # rows of the token codes through cp.async: each of the warp's threads arrives
+            # on the slot's barrier once its copies land (one of the barrier's 33 arrivals)
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             mbarrier.expect(bar, W_BYTES)
@@ -170,7 +112,6 @@ def _fill(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row0, r
                                             w_buf.slice(GATE_N, GATE_N))  # fmt: skip
         else:
             tma.async_copy_global_to_shared(w_desc, [w_row0, k], bar, w_buf)
-    return c0 + PASSES * n_kb
 
 
 @gluon.jit
@@ -273,77 +214,17 @@ def _mainloop(a_bufs, w_bufs, full, empty, as_ptrs, ws_ptrs, row_ok, c0, n_kb, s
 
 @gluon.jit
 def _math(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr,
-          e, first_row, row_end, n_tile, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES, N_OUT, T,
-          n_kb, stride_asm, stride_ask,
+          d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm, stride_ask,
           stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
           ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
           UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
           HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr,
-          OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, E_POW2: gl.constexpr,
-          STAGES: gl.constexpr, GROUP_M: gl.constexpr, PERSISTENT: gl.constexpr,
+          OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, STAGES: gl.constexpr,
           WG: gl.constexpr):  # fmt: skip
-    """Math warpgroup ``WG`` on the program's tile or, ``PERSISTENT``, on each of its tiles in
-    the producer's order; its rows of a tile of the dropped rows ``[offset[E], M)`` are
-    written as zeros (codes and scales)."""
-    if PERSISTENT:
-        PASSES: gl.constexpr = 2 if GATED else 1
-        m_tiles, count = _tiles(offsets_ptr, E, M_ROWS, M_TILES, N_OUT)
-        done = 0  # the program's tiles with rows so far: each took PASSES * n_kb ring blocks
-        for t in range(gl.program_id(0), count, gl.num_programs(0)):
-            e_t, row0_t, end_t, n_t = _tile(t, offsets_ptr, E, m_tiles, N_OUT, E_POW2, GROUP_M,
-                                            4)  # fmt: skip
-            if e_t < E:
-                _math_tile(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr,
-                           os_ptr, bias_ptr, d2s_ptr, e_t, row0_t, end_t, n_t, n_kb,
-                           done * PASSES * n_kb, N_OUT, T, stride_asm, stride_ask, stride_se,
-                           stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
-                           ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
-                           HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES, WG)  # fmt: skip
-                done += 1
-            else:
-                _zero_rows(out_ptr, os_ptr, row0_t + WG * WG_M, WG_M, n_t, M_ROWS, N_OUT,
-                           stride_om, stride_osm, OUT_FP8)  # fmt: skip
-    else:
-        _math_tile(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
-                   bias_ptr, d2s_ptr, e, first_row, row_end, n_tile, n_kb, 0, N_OUT, T,
-                   stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
-                   stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
-                   GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES,
-                   WG)  # fmt: skip
-
-
-@gluon.jit
-def _zero_rows(out_ptr, os_ptr, row0, ROWS: gl.constexpr, n_tile, M_ROWS, N_OUT, stride_om,
-               stride_osm, OUT_FP8: gl.constexpr):  # fmt: skip
-    """Zeros (and zero scales) in ``ROWS`` dropped rows from ``row0`` of an output tile (by 4
-    warps)."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
-    cols = n_tile * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(0, lay))
-    row_ok = r < M_ROWS
-    gl.store(out_ptr + r.to(gl.int64)[:, None] * stride_om + cols[None, :],
-             gl.zeros([ROWS, WG_N], out_ptr.dtype.element_ty, lay),
-             mask=row_ok[:, None] & (cols < N_OUT)[None, :])  # fmt: skip
-    if OUT_FP8:
-        gl.store(os_ptr + r.to(gl.int64) * stride_osm + n_tile,
-                 gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, lay)), mask=row_ok)  # fmt: skip
-
-
-@gluon.jit
-def _math_tile(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr,
-               d2s_ptr, e, first_row, row_end, n_tile, n_kb, c, N_OUT, T, stride_asm,
-               stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
-               stride_bn, ACT: gl.constexpr, GATED: gl.constexpr, ALPHA: gl.constexpr,
-               LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr,
-               UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr, GATHER: gl.constexpr,
-               SN: gl.constexpr, OUT_FP8: gl.constexpr, UE8M0: gl.constexpr,
-               STAGES: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Math warpgroup ``WG`` (token rows ``64 WG ...`` of the tile) on one tile from the ring's
-    block ``c``: its main loop (the module doc) and epilogue; gated, one pass of both per 64
-    output columns."""
+    """Math warpgroup ``WG`` (token rows ``64 WG ...`` of the tile): its main loop (the module
+    doc) and epilogue; gated, one pass of both per 64 output columns."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, WG_N, 32])  # fmt: skip
-    n0 = n_tile * WG_N
     a_off: gl.constexpr = WG * WG_M
     rows = first_row + a_off + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma))
     row_ok = rows < row_end
@@ -369,7 +250,7 @@ def _math_tile(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_
         # gated: the pass's gate rows n0 + 64 ps ... and their up rows, N_OUT further
         w_row0 = n0 + ps * GATE_N
         acc = _mainloop(a_bufs, w_bufs, full, empty, as_ptr + a_rows,
-                        ws_base + (w_row0 // SN).to(gl.int64) * stride_sn, row_ok, c + ps * n_kb,
+                        ws_base + (w_row0 // SN).to(gl.int64) * stride_sn, row_ok, ps * n_kb,
                         n_kb, stride_ask, stride_sk, (N_OUT // SN) * stride_sn, a_off, GATHER,
                         SN, COLS, STAGES, mma)  # fmt: skip
         if SN == 1:  # per channel: the rows' scales
@@ -423,23 +304,20 @@ def _math_tile(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_
 
 
 @gluon.jit
-def _math_worker(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr,
-                 e, first_row, row_end, n_tile, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES,
-                 N_OUT, T, n_kb, stride_asm, stride_ask, stride_se, stride_sn, stride_sk,
-                 stride_om, stride_osm, stride_be, stride_bn, ACT: gl.constexpr,
-                 GATED: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-                 UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr,
-                 OUT_FP8: gl.constexpr, UE8M0: gl.constexpr, E_POW2: gl.constexpr,
-                 STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                 PERSISTENT: gl.constexpr):  # fmt: skip
+def _math_worker(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr,
+                 os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T,
+                 stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
+                 stride_be, stride_bn, ACT: gl.constexpr, GATED: gl.constexpr,
+                 ALPHA: gl.constexpr, LIMIT: gl.constexpr, UP_OFFSET: gl.constexpr,
+                 GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
+                 UE8M0: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The second math warpgroup (a worker partition)."""
-    _math(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr, bias_ptr, e,
-          first_row, row_end, n_tile, offsets_ptr, d2s_ptr, E, M_ROWS, M_TILES, N_OUT, T, n_kb,
-          stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
-          stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
-          HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, E_POW2, STAGES, GROUP_M, PERSISTENT,
-          1)  # fmt: skip
+    _math(a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
+          bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb, N_OUT, T, stride_asm,
+          stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm, stride_be,
+          stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS,
+          GATHER, SN, OUT_FP8, UE8M0, STAGES, 1)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["M_ROWS", "M_TILES", "T"])
@@ -452,29 +330,42 @@ def _fp8_sm90_kernel(
     UP_OFFSET: gl.constexpr, GATE_SOFTCAP: gl.constexpr, UP_SOFTCAP: gl.constexpr,
     HAS_BIAS: gl.constexpr, GATHER: gl.constexpr, SN: gl.constexpr, OUT_FP8: gl.constexpr,
     UE8M0: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, PERSISTENT: gl.constexpr,
+    GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    """``[128, 128]`` output tiles of the experts' rows, as :func:`.quant._quant_gemm_kernel`
-    computes them: tile ``pid`` or, ``PERSISTENT``, tiles ``pid, pid + programs, ...`` (each
-    partition finds their experts itself); the dropped rows' tiles are written as zeros
-    (codes and scales)."""
-    if PERSISTENT:
-        e, first_row, row_end, n_tile = 0, 0, 0, 0
-    else:  # the tile's expert, found once for the partitions
-        m_tile, n_tile = _program_tile(M_TILES, N_OUT, WG_N, GROUP_M)
-        if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, TILE_M):
-            return
-        ex = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        e, first_row, row_end = _tile_expert_lanes(offsets_ptr, m_tile, E, ex, TILE_M, E_POW2)
-        if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
-            _zero_rows(out_ptr, os_ptr, first_row, TILE_M, n_tile, M_ROWS, N_OUT, stride_om,
-                       stride_osm, OUT_FP8)  # fmt: skip
-            return
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K],
+    """One ``[128, 128]`` output tile per program of expert ``e``'s rows, as
+    :func:`.quant._quant_gemm_kernel` computes it; the dropped rows' tiles are written as
+    zeros (codes and scales)."""
+    BLOCK_M: gl.constexpr = 2 * WG_M
+    BLOCK_N: gl.constexpr = WG_N
+    m_tile, n_tile = _program_tile(M_TILES, N_OUT, BLOCK_N, GROUP_M)
+    if _beyond_tiles(offsets_ptr, m_tile, E, M_ROWS, BLOCK_M):
+        return
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ex = gl.arange(0, E_POW2, layout=lanes)
+    e, first_row, row_end = _tile_expert_lanes(offsets_ptr, m_tile, E, ex, BLOCK_M, E_POW2)
+    n0 = n_tile * BLOCK_N
+    if e >= E:  # past the experts: the dropped rows [offset[E], M) are zeros
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        r = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
+        c = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+        ok = (r < M_ROWS)[:, None] & (c < N_OUT)[None, :]
+        gl.store(
+            out_ptr + r.to(gl.int64)[:, None] * stride_om + c[None, :],
+            gl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty, lay),
+            mask=ok,
+        )
+        if OUT_FP8:
+            c_tiles = gl.cdiv(N_OUT, WG_N)
+            gl.store(os_ptr + r.to(gl.int64)[:, None] * stride_osm + (n0 // WG_N)
+                     + gl.arange(0, BLOCK_N // WG_N, layout=gl.SliceLayout(0, lay))[None, :],
+                     gl.zeros([BLOCK_M, BLOCK_N // WG_N], gl.float32, lay),
+                     mask=(r < M_ROWS)[:, None] & (n0 // WG_N < c_tiles))  # fmt: skip
+        return
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
                                                                   gl.float8e4nv)  # fmt: skip
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_N, BLOCK_K],
                                                                   gl.float8e4nv)  # fmt: skip
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_M, BLOCK_K], a_layout)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WG_N, BLOCK_K], w_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -489,25 +380,22 @@ def _fp8_sm90_kernel(
         mbarrier.init(full.index(i), count=FULL_ARRIVALS)
         mbarrier.init(empty.index(i), count=2)  # both math warpgroups
     n_kb = gl.cdiv(KD, BLOCK_K)
+    w_row0 = e * N_W + n0
     gl.warp_specialize(
         [
-            (_math, (a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr, os_ptr,
-                     bias_ptr, e, first_row, row_end, n_tile, offsets_ptr, d2s_ptr, E, M_ROWS,
-                     M_TILES, N_OUT, T, n_kb, stride_asm, stride_ask, stride_se, stride_sn,
-                     stride_sk, stride_om, stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA,
-                     LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8,
-                     UE8M0, E_POW2, STAGES, GROUP_M, PERSISTENT, 0)),
-            (_math_worker, (a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr, out_ptr,
-                            os_ptr, bias_ptr, e, first_row, row_end, n_tile, offsets_ptr,
-                            d2s_ptr, E, M_ROWS, M_TILES, N_OUT, T, n_kb, stride_asm,
-                            stride_ask, stride_se, stride_sn, stride_sk, stride_om, stride_osm,
-                            stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
-                            GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0,
-                            E_POW2, STAGES, GROUP_M, PERSISTENT)),
-            (_producer, (a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, e,
-                         first_row, row_end, n_tile, offsets_ptr, E, M_ROWS, M_TILES, N_OUT,
-                         N_W, T, n_kb, stride_am, GATED, GATHER, E_POW2, GROUP_M, STAGES,
-                         PERSISTENT)),
+            (_math, (a_bufs, w_bufs, full, empty, h_smem, as_ptr, ws_ptr,
+                     out_ptr, os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end, n0, n_tile, n_kb,
+                     N_OUT, T, stride_asm, stride_ask, stride_se, stride_sn, stride_sk, stride_om,
+                     stride_osm, stride_be, stride_bn, ACT, GATED, ALPHA, LIMIT, UP_OFFSET,
+                     GATE_SOFTCAP, UP_SOFTCAP, HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES, 0)),
+            (_math_worker, (a_bufs, w_bufs, full, empty, h_smem, as_ptr,
+                            ws_ptr, out_ptr, os_ptr, bias_ptr, d2s_ptr, e, first_row, row_end,
+                            n0, n_tile, n_kb, N_OUT, T, stride_asm, stride_ask, stride_se,
+                            stride_sn, stride_sk, stride_om, stride_osm, stride_be, stride_bn,
+                            ACT, GATED, ALPHA, LIMIT, UP_OFFSET, GATE_SOFTCAP, UP_SOFTCAP,
+                            HAS_BIAS, GATHER, SN, OUT_FP8, UE8M0, STAGES)),
+            (_producer, (a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, first_row,
+                         row_end, T, w_row0, N_OUT, n_kb, stride_am, GATED, GATHER, STAGES)),
         ],
         [4, PRODUCER_WARPS],
         [232, 40],
@@ -525,10 +413,9 @@ class Fp8Sm90Launch:
 
     ``W`` is read as its 2-D view ``[E * N, K]`` (boxes of 128 rows, gated 64), ``A``
     through a ``[128, 128]`` box or gathered; descriptors are built per call (they hold
-    addresses) and encoded once per address by the thin launch. ``persistent``: one program
-    per SM (less ``MOE_ROUTE_COMM_SMS``) over the tiles."""
+    addresses) and encoded once per address by the thin launch."""
 
-    __slots__ = ("E", "cx", "gather", "kd", "key", "n_out", "n_w", "persistent", "strides")
+    __slots__ = ("E", "cx", "gather", "kd", "key", "n_out", "n_w", "strides")
 
     @staticmethod
     def serves(w, epilogue, n_out: int, block_n_scale: int) -> bool:
@@ -543,10 +430,9 @@ class Fp8Sm90Launch:
         return not epilogue.interleaved and (block_n_scale == 1 or n_out % WG_N.value == 0)
 
     def __init__(self, a, a_scale, w, w_scale, kd, epilogue, bias, gather, out_dtype, out_fp8,
-                 block_n_scale, ue8m0, group_m, persistent):  # fmt: skip
+                 block_n_scale, ue8m0, group_m):  # fmt: skip
         E, n_w, _ = w.shape
         self.E, self.kd, self.n_w, self.gather = E, kd, n_w, gather
-        self.persistent = bool(persistent)
         self.n_out = n_w // 2 if epilogue.gated else n_w
         ss = w_scale.stride()
         s_w = (ss[0], ss[1], 0) if w_scale.dim() == 2 else ss
@@ -556,13 +442,13 @@ class Fp8Sm90Launch:
         self.strides = (a.stride(0), *sa_s, *s_w, self.n_out, sos, *sb)
         self.key = LaunchKey(("sm90", epilogue, bias.dtype if bias is not None else None,
                               out_dtype, self.strides, gather, out_fp8, block_n_scale, ue8m0, E,
-                              self.n_out, kd, group_m, self.persistent))  # fmt: skip
+                              self.n_out, kd, group_m))  # fmt: skip
         self.cx = dict(
             ACT=epilogue.act, GATED=epilogue.gated, ALPHA=epilogue.alpha, LIMIT=epilogue.limit,
             UP_OFFSET=epilogue.up_offset, GATE_SOFTCAP=epilogue.gate_softcap,
             UP_SOFTCAP=epilogue.up_softcap, HAS_BIAS=bias is not None, GATHER=gather,
             SN=block_n_scale, OUT_FP8=out_fp8, UE8M0=ue8m0, E_POW2=next_pow2(E + 1),
-            STAGES=4, GROUP_M=group_m, PERSISTENT=self.persistent, num_warps=4,
+            STAGES=4, GROUP_M=group_m, num_warps=4,
         )  # fmt: skip
 
     def descriptors(self, a, w):
@@ -586,10 +472,9 @@ class Fp8Sm90Launch:
     def __call__(self, descs, a, a_scale, w_scale, offsets, out, out_scale, bias, dest_to_src,
                  M) -> None:  # fmt: skip
         a_desc, w_desc = descs
-        m_tiles = _m_tiles(M, self.E, TILE_M.value)
+        bm = 2 * WG_M.value
+        m_tiles = _m_tiles(M, self.E, bm)
         grid = m_tiles * cdiv(self.n_out, WG_N.value)
-        if self.persistent:
-            grid = min(grid, num_sms(a.device))
         o_s = out_scale if out_scale is not None else out
         b = bias if bias is not None else out
         d2s = dest_to_src if self.gather else offsets
