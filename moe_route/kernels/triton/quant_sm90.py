@@ -96,8 +96,9 @@ def _producer(a_desc, a_ptr, d2s_ptr, w_desc, a_bufs, w_bufs, full, empty, a_row
         bar = full.index(s)
         k = (c - p * n_kb) * BLOCK_K
         if GATHER:
-            # rows of the token codes through cp.async: each of the warp's threads arrives
-            # on the slot's barrier once its copies land (one of the barrier's 33 arrivals)
+            # rows of the token codes through cp.async: each of the producer's threads
+            # arrives on the slot's barrier once its copies land (1 + 32 * PRODUCER_WARPS
+            # arrivals in all, the expect-tx one included)
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             mbarrier.expect(bar, W_BYTES)
