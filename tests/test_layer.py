@@ -835,6 +835,26 @@ def test_quantized_state_dict_round_trips_bit_exact(fmt):
         assert torch.equal(fresh(x).output, q(x).output)
 
 
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_quantized_layer_on_the_meta_device(fmt):
+    """A layer built on the meta device (torchtitan, FSDP2) quantises to the format's shapes
+    and dtypes without reading a value, runs its forward on meta tokens, then, materialised,
+    loads a quantised checkpoint: the same bits as the layer that wrote it."""
+    src = make_layer(**CASES["deepseek"]).quantize_experts(fmt)
+    sd = src.state_dict()
+    with torch.device("meta"):
+        layer = make_layer(**CASES["deepseek"])
+    layer.quantize_experts(fmt)
+    for key, value in layer.state_dict().items():
+        assert value.is_meta and (value.shape, value.dtype) == (sd[key].shape, sd[key].dtype), key
+    out = layer(torch.empty(5, H, device="meta")).output
+    assert out.is_meta and out.shape == (5, H)
+    layer = layer.to_empty(device="cpu")
+    layer.load_state_dict(sd)
+    x = _x((5, H), torch.float32)
+    assert torch.equal(layer(x).output, src(x).output)
+
+
 def test_quantized_layer_trains_the_router_not_the_experts():
     layer = make_layer(**CASES["qwen2-shared-gate-bias"]).quantize_experts("fp8")
     codes = {n: b.clone() for n, b in layer.named_buffers()}
