@@ -234,8 +234,8 @@ class ExpertWeights:
     def _set_quantized(self, spec: QuantSpec, w1, s1, w2, s2) -> None:
         """Replace the ``w1`` / ``w2`` Parameters by buffers of codes and scales (checked)."""
         E, n1, H = self.w1.shape
-        check_weight("w1", w1, "w1_scale_inv", s1, spec, (E, n1, H))
-        check_weight("w2", w2, "w2_scale_inv", s2, spec, tuple(self.w2.shape))
+        check_weight("w1", w1, "w1_scale_inv", s1, spec, (E, n1, H), "the layer's w1")
+        check_weight("w2", w2, "w2_scale_inv", s2, spec, tuple(self.w2.shape), "the layer's w2")
         device = self.w1.device
         del self.w1, self.w2
         for name, t in (("w1", w1), ("w1_scale_inv", s1), ("w2", w2), ("w2_scale_inv", s2)):

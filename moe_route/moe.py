@@ -50,8 +50,10 @@ def _check_quant_args(x, w1, w1_scale, w2, w2_scale, b1, b2, spec: QuantSpec, ac
         raise ValueError(f"w1 for gated activation {str(act)!r} must have an even N = 2*I, got "
                          f"{_checks.describe(w1)}")  # fmt: skip
     n_inter = n1 // 2 if act.gated else n1
-    check_weight("w1", w1, "w1_scale", w1_scale, spec, (E, n1, H))
-    check_weight("w2", w2, "w2_scale", w2_scale, spec, (E, H, n_inter))
+    check_weight("w1", w1, "w1_scale", w1_scale, spec, (E, n1, H), f"K = x.shape[1] = {H}")
+    check_weight("w2", w2, "w2_scale", w2_scale, spec, (E, H, n_inter),
+                 f"[E, H, I] to follow x {list(x.shape)} and w1 {list(w1.shape)} with "
+                 f"activation {str(act)!r}")  # fmt: skip
     for name, b, n in (("b1", b1, n1), ("b2", b2, H)):
         if b is not None:
             _checks.check_tensor(name, b, ndim=2, dtypes=(x.dtype, torch.float32))

@@ -374,9 +374,10 @@ def weight_shape(w_q: torch.Tensor, spec: QuantSpec) -> tuple[int, int, int]:
 
 
 def check_weight(name: str, w: object, scale_name: str, scale: object, spec: QuantSpec,
-                 shape: tuple[int, int, int]) -> None:  # fmt: skip
+                 shape: tuple[int, int, int], source: str = "") -> None:  # fmt: skip
     """Raise unless ``w`` / ``scale`` are quantised experts of logical ``shape = (E, N, K)`` in
-    ``spec``'s layout (dtypes, shapes, device; never the values)."""
+    ``spec``'s layout (dtypes, shapes, device; never the values). ``source`` says where
+    ``shape`` comes from, for the error (e.g. ``"K = x.shape[1]"``)."""
     E, N, K = shape
     if spec.format == "mxfp4":
         _checks.check_tensor(name, w, ndim=3, dtypes=(torch.uint8,))
@@ -390,8 +391,9 @@ def check_weight(name: str, w: object, scale_name: str, scale: object, spec: Qua
             want_s = (E, N)
         want_w, s_dtypes = (E, N, K), (torch.float32,)
     if tuple(w.shape) != want_w:
+        why = f" ({source})" if source else ""
         raise ValueError(
-            f"{name} must be {list(want_w)} for {spec} experts, got {_checks.describe(w)}"
+            f"{name} must be {list(want_w)} for {spec} experts{why}, got {_checks.describe(w)}"
         )
     _checks.check_tensor(scale_name, scale, dtypes=s_dtypes)
     if tuple(scale.shape) != want_s:

@@ -732,6 +732,11 @@ def test_quant_bad_input():
         run(w2_scale=s2.double())
     with pytest.raises(ValueError, match="require grad"):
         run(w1_scale=s1.clone().requires_grad_())
+    # shapes that do not follow one another: the error says where the expected one comes from
+    with pytest.raises(ValueError, match=r"w1 must be .* \(K = x.shape\[1\] = "):
+        moe_route.fused_moe(x[:, :-1], w1q, w2q, tw, ids, **call)
+    with pytest.raises(ValueError, match=r"w2 must be .* to follow x .* and w1 \["):
+        run(w2=w2q[:-1], w2_scale=s2[:-1])
     with pytest.raises(ValueError, match="without quant="):
         moe_route.fused_moe(x, w1q, w2q, tw, ids, w1_scale=s1, w2_scale=s2)
     with pytest.raises(ValueError, match="finalize='fused'"):
